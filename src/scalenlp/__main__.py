@@ -1,0 +1,3 @@
+from scalenlp.cli import main
+import sys
+sys.exit(main())

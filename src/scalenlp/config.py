@@ -1,0 +1,240 @@
+"""Run configuration: dataclasses, TOML files, ``--set section.key=value`` overrides, validation.
+
+Every field carries its help text in ``metadata["help"]`` so that ``scalenlp train --help-config``
+can print the whole surface, and so that a wrong key or type names the field and what it expects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from scalenlp.errors import UserError
+
+
+class ConfigError(UserError):
+    """A problem the user can fix in their config or command line; printed as one `error:` line."""
+
+
+def opt(default: Any, help: str) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    flavor: str = opt("debug", "named model size from scalenlp.models.flavors (`scalenlp train --list-flavors`)")
+    vocab_size: int = opt(0, "vocabulary size; 0 takes it from the tokenizer")
+    max_seq_len: int = opt(0, "longest sequence the model accepts; 0 keeps the flavor's value")
+    dropout: float = opt(0.0, "dropout probability on attention and residual paths")
+
+
+@dataclass
+class DataConfig:
+    path: str = opt("", "file, folder or glob of .txt/.jsonl/.parquet; empty uses the built-in corpus "
+                        "(docstrings of the Python standard library)")
+    text_field: str = opt("text", "field holding the text in .jsonl and .parquet records")
+    val_fraction: float = opt(0.05, "fraction of the token stream held out for evaluation")
+    cache_dir: str = opt("", "where tokenized token files are cached; empty: <run_dir>/../.token_cache")
+
+
+@dataclass
+class TokenizerConfig:
+    path: str = opt("", "tokenizer.json file or Hugging Face tokenizer folder; empty trains a byte-level BPE")
+    vocab_size: int = opt(4096, "vocabulary size of the byte-level BPE trained when no path is given")
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = opt(200, "optimizer steps to run")
+    global_batch_size: int = opt(16, "sequences per optimizer step, over all data-parallel ranks")
+    micro_batch_size: int = opt(0, "sequences per forward/backward on one rank; 0 = global / dp (no accumulation)")
+    seq_len: int = opt(128, "tokens per training sequence")
+    lr: float = opt(1e-3, "peak learning rate")
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine decay)")
+    warmup_steps: int = opt(20, "linear warm-up steps")
+    weight_decay: float = opt(0.1, "AdamW weight decay, applied to matrices only (not norms, biases)")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables")
+    seed: int = opt(1234, "seed for weights, data order and dropout")
+    mixed_precision: str = opt("fp32", "fp32 | bf16 (bf16 autocast; master weights stay fp32)")
+    device: str = opt("auto", "auto | cpu | cuda")
+    log_every: int = opt(10, "steps between metric lines")
+    eval_every: int = opt(100, "steps between evaluations on the held-out split; 0 disables")
+    eval_batches: int = opt(4, "batches per evaluation")
+    activation_checkpointing: str = opt("none", "none | full | selective")
+    compile: bool = opt(False, "torch.compile each transformer block")
+    timeout_s: int = opt(300, "process-group timeout: a rank that waits longer fails instead of hanging")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = opt(100, "steps between checkpoints; 0 saves only at the end")
+    keep: int = opt(2, "number of newest checkpoints kept")
+    resume: bool = opt(False, "continue from the newest complete checkpoint in <run_dir>/checkpoints")
+    export: bool = opt(True, "write final weights as safetensors + config to <run_dir>/export")
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = opt(1, "data-parallel replicas (HSDP outer dim when dp_shard > 1)")
+    dp_shard: int = opt(-1, "data-parallel shard degree; -1 = whatever is left of the world size")
+    tp: int = opt(1, "tensor-parallel degree")
+    pp: int = opt(1, "pipeline-parallel degree")
+    data_parallel: str = opt("ddp", "ddp | zero1 | zero2 | zero3")
+    pp_schedule: str = opt("1f1b", "gpipe | 1f1b | interleaved_1f1b | zero_bubble")
+    pp_microbatches: int = opt(0, "microbatches per step for pipelining; 0 = pp degree")
+    pp_stages_per_rank: int = opt(1, "pipeline stages per rank (interleaved schedules use > 1)")
+    sequence_parallel: bool = opt(False, "shard norms/dropout activations along the sequence in TP regions")
+    offload: bool = opt(False, "offload parameters and optimizer state to CPU (GPU only)")
+    ddp_bucket_mb: int = opt(25, "DDP gradient bucket size in MiB")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, typ: type, where: str) -> Any:
+    """Turn a TOML value or a --set string into the field's type, or say what was expected."""
+    if isinstance(value, str) and typ is not str:
+        text = value.strip()
+        if typ is bool:
+            if text.lower() in ("true", "1", "yes", "on"):
+                return True
+            if text.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        try:
+            return typ(text)
+        except ValueError:
+            raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is bool and not isinstance(value, bool) or typ is not bool and isinstance(value, bool):
+        raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
+    if not isinstance(value, typ):
+        raise ConfigError(f"{where}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _set(cfg: Config, dotted: str, value: Any) -> None:
+    section_name, _, key = dotted.partition(".")
+    sections = {f.name for f in dataclasses.fields(Config)}
+    if section_name not in sections or not key:
+        raise ConfigError(f"unknown config key {dotted!r}: keys look like section.key with section one of "
+                          f"{', '.join(sorted(sections))}")
+    section = getattr(cfg, section_name)
+    hints = get_type_hints(type(section))
+    if key not in hints:
+        raise ConfigError(f"unknown config key {dotted!r}: {section_name} has "
+                          f"{', '.join(f.name for f in dataclasses.fields(section))}")
+    setattr(section, key, _coerce(value, hints[key], dotted))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file, then each ``section.key=value`` override, then validation."""
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass a TOML file such as configs/debug.toml")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"config file {str(p)!r}: top-level key {section!r} must be a [section] table")
+            for key, value in values.items():
+                _set(cfg, f"{section}.{key}", value)
+    for item in overrides or []:
+        dotted, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, for example training.steps=100")
+        _set(cfg, dotted.strip(), value)
+    validate(cfg)
+    return cfg
+
+
+def _choice(value: str, allowed: tuple[str, ...], where: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{where}={value!r} is not one of {' | '.join(allowed)}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no model, no data and no process group; the rest is checked where it is known."""
+    t, p = cfg.training, cfg.parallel
+    _choice(t.mixed_precision, ("fp32", "bf16"), "training.mixed_precision")
+    _choice(t.device, ("auto", "cpu", "cuda"), "training.device")
+    _choice(t.activation_checkpointing, ("none", "full", "selective"), "training.activation_checkpointing")
+    _choice(p.data_parallel, ("ddp", "zero1", "zero2", "zero3"), "parallel.data_parallel")
+    _choice(p.pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"), "parallel.pp_schedule")
+    positive = {
+        "training.steps": t.steps, "training.global_batch_size": t.global_batch_size,
+        "training.seq_len": t.seq_len, "training.log_every": t.log_every, "training.timeout_s": t.timeout_s,
+        "parallel.dp_replicate": p.dp_replicate, "parallel.tp": p.tp, "parallel.pp": p.pp,
+        "parallel.pp_stages_per_rank": p.pp_stages_per_rank, "checkpoint.keep": cfg.checkpoint.keep,
+        "tokenizer.vocab_size": cfg.tokenizer.vocab_size,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    non_negative = {
+        "training.micro_batch_size": t.micro_batch_size, "training.warmup_steps": t.warmup_steps,
+        "training.eval_every": t.eval_every, "training.grad_clip": t.grad_clip, "checkpoint.every": cfg.checkpoint.every,
+        "model.vocab_size": cfg.model.vocab_size, "model.max_seq_len": cfg.model.max_seq_len,
+        "parallel.pp_microbatches": p.pp_microbatches,
+    }
+    for name, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{name} must not be negative, got {value}")
+    if not 0 < t.lr < 1:
+        raise ConfigError(f"training.lr must be in (0, 1), got {t.lr}")
+    if not 0 <= cfg.data.val_fraction < 0.5:
+        raise ConfigError(f"data.val_fraction must be in [0, 0.5), got {cfg.data.val_fraction}")
+    if not 0 <= cfg.model.dropout < 1:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
+    if p.dp_shard == 0 or p.dp_shard < -1:
+        raise ConfigError(f"parallel.dp_shard must be -1 (auto) or at least 1, got {p.dp_shard}")
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config as TOML (every value is a str/int/float/bool)."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    Path(path).write_text("\n".join(lines))
+
+
+def describe() -> str:
+    """Every config key with its default and help, for --help-config."""
+    out = []
+    for section in dataclasses.fields(Config):
+        out.append(f"[{section.name}]")
+        for f in dataclasses.fields(section.default_factory()):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out.append(f"  {section.name}.{f.name} = {default!r}\n      {f.metadata.get('help', '')}")
+    return "\n".join(out)

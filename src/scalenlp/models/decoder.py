@@ -1,0 +1,260 @@
+"""Decoder-only transformer: the GPT-2 and Llama families in one module.
+
+Pure PyTorch, no torch.distributed: parallelism is applied from outside (scalenlp.parallel), which
+relies on three properties of this file:
+- attention reshapes with ``view(B, T, -1, head_dim)``, so a tensor-parallel shard that holds
+  n_heads / tp heads works unchanged;
+- ``layers`` is a ModuleDict keyed by the global layer index, so a pipeline stage that deletes
+  layers keeps the same parameter names (and checkpoints stay layout-independent);
+- ``tok_embeddings``, ``norm`` and ``output`` may be set to None by a pipeline stage, and forward
+  then passes hidden states through.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 4096
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 0  # 0 = n_heads (multi-head attention); fewer = grouped-query attention
+    ffn_dim: int = 256
+    max_seq_len: int = 256
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    activation: str = "swiglu"  # swiglu | gelu
+    position: str = "rope"  # rope | learned
+    tie_embeddings: bool = False
+    bias: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads == 0:
+            self.n_kv_heads = self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def check(self) -> None:
+        """Raise ValueError with a readable reason for a shape that cannot be built."""
+        if self.dim % self.n_heads:
+            raise ValueError(f"model dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dim, got {self.head_dim}")
+        for name, value, allowed in (("norm", self.norm, ("rmsnorm", "layernorm")),
+                                     ("activation", self.activation, ("swiglu", "gelu")),
+                                     ("position", self.position, ("rope", "learned"))):
+            if value not in allowed:
+                raise ValueError(f"model {name}={value!r} is not one of {allowed}")
+
+
+def make_norm(args: ModelArgs) -> nn.Module:
+    if args.norm == "rmsnorm":
+        return nn.RMSNorm(args.dim, eps=args.norm_eps)
+    return nn.LayerNorm(args.dim, eps=args.norm_eps, bias=args.bias)
+
+
+def rope_tables(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (max_seq_len, head_dim), in the rotate-half layout that HF Llama uses."""
+    half = args.head_dim // 2
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
+    angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, D); cos/sin: (B or 1, T, 1, D)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).type_as(x)
+
+
+class KVCache(nn.Module):
+    """Static per-slot key/value buffers (gpt-fast style): one row per sequence slot.
+
+    ``update`` writes the new keys/values at each row's own positions, so rows may be at different
+    lengths (continuous batching), and returns the rows named by ``slots`` with a mask that lets
+    each query see the keys at positions up to its own.
+    """
+
+    def __init__(self, slots: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype, device=None):
+        super().__init__()
+        shape = (slots, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None):
+        """input_pos: (B, T) positions; k, v: (B, H_kv, T, D); slots: (B,) cache rows or None for 0..B-1."""
+        if slots is None:
+            slots = torch.arange(k.shape[0], device=k.device)
+        rows = slots[:, None]
+        # Advanced indices split by a slice put the indexed dims first: (B, T, H_kv, D).
+        self.k[rows, :, input_pos] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)
+        key_pos = torch.arange(self.k.shape[2], device=k.device)
+        mask = key_pos[None, None, :] <= input_pos[:, :, None]
+        return self.k[slots], self.v[slots], mask[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.dropout = args.dropout
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.bias)
+        self.cache: KVCache | None = None
+
+    def forward(self, x, rope, input_pos=None, slots=None):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        gqa = q.shape[1] != k.shape[1]
+        if self.cache is not None:
+            k, v, mask = self.cache.update(input_pos, k, v, slots)
+            out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa,
+                                                 dropout_p=self.dropout if self.training else 0.0)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.swiglu = args.activation == "swiglu"
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=args.bias)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=args.bias)
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=args.bias) if self.swiglu else None
+
+    def forward(self, x):
+        if self.swiglu:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = make_norm(args)
+        self.attention = Attention(args)
+        self.ffn_norm = make_norm(args)
+        self.feed_forward = FeedForward(args)
+        self.drop = nn.Dropout(args.dropout)
+
+    def forward(self, x, rope, input_pos=None, slots=None):
+        h = x + self.drop(self.attention(self.attention_norm(x), rope, input_pos, slots))
+        return h + self.drop(self.feed_forward(self.ffn_norm(h)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        args.check()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim) if args.position == "learned" else None
+        self.drop = nn.Dropout(args.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm = make_norm(args)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        if args.position == "rope":
+            cos, sin = rope_tables(args)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2L). Also rebuilds the RoPE
+        tables, so a model built on the meta device and moved with ``to_empty`` is complete after it."""
+        residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith(("wo", "w2")) else 0.02
+                nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, 0.02)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+        if self.args.position == "rope":
+            cos, sin = rope_tables(self.args, device=self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def setup_kv_cache(self, slots: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
+        """Attach a static KV cache of ``slots`` rows to every attention layer (inference only)."""
+        ref = next(self.parameters())
+        for block in self.layers.values():
+            attn = block.attention
+            n_kv_local = attn.wk.weight.shape[0] // attn.head_dim  # local heads under tensor parallelism
+            attn.cache = KVCache(slots, n_kv_local, max_seq_len, attn.head_dim, dtype or ref.dtype, ref.device)
+
+    def clear_kv_cache(self) -> None:
+        for block in self.layers.values():
+            block.attention.cache = None
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (B, T) ids, or (B, T, dim) hidden states on a pipeline stage without embeddings.
+        input_pos: (B, T) positions, required with a KV cache. Returns logits or hidden states."""
+        B, T = tokens.shape[:2]
+        if T > self.args.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than the model's max_seq_len {self.args.max_seq_len}")
+        if input_pos is None:
+            input_pos = torch.arange(T, device=tokens.device).unsqueeze(0)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(input_pos)
+        h = self.drop(h)
+        rope = None
+        if self.args.position == "rope":
+            rope = (self.rope_cos[input_pos].unsqueeze(2).to(h.dtype), self.rope_sin[input_pos].unsqueeze(2).to(h.dtype))
+        for block in self.layers.values():
+            h = block(h, rope, input_pos, slots)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameters; with exclude_embedding, only those that take part in matmuls (a tied
+        embedding counts once, as the output projection)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding:
+            if self.pos_embeddings is not None:
+                n -= self.pos_embeddings.weight.numel()
+            if not self.args.tie_embeddings:
+                n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, appendix B): forward + backward of the
+        matmul weights, plus the attention score and value products."""
+        a = self.args
+        return 6 * self.num_params(exclude_embedding=True) + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+
