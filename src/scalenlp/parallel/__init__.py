@@ -1,0 +1,1 @@
+"""Parallelism, one file per idea; parallelize.py composes them in one documented order."""

@@ -1,0 +1,90 @@
+"""ParallelDims -> one DeviceMesh with named dimensions; every process group comes from it.
+
+Mesh order, outermost first: pp, dp_replicate, dp_shard, tp. TP is innermost so that its ranks are
+neighbours (same node: TP all-reduces every layer and needs the fastest links); PP is outermost
+because it sends the least traffic (one activation per microbatch at stage boundaries).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from scalenlp.config import ConfigError, ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
+        """Resolve dp_shard=-1 and check that the degrees multiply to the world size."""
+        dp_shard = p.dp_shard
+        fixed = p.dp_replicate * p.tp * p.pp
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise ConfigError(
+                    f"parallel.dp_replicate*tp*pp = {p.dp_replicate}*{p.tp}*{p.pp} = {fixed} does not divide the "
+                    f"world size {world_size}; choose degrees whose product divides the number of processes")
+            dp_shard = world_size // fixed
+        product = fixed * dp_shard
+        if product != world_size:
+            raise ConfigError(
+                f"parallel degrees dp_replicate*dp_shard*tp*pp = {p.dp_replicate}*{dp_shard}*{p.tp}*{p.pp} = "
+                f"{product} but the world size is {world_size}; make the product equal the number of processes")
+        return cls(p.dp_replicate, dp_shard, p.tp, p.pp, world_size)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many ways the global batch is split."""
+        return self.dp_replicate * self.dp_shard
+
+    def names_and_sizes(self) -> list[tuple[str, int]]:
+        return [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp)]
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(timeout_s: int) -> tuple[int, int]:
+    """Join the process group that torchrun describes in the environment; (rank, world_size).
+
+    A single process (no WORLD_SIZE) runs without a process group. The timeout bounds every
+    collective, so a rank that died makes the others fail instead of hanging forever.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and not dist.is_initialized():
+        return 0, 1
+    if not dist.is_initialized():
+        backend = "cuda:nccl,cpu:gloo" if device_type() == "cuda" else "gloo"
+        if device_type() == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def build_mesh(dims: ParallelDims) -> DeviceMesh | None:
+    """The one mesh of this run with every dimension named, including those of size 1, so that code
+    can always ask for mesh["tp"] or mesh["dp_replicate", "dp_shard"]. None without a process group."""
+    if not dist.is_initialized():
+        return None
+    names, sizes = zip(*dims.names_and_sizes())
+    return init_device_mesh(device_type(), sizes, mesh_dim_names=names)
+
+
+def dp_rank(mesh: DeviceMesh | None) -> int:
+    """This rank's index among data-parallel ranks (replicate-major), which picks its slice of the batch."""
+    if mesh is None:
+        return 0
+    return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
