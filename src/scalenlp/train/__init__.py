@@ -1,0 +1,1 @@
+"""Training: the loop, optimizer and LR schedule, checkpoints, metrics, and the `scalenlp train` command."""

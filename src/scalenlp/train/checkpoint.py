@@ -1,0 +1,122 @@
+"""Checkpoints through torch.distributed.checkpoint (DCP), resumable exactly and under a new layout.
+
+<root>/step-N/ holds the DCP shards of model and optimizer (keyed by parameter name, so a save from
+one layout loads into another: DCP reshards), ``rng-rank{r}.pt`` per rank, and ``train_state.json``
+(step, LR schedule, data position) written last. A checkpoint is written as ``step-N.tmp`` and
+renamed when every rank has finished, so a crash mid-save never leaves a half checkpoint that
+looks complete, and older checkpoints are pruned only after the new one exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from scalenlp.errors import UserError
+
+STATE_FILE = "train_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _state_dicts(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> tuple[dict, dict]:
+    """Model and optimizer state of every part (pipeline stages on this rank), merged by parameter name.
+    Flattened optimizer keys ("state.<fqn>.exp_avg") make parts merge without clobbering each other."""
+    model_sd, optim_sd = {}, {}
+    for part, opt in zip(parts, optimizers):
+        m, o = get_state_dict(part, opt, options=_options(strict=True))
+        model_sd.update(m)
+        optim_sd.update(o)
+    return model_sd, optim_sd
+
+
+def _options(strict: bool) -> StateDictOptions:
+    return StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
+
+
+class Checkpointer:
+    def __init__(self, root: Path, keep: int, rank: int):
+        self.root, self.keep, self.rank = Path(root), keep, rank
+
+    def complete(self) -> list[tuple[int, Path]]:
+        """(step, folder) of every finished checkpoint, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for d in self.root.iterdir():
+            m = _STEP_DIR.match(d.name)
+            if m and (d / STATE_FILE).is_file():
+                found.append((int(m.group(1)), d))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        done = self.complete()
+        return done[-1][1] if done else None
+
+    def save(self, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+             train_state: dict) -> Path:
+        final = self.root / f"step-{step}"
+        tmp = self.root / f"step-{step}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        model_sd, optim_sd = _state_dicts(parts, optimizers)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")
+        _barrier()
+        if self.rank == 0:
+            (tmp / STATE_FILE).write_text(json.dumps({**train_state, "step": step}, indent=1))
+            if final.exists():  # a re-save of the same step: replace it only once the new one is whole
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for _, old in self.complete()[:-self.keep]:
+                shutil.rmtree(old)
+        _barrier()
+        return final
+
+    def load(self, path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
+        """Restore model, optimizer and this rank's RNG in place; returns the saved train state."""
+        try:
+            train_state = json.loads((path / STATE_FILE).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"checkpoint {path} is unreadable ({e}); delete it to resume from an older one") from None
+        model_sd, optim_sd = _state_dicts(parts, optimizers)
+        try:
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path),
+                     no_dist=not dist.is_initialized())
+        except Exception as e:  # DCP wraps per-rank failures (missing keys, shapes, corrupt files) in its own types
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise UserError(f"checkpoint {path} does not match this run ({reason[:300]}); resume with the model "
+                            f"settings it was saved with, or start a new --run-dir") from None
+        for part, opt in zip(parts, optimizers):
+            # Each part takes its own keys from the merged dicts, so strictness only holds for a single part.
+            set_state_dict(part, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                           options=_options(strict=len(parts) == 1))
+        rng_file = path / f"rng-rank{self.rank}.pt"
+        if rng_file.is_file():  # absent when resuming on more ranks than were saved: seeds stay as set
+            rng = torch.load(rng_file, weights_only=True)
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        return train_state

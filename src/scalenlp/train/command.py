@@ -1,0 +1,84 @@
+"""`scalenlp train`: one process, or N local processes through torchrun's own launcher.
+
+With --nproc N (or --nnodes), this process validates the config first (so a bad key fails once,
+before any worker starts), then hands over to torch.distributed.run, which starts the workers as
+`python -m scalenlp train ...` and brings restarts and multi-node rendezvous with it. Under plain
+`torchrun ... -m scalenlp train`, each worker lands directly in the single-process path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config (see configs/); defaults apply to what it omits")
+    p.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
+                   help="override one config key; repeatable, e.g. --set training.steps=100")
+    p.add_argument("--run-dir", metavar="DIR", help="where config, metrics, checkpoints and the export go "
+                                                    "(default: runs/<model.flavor>)")
+    p.add_argument("--nproc", type=int, default=1, metavar="N", help="processes on this machine (default 1)")
+    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="nodes, passed to torchrun")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank, passed to torchrun")
+    p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT", help="rendezvous address for multi-node")
+    p.add_argument("--rdzv-id", default="scalenlp", help="rendezvous job id for multi-node")
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of failed workers")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
+    p.add_argument("--list-flavors", action="store_true", help="list the model flavors and exit")
+
+
+def _launch(args: argparse.Namespace, run_dir: Path) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    launcher = ["--nproc-per-node", str(args.nproc), "--nnodes", args.nnodes, "--max-restarts",
+                str(args.max_restarts)]
+    if args.rdzv_endpoint:
+        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id,
+                     "--node-rank", str(args.node_rank)]
+    else:
+        launcher += ["--standalone"]
+    worker = ["--run-dir", str(run_dir)] + [a for o in args.overrides for a in ("--set", o)]
+    if args.config:
+        worker += ["--config", args.config]
+    # One thread per process unless the user chose otherwise: N processes share the cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        run(get_args_parser().parse_args(launcher + ["--module", "scalenlp", "train"] + worker))
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        print(f"error: {len(e.failures)} training process(es) failed (exit codes {codes}); "
+              f"see their messages above", file=sys.stderr)
+        return 2 if codes == [2] else 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from scalenlp.config import describe, load_config
+    from scalenlp.errors import UserError
+
+    if args.help_config:
+        print(describe())
+        return 0
+    if args.list_flavors:
+        from scalenlp.models.flavors import FLAVORS, build_model
+        for name, margs in FLAVORS.items():
+            n = build_model(margs, "meta").num_params()
+            print(f"{name:<12} {n / 1e6:>10.1f}M  dim={margs.dim} layers={margs.n_layers} heads={margs.n_heads}"
+                  f" kv_heads={margs.n_kv_heads} {margs.position}/{margs.norm}/{margs.activation}")
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir or Path("runs") / cfg.model.flavor)
+    from scalenlp.train.trainer import train, validate_run
+
+    if args.nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.nproc > 1 or args.nnodes != "1":
+        if args.nnodes.isdigit():
+            validate_run(cfg, args.nproc * int(args.nnodes))
+        return _launch(args, run_dir)
+    train(cfg, run_dir)
+    return 0

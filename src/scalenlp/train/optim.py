@@ -1,0 +1,41 @@
+"""AdamW with weight-decay groups and a warm-up + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from scalenlp.config import TrainingConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (linear and embedding weights) only: decaying norms' gains and biases pulls them
+    towards zero, which hurts rather than regularises."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, t: TrainingConfig) -> torch.optim.Optimizer:
+    # foreach=True batches the per-parameter update into a few kernels; fused is GPU-only.
+    fused = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                             eps=1e-8, fused=fused or None, foreach=None if fused else True)
+
+
+def lr_factor(step: int, t: TrainingConfig) -> float:
+    """Multiplier of the peak LR at optimizer step ``step`` (0-based): linear warm-up, then cosine
+    decay to ``min_lr_ratio`` at the last step."""
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainingConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, t))

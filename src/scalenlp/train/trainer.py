@@ -1,0 +1,308 @@
+"""The training loop: one process of a (possibly) distributed run, launched by torchrun or alone.
+
+Setup: process group and mesh -> data (rank 0 prepares, everyone memory-maps) -> model built with
+the same seed on every rank -> parallelize -> optimizer, schedule -> resume. Then each step:
+split this rank's share of the global batch into micro-batches, accumulate gradients, clip, step,
+and every ``log_every`` steps reduce the loss over data-parallel ranks and write one metrics record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
+
+from scalenlp.config import Config, ConfigError, save_config
+from scalenlp.data import DataLoader, TokenDataset, open_data, prepare_data
+from scalenlp.errors import UserError
+from scalenlp.models.decoder import ModelArgs, Transformer
+from scalenlp.models.flavors import FLAVORS, build_model, model_args
+from scalenlp.models.io import save_pretrained
+from scalenlp.parallel.mesh import ParallelDims, build_mesh, device_type, dp_rank, init_distributed
+from scalenlp.parallel.parallelize import parallelize
+from scalenlp.train.checkpoint import Checkpointer
+from scalenlp.train.metrics import MetricsWriter, peak_flops, peak_memory_bytes
+from scalenlp.train.optim import build_optimizer, build_scheduler
+
+
+def resolve_model_args(cfg: Config, vocab_size: int | None = None) -> ModelArgs:
+    """The model this config trains; ``vocab_size`` is the tokenizer's when known."""
+    if cfg.model.flavor not in FLAVORS:
+        raise ConfigError(f"model.flavor={cfg.model.flavor!r} is unknown; choose one of {', '.join(FLAVORS)}")
+    vocab = cfg.model.vocab_size or vocab_size or FLAVORS[cfg.model.flavor].vocab_size
+    if vocab_size and vocab < vocab_size:
+        raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {vocab_size} tokens; "
+                          f"set it to 0 to follow the tokenizer")
+    args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.model.max_seq_len or None,
+                      dropout=cfg.model.dropout)
+    if cfg.training.seq_len > args.max_seq_len:
+        raise ConfigError(f"training.seq_len={cfg.training.seq_len} is over the model's max_seq_len "
+                          f"{args.max_seq_len}; lower training.seq_len or raise model.max_seq_len")
+    try:
+        args.check()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return args
+
+
+def batch_shape(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
+    """(sequences per micro-batch on one rank, micro-batches per step)."""
+    g, mb = cfg.training.global_batch_size, cfg.training.micro_batch_size
+    if g % dims.dp:
+        raise ConfigError(f"training.global_batch_size={g} is not divisible by the {dims.dp} data-parallel ranks; "
+                          f"use a multiple of {dims.dp}")
+    local = g // dims.dp
+    mb = mb or local
+    if local % mb:
+        raise ConfigError(f"training.micro_batch_size={mb} does not divide the {local} sequences each rank "
+                          f"gets per step (global_batch_size / data-parallel ranks)")
+    return mb, local // mb
+
+
+def validate_run(cfg: Config, world_size: int) -> ParallelDims:
+    """Every check that needs no process group and no data, so a launcher can fail before starting N processes."""
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    resolve_model_args(cfg)
+    batch_shape(cfg, dims)
+    return dims
+
+
+def pick_device(cfg: Config) -> torch.device:
+    wanted = cfg.training.device
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device=cuda but no CUDA device is visible; use training.device=cpu or auto")
+    if wanted == "cpu" or device_type() == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def autocast(device: torch.device, mixed_precision: str):
+    """bf16 autocast for matmuls (fp32 master weights, fp32 loss), or nothing for fp32."""
+    if mixed_precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _mean_over(value: torch.Tensor, group) -> float:
+    if group is not None:
+        value = value.clone()
+        dist.all_reduce(value, group=group)
+        value /= dist.get_world_size(group)
+    return value.item()
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.rank, self.world = init_distributed(cfg.training.timeout_s)
+        self.dims = validate_run(cfg, self.world)
+        self.device = pick_device(cfg)
+        self.mesh = build_mesh(self.dims)
+        self.dp_group = None if self.mesh is None or self.dims.dp == 1 else \
+            self.mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+        self.is_main = self.rank == 0
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.rank)
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self.checkpointer.complete() and not cfg.checkpoint.resume:
+                raise UserError(f"{self.run_dir} already has checkpoints; pass --set checkpoint.resume=true to "
+                                f"continue that run, or choose a new --run-dir")
+            if cfg.checkpoint.resume and not self.checkpointer.complete():
+                self.log(f"checkpoint.resume=true but {self.run_dir / 'checkpoints'} has no complete checkpoint; "
+                         f"starting from step 0")
+            save_config(cfg, self.run_dir / "config.toml")
+        self._barrier()
+
+        # Data: one process per node tokenizes (the cache makes later runs instant), all memory-map.
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            prepare_data(cfg, self.run_dir, log=self.log)
+        self._barrier()
+        self.data = open_data(cfg, self.run_dir)
+        t = cfg.training
+        self.micro_batch, self.accum = batch_shape(cfg, self.dims)
+        self.loader = DataLoader(TokenDataset(self.data.train_tokens, t.seq_len), t.global_batch_size,
+                                 dp_rank(self.mesh), self.dims.dp, t.seed)
+        self.val = TokenDataset(self.data.val_tokens, t.seq_len)
+
+        # Model: same seed everywhere, so every layout starts from the weights of the single-process run.
+        self.model_args = resolve_model_args(cfg, self.data.vocab_size)
+        torch.manual_seed(t.seed)
+        model = build_model(self.model_args, self.device)
+        self.n_params = model.num_params()
+        self.flops_per_token = model.flops_per_token(t.seq_len)
+        self.model = parallelize(model, self.dims, self.mesh, cfg)
+        self.optimizer = build_optimizer(self.model, t)
+        self.scheduler = build_scheduler(self.optimizer, t)
+        torch.manual_seed(t.seed + 1 + self.rank)  # dropout streams differ per rank, reproducibly
+        self.step = 0
+        latest = self.checkpointer.latest() if cfg.checkpoint.resume else None
+        if latest is not None:
+            self._resume(latest)
+
+        dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
+        self.peak_flops, self.peak_source = peak_flops(self.device, dtype)
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            tqdm.write(msg, file=sys.stderr)
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _train_state(self) -> dict:
+        t = self.cfg.training
+        return {"data": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "global_batch_size": t.global_batch_size, "seq_len": t.seq_len, "world_size": self.world,
+                "layout": self.dims.names_and_sizes()}
+
+    def _resume(self, path: Path) -> None:
+        state = self.checkpointer.load(path, [self.model], [self.optimizer])
+        t = self.cfg.training
+        for key in ("global_batch_size", "seq_len"):
+            if state[key] != getattr(t, key):
+                raise UserError(f"checkpoint {path} was trained with training.{key}={state[key]}, this run has "
+                                f"{getattr(t, key)}; the data position only carries over with the same value")
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["data"])
+        self.step = state["step"]
+        self.log(f"resumed from {path} at step {self.step} (saved on {state['world_size']} process(es))")
+
+    # -- the step ---------------------------------------------------------------------------------
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over this rank's share of the global batch; (loss, grad norm) on this rank."""
+        inputs, targets = (x.to(self.device, non_blocking=True) for x in self.loader.next_batch())
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(zip(inputs.split(self.micro_batch), targets.split(self.micro_batch))):
+            # Gradients are reduced across data-parallel ranks only after the last micro-batch.
+            sync = i == self.accum - 1 or not hasattr(self.model, "no_sync")
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                with autocast(self.device, self.cfg.training.mixed_precision):
+                    logits = self.model(x)
+                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / self.accum
+                loss.backward()
+            loss_sum += loss.detach()
+        clip = self.cfg.training.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over a fixed slice of the held-out split (the same windows every time)."""
+        t = self.cfg.training
+        n = min(len(self.val), t.eval_batches * t.global_batch_size) // self.dims.dp * self.dims.dp
+        if n == 0:
+            return float("nan")
+        self.model.eval()
+        mine = list(range(dp_rank(self.mesh), n, self.dims.dp))
+        total = torch.zeros((), device=self.device)
+        for start in range(0, len(mine), self.micro_batch):
+            batch = torch.stack([self.val[i] for i in mine[start:start + self.micro_batch]]).to(self.device)
+            with autocast(self.device, t.mixed_precision):
+                logits = self.model(batch[:, :-1])
+                total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").float()
+        self.model.train()
+        return _mean_over(total / (len(mine) * t.seq_len), self.dp_group)
+
+    def save(self) -> Path:
+        path = self.checkpointer.save(self.step, [self.model], [self.optimizer], self._train_state())
+        self.log(f"checkpoint saved: {path}")
+        return path
+
+    def export(self, checkpoint: Path) -> None:
+        """Rank 0 reads the final checkpoint into one unsharded model (DCP reshards from any layout)
+        and writes safetensors + model args + tokenizer + resolved config."""
+        if self.is_main:
+            model = Transformer(self.model_args)
+            state = {"model": model.state_dict()}
+            dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+            model.load_state_dict(state["model"])
+            out = save_pretrained(model, self.run_dir / "export", self.data.tokenizer_json,
+                                  {"config.toml": (self.run_dir / "config.toml").read_text()})
+            self.log(f"exported final weights: {out}")
+        self._barrier()
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def fit(self) -> list[dict]:
+        cfg, t = self.cfg, self.cfg.training
+        self.log(f"model {cfg.model.flavor}: {self.n_params / 1e6:.2f}M parameters, "
+                 f"{self.flops_per_token / 1e6:.1f} MFLOPs/token | layout "
+                 + " ".join(f"{n}={s}" for n, s in self.dims.names_and_sizes())
+                 + f" on {self.world} x {self.device.type} | batch {t.global_batch_size} x {t.seq_len} tokens "
+                 f"({self.accum} micro-batch(es) of {self.micro_batch}/rank) | peak {self.peak_flops / 1e12:.3f} "
+                 f"TFLOP/s per process ({self.peak_source})")
+        records = []
+        bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", disable=not self.is_main,
+                   dynamic_ncols=True, file=sys.stderr)
+        window_loss, window_steps, window_time = torch.zeros((), device=self.device), 0, 0.0
+        last_saved = None
+        while self.step < t.steps:
+            start = time.perf_counter()
+            loss, grad_norm = self.train_step()
+            window_loss += loss
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            window_time += time.perf_counter() - start
+            window_steps += 1
+            self.step += 1
+            bar.update(1)
+            if self.step % t.log_every == 0 or self.step == t.steps:
+                tokens_per_sec = window_steps * t.global_batch_size * t.seq_len / window_time
+                record = {
+                    "step": self.step,
+                    "loss": _mean_over(window_loss / window_steps, self.dp_group),
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm.item(),
+                    "tokens_per_sec": tokens_per_sec,
+                    "mfu": tokens_per_sec / self.world * self.flops_per_token / self.peak_flops,
+                    "peak_mem_bytes": peak_memory_bytes(self.device),
+                    "step_time_s": window_time / window_steps,
+                }
+                records.append(record)
+                self.metrics.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tokens_per_sec:,.0f}")
+                self.log(f"step {self.step:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+                         f"{record['grad_norm']:.3f} | {tokens_per_sec:,.0f} tok/s | MFU {record['mfu']:.1%} | "
+                         f"peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB")
+                window_loss.zero_()
+                window_steps, window_time = 0, 0.0
+            if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                val = self.evaluate()
+                self.metrics.write({"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
+                self.log(f"step {self.step:>6} | eval loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
+            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or self.step == t.steps:
+                last_saved = self.save()
+        bar.close()
+        if last_saved is None:  # resumed at the final step: nothing new was trained
+            last_saved = self.checkpointer.latest()
+        if cfg.checkpoint.export and last_saved is not None:
+            self.export(last_saved)
+        self.metrics.close()
+        return records
+
+
+def train(cfg: Config, run_dir: Path) -> list[dict]:
+    """Run training in this process (one rank of a torchrun job, or alone); metric records of rank 0."""
+    try:
+        trainer = Trainer(cfg, run_dir)
+        return trainer.fit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
