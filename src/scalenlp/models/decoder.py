@@ -98,17 +98,23 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None):
-        """input_pos: (B, T) positions; k, v: (B, H_kv, T, D); slots: (B,) cache rows or None for 0..B-1."""
-        if slots is None:
-            slots = torch.arange(k.shape[0], device=k.device)
-        rows = slots[:, None]
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None,
+               kv_len: int | None = None):
+        """input_pos: (B, T) positions; k, v: (B, H_kv, T, D); slots: (B,) cache rows or None for 0..B-1.
+        kv_len: a bound on every position in ``input_pos`` (exclusive), known to the caller without a
+        device sync; only that many leading cache positions are read, which is what makes decode
+        cost grow with the sequence instead of with the cache size."""
+        B = k.shape[0]
+        kv_len = self.k.shape[2] if kv_len is None else kv_len
         # Advanced indices split by a slice put the indexed dims first: (B, T, H_kv, D).
+        rows = (torch.arange(B, device=k.device) if slots is None else slots)[:, None]
         self.k[rows, :, input_pos] = k.transpose(1, 2).to(self.k.dtype)
         self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)
-        key_pos = torch.arange(self.k.shape[2], device=k.device)
+        key_pos = torch.arange(kv_len, device=k.device)
         mask = key_pos[None, None, :] <= input_pos[:, :, None]
-        return self.k[slots], self.v[slots], mask[:, None]
+        if slots is None:  # leading rows: a view, no gather copy of the cache
+            return self.k[:B, :, :kv_len], self.v[:B, :, :kv_len], mask[:, None]
+        return self.k[slots, :, :kv_len], self.v[slots, :, :kv_len], mask[:, None]
 
 
 class Attention(nn.Module):
@@ -122,7 +128,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.bias)
         self.cache: KVCache | None = None
 
-    def forward(self, x, rope, input_pos=None, slots=None):
+    def forward(self, x, rope, input_pos=None, slots=None, kv_len=None):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)
@@ -132,7 +138,7 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
         if self.cache is not None:
-            k, v, mask = self.cache.update(input_pos, k, v, slots)
+            k, v, mask = self.cache.update(input_pos, k, v, slots, kv_len)
             out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa,
@@ -163,8 +169,8 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(args)
         self.drop = nn.Dropout(args.dropout)
 
-    def forward(self, x, rope, input_pos=None, slots=None):
-        h = x + self.drop(self.attention(self.attention_norm(x), rope, input_pos, slots))
+    def forward(self, x, rope, input_pos=None, slots=None, kv_len=None):
+        h = x + self.drop(self.attention(self.attention_norm(x), rope, input_pos, slots, kv_len))
         return h + self.drop(self.feed_forward(self.ffn_norm(h)))
 
 
@@ -212,7 +218,9 @@ class Transformer(nn.Module):
         ref = next(self.parameters())
         for block in self.layers.values():
             attn = block.attention
-            n_kv_local = attn.wk.weight.shape[0] // attn.head_dim  # local heads under tensor parallelism
+            weight = attn.wk.weight
+            weight = weight.to_local() if hasattr(weight, "to_local") else weight  # a DTensor shard under TP
+            n_kv_local = weight.shape[0] // attn.head_dim  # local heads under tensor parallelism
             attn.cache = KVCache(slots, n_kv_local, max_seq_len, attn.head_dim, dtype or ref.dtype, ref.device)
 
     def clear_kv_cache(self) -> None:
@@ -220,9 +228,13 @@ class Transformer(nn.Module):
             block.attention.cache = None
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None,
-                slots: torch.Tensor | None = None) -> torch.Tensor:
+                slots: torch.Tensor | None = None, kv_len: int | None = None,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (B, T) ids, or (B, T, dim) hidden states on a pipeline stage without embeddings.
-        input_pos: (B, T) positions, required with a KV cache. Returns logits or hidden states."""
+        input_pos: (B, T) positions, required with a KV cache. kv_len: see ``KVCache.update``.
+        logits_at: (B,) one position per row whose logits are wanted, giving (B, 1, vocab); a prefill
+        then skips the output projection (the largest matmul) for every other position.
+        Returns logits or hidden states."""
         B, T = tokens.shape[:2]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than the model's max_seq_len {self.args.max_seq_len}")
@@ -236,7 +248,9 @@ class Transformer(nn.Module):
         if self.args.position == "rope":
             rope = (self.rope_cos[input_pos].unsqueeze(2).to(h.dtype), self.rope_sin[input_pos].unsqueeze(2).to(h.dtype))
         for block in self.layers.values():
-            h = block(h, rope, input_pos, slots)
+            h = block(h, rope, input_pos, slots, kv_len)
+        if logits_at is not None:
+            h = h[torch.arange(B, device=h.device), logits_at].unsqueeze(1)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -1,0 +1,370 @@
+"""Inference engine: a static per-slot KV cache and continuous batching.
+
+One background thread runs the loop; callers submit requests from any thread and receive
+``Delta`` events through a callback. Each step of the loop
+  1. drops cancelled requests and frees their slots,
+  2. admits waiting requests (FIFO) into free slots while the step's token budget allows, and
+     prefills them together, which yields their first token,
+  3. runs one decode step over every running request, whatever its length: each cache row
+     holds its own positions, so requests join and leave at every step,
+  4. detokenizes, checks stop conditions, and emits events.
+Decode always runs over the leading rows ``0..hi`` of the cache (a free row in between decodes a
+dummy token at position 0, which the next prefill of that row overwrites): the cache is then read
+as a view, never gathered, and the step has few distinct shapes for ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from scalenlp.infer.sampling import SamplingBatch, SamplingParams, sample
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later (HTTP 429)."""
+
+
+class RequestError(ValueError):
+    """A request that can never be served as asked (too long, bad sampling settings)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine loop has stopped (after an error or ``stop()``)."""
+
+
+@dataclass
+class Delta:
+    """What one step produced for one request."""
+
+    text: str  # new text since the previous event
+    token_ids: list[int]
+    logprobs: list[float] | None  # the chosen tokens' logprobs, when asked for
+    top_logprobs: list[dict[str, float]] | None
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    time: float  # time.perf_counter() when produced
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_event: Callable[[Delta], None]
+    seed: int
+    slot: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # decoded output, full
+    sent: int = 0  # characters of ``text`` already emitted
+    read_offset: int = 0  # output tokens already turned into settled text
+    cancelled: bool = False
+    finish_reason: str | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+def pick_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
+    """bf16 where the hardware computes in it natively, else float32."""
+    if requested != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[requested]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Engine:
+    def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 64, token_budget: int = 2048,
+                 max_seq_len: int | None = None, eos_id: int | None = None, compile: bool = False,
+                 cache_dtype: torch.dtype | None = None):
+        """model: a Transformer (or anything with its ``setup_kv_cache`` and forward signature, like a
+        sharded one). tokenizer: a ``tokenizers.Tokenizer``. max_seq_len: positions per cache row
+        (prompt + output), at most the model's. token_budget: tokens one step may process
+        (decode rows + prefill prompts); a prompt longer than it is still admitted alone."""
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.token_budget = token_budget
+        self.max_seq_len = min(max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
+        self.eos_id = eos_id
+        ref = next(model.parameters())
+        self.device = ref.device
+        model.setup_kv_cache(max_batch, self.max_seq_len, cache_dtype or ref.dtype)
+        self._decode = torch.compile(model, dynamic=True) if compile else model
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: dict[int, Request] = {}
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.steps = 0  # completed loop steps; a health check watches it move
+        self.last_step_time = time.monotonic()
+
+    # ---- public API (any thread) ----
+
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._loop, name="scalenlp-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if the request can never be served."""
+        try:
+            params.check()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if not prompt_ids:
+            raise RequestError("the prompt is empty; send at least one token")
+        if len(prompt_ids) + params.max_tokens > self.max_seq_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_seq_len} tokens, but the prompt has "
+                f"{len(prompt_ids)} and max_tokens asks for {params.max_tokens}; shorten the prompt or lower max_tokens")
+        vocab = self.model.args.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[Delta], None],
+               bypass_queue_limit: bool = False) -> Request:
+        return self.submit_many([(prompt_ids, params)], [on_event], bypass_queue_limit)[0]
+
+    def submit_many(self, items: list[tuple[list[int], SamplingParams]], on_events: list[Callable[[Delta], None]],
+                    bypass_queue_limit: bool = False) -> list[Request]:
+        """All or none: either every request is queued, or QueueFull / RequestError is raised."""
+        for prompt_ids, params in items:
+            self.check(prompt_ids, params)
+        requests = [Request(list(p), params, cb, params.seed if params.seed is not None else random.getrandbits(62))
+                    for (p, params), cb in zip(items, on_events)]
+        with self._wake:
+            if not self.alive:
+                raise EngineDead(f"the engine has stopped: {self.error!r}")
+            if not bypass_queue_limit and len(self._waiting) + len(requests) > self.max_queue:
+                raise QueueFull(f"the queue holds {len(self._waiting)} of {self.max_queue} requests; retry later")
+            self._waiting.extend(requests)
+            self._wake.notify()
+        return requests
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request (client gone); its slot is freed at the next step."""
+        request.cancelled = True
+        with self._wake:
+            self._wake.notify()
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[str]:
+        """Blocking helper: the completion text of each prompt, all run as one continuous batch."""
+        done = [threading.Event() for _ in prompts]
+        texts = [""] * len(prompts)
+
+        def collector(i):
+            def on_event(d: Delta):
+                texts[i] += d.text
+                if d.finish_reason is not None:
+                    done[i].set()
+            return on_event
+
+        self.submit_many([(self.encode(p), params) for p in prompts], [collector(i) for i in range(len(prompts))],
+                         bypass_queue_limit=True)
+        for event in done:
+            while not event.wait(1.0):
+                if not self.alive:
+                    raise EngineDead(f"the engine has stopped: {self.error!r}")
+        return texts
+
+    # ---- the loop (engine thread) ----
+
+    def _loop(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self._wake:
+                        while not self._stopping and not self._waiting and not self._running:
+                            self._wake.wait()
+                        if self._stopping:
+                            break
+                    self.step()
+        except BaseException as e:  # noqa: BLE001 - recorded; every waiting caller is told below
+            self.error = e
+            raise
+        finally:
+            with self._wake:
+                pending = list(self._waiting) + list(self._running.values())
+                self._waiting.clear()
+                self._running.clear()
+            for r in pending:
+                r.on_event(Delta("", [], None, None, "abort", time.perf_counter()))
+
+    def step(self) -> None:
+        for slot, r in list(self._running.items()):
+            if r.cancelled:
+                del self._running[slot]
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+        if self._running:  # includes the requests just prefilled: they decode their second token now
+            self._decode_step()
+        self.steps += 1
+        self.last_step_time = time.monotonic()
+
+    def _admit(self) -> list[Request]:
+        free = sorted(set(range(self.max_batch)) - set(self._running))
+        budget = self.token_budget - len(self._running)
+        admitted: list[Request] = []
+        with self._wake:
+            while self._waiting and free:
+                r = self._waiting[0]
+                if r.cancelled:
+                    self._waiting.popleft()
+                    continue
+                if admitted and len(r.prompt_ids) > budget:
+                    break
+                self._waiting.popleft()
+                budget -= len(r.prompt_ids)
+                r.slot = free.pop(0)
+                self._running[r.slot] = r
+                admitted.append(r)
+        return admitted
+
+    def _prefill(self, admitted: list[Request]) -> None:
+        """All admitted prompts in one forward, right-padded; padding writes cache positions past a
+        prompt's end, which no query of that row sees before decode overwrites them."""
+        T = max(len(r.prompt_ids) for r in admitted)
+        tokens = torch.zeros(len(admitted), T, dtype=torch.long)
+        for i, r in enumerate(admitted):
+            tokens[i, :len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
+        positions = torch.arange(T).expand(len(admitted), T)
+        last = torch.tensor([len(r.prompt_ids) - 1 for r in admitted])
+        slots = torch.tensor([r.slot for r in admitted])
+        logits = self.model(tokens.to(self.device), positions.to(self.device), slots.to(self.device),
+                            kv_len=T, logits_at=last.to(self.device))
+        self._sample_and_emit(admitted, logits[:, -1])
+
+    def _decode_step(self) -> None:
+        hi = max(self._running) + 1
+        rows = [self._running.get(slot) for slot in range(hi)]
+        live = [r for r in rows if r is not None]
+        tokens = torch.tensor([[r.output_ids[-1] if r else 0] for r in rows])
+        positions = torch.tensor([[r.length - 1 if r else 0] for r in rows])
+        kv_len = max(r.length for r in live)
+        logits = self._decode(tokens.to(self.device), positions.to(self.device), kv_len=kv_len)
+        index = torch.tensor([r.slot for r in live], device=self.device)
+        self._sample_and_emit(live, logits[index, -1])
+
+    def _sample_and_emit(self, requests: list[Request], logits: torch.Tensor) -> None:
+        batch = SamplingBatch.build([r.params for r in requests], [r.seed for r in requests],
+                                    [len(r.output_ids) for r in requests], self.device)
+        tokens, chosen, top = sample(logits, batch)
+        tokens = tokens.tolist()
+        chosen = chosen.tolist() if chosen is not None else None
+        top = (top.values.tolist(), top.indices.tolist()) if top is not None else None
+        now = time.perf_counter()
+        for i, (r, token) in enumerate(zip(requests, tokens)):
+            r.output_ids.append(token)
+            logprob = top_lp = None
+            if r.params.logprobs is not None:
+                logprob = [chosen[i]]
+                k = r.params.logprobs
+                top_lp = [{self._token_str(t): v for v, t in zip(top[0][i][:k], top[1][i][:k])}] if k else None
+            self._advance(r, token)
+            new_text = self._releasable_text(r)
+            r.sent += len(new_text)
+            r.on_event(Delta(new_text, [token], logprob, top_lp, r.finish_reason, now))
+            if r.finish_reason is not None:
+                self._running.pop(r.slot, None)
+
+    def _token_str(self, token: int) -> str:
+        """A token's text; a token that is part of a character has none, so it keeps its vocabulary name."""
+        text = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text if "\ufffd" not in text else self.tokenizer.id_to_token(token)
+
+    def _advance(self, r: Request, token: int) -> None:
+        """Extend the request's text by its newest token and decide whether it is finished."""
+        if token == self.eos_id and not r.params.ignore_eos:
+            r.finish_reason = "stop"
+            return
+        # Decode from a few settled tokens back: byte-level BPE splits a character across tokens,
+        # and a token's text can depend on its neighbour; text ending in U+FFFD is not settled yet.
+        pending = self.tokenizer.decode(r.output_ids[r.read_offset:], skip_special_tokens=False)
+        if not pending.endswith("\ufffd"):
+            r.text += pending
+            r.read_offset = len(r.output_ids)
+        if r.params.stop:
+            window = r.text[max(0, r.sent - max(map(len, r.params.stop))):]
+            hits = [window.find(s) for s in r.params.stop if s in window]
+            if hits:
+                r.text = r.text[:max(0, r.sent - max(map(len, r.params.stop))) + min(hits)]
+                r.finish_reason = "stop"
+                return
+        if len(r.output_ids) >= r.params.max_tokens or r.length >= self.max_seq_len:
+            r.finish_reason = "length"
+
+    def _releasable_text(self, r: Request) -> str:
+        """Text safe to send: while running, hold back a tail that could still grow into a stop string."""
+        end = len(r.text)
+        if r.finish_reason is None and r.params.stop:
+            end = max(r.sent, end - (max(map(len, r.params.stop)) - 1))
+        return r.text[r.sent:end]
+
+
+def resolve_export(path: str) -> "Path":
+    """A run folder (its export/) or an export folder itself -> the export folder."""
+    from pathlib import Path
+
+    from scalenlp.errors import UserError
+    from scalenlp.models.io import ARGS
+
+    root = Path(path)
+    for candidate in (root, root / "export"):
+        if (candidate / ARGS).is_file():
+            return candidate
+    raise UserError(f"no exported model in {path} (looked for {ARGS} there and in export/); "
+                    "pass a training run folder or its export/ folder")
+
+
+def load_tokenizer_for(export_dir):
+    from tokenizers import Tokenizer
+
+    from scalenlp.errors import UserError
+    from scalenlp.models.io import TOKENIZER
+
+    file = export_dir / TOKENIZER
+    if not file.is_file():
+        raise UserError(f"{export_dir} has no {TOKENIZER}; export the model together with its tokenizer")
+    return Tokenizer.from_file(str(file))
+
+
+EOS_TOKEN = "<|endoftext|>"

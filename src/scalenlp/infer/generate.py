@@ -1,0 +1,80 @@
+"""`scalenlp generate`: one prompt in, text streamed to the terminal as it is produced."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by `generate` and `serve`."""
+    parser.add_argument("--checkpoint", required=True, help="a training run folder or its export/ folder")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weight dtype; auto = bf16 where the device computes in it natively (default)")
+    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
+    parser.add_argument("--max-batch", type=int, default=8, help="sequence slots in the KV cache (default 8)")
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="positions per slot, prompt + output (default: the model's context length)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None, help="same seed, same text")
+    parser.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
+
+
+def build_engine(args, max_queue: int = 64, model=None):
+    """Load the checkpoint named by the engine options and start an engine on it."""
+    import torch
+
+    from scalenlp.errors import UserError
+    from scalenlp.infer.engine import EOS_TOKEN, Engine, load_tokenizer_for, pick_device, pick_dtype, resolve_export
+    from scalenlp.models.io import load_pretrained
+
+    export = resolve_export(args.checkpoint)
+    device = torch.device(args.device) if args.device else pick_device()
+    dtype = pick_dtype(device, args.dtype)
+    tokenizer = load_tokenizer_for(export)
+    if model is None:
+        model = load_pretrained(export, device=device, dtype=dtype)
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be at least 1, got {args.max_batch}")
+    return Engine(model, tokenizer, max_batch=args.max_batch, max_queue=max_queue, max_seq_len=args.max_seq_len,
+                  eos_id=tokenizer.token_to_id(EOS_TOKEN), compile=args.compile).start()
+
+
+def run(args) -> int:
+    import queue
+
+    from scalenlp.errors import UserError
+    from scalenlp.infer.engine import RequestError
+    from scalenlp.infer.sampling import SamplingParams
+
+    engine = build_engine(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=args.stop)
+    events: queue.Queue = queue.Queue()
+    try:
+        engine.submit(engine.encode(args.prompt), params, events.put)
+    except RequestError as e:
+        raise UserError(str(e)) from None
+    sys.stdout.write(args.prompt)
+    try:
+        while True:
+            delta = events.get()
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            if delta.finish_reason is not None:
+                break
+    finally:
+        sys.stdout.write("\n")
+        engine.stop()
+    if delta.finish_reason == "abort":
+        raise UserError(f"generation failed: {engine.error!r}")
+    return 0

@@ -1,0 +1,128 @@
+"""Per-request sampling, batched: one call picks the next token of every running sequence.
+
+Randomness is counter-based: the uniform number a request draws at its i-th token is a hash of
+(seed, i). A request's text therefore depends only on its own seed, not on which other requests
+shared its batch or in which order they arrived, and no per-request generator object is stepped in
+a Python loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_LOGPROBS = 5  # as the OpenAI completions API
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = whole vocabulary
+    top_p: float = 1.0
+    seed: int | None = None  # None = a fresh random seed per request
+    stop: list[str] = field(default_factory=list)  # the text ends before the first of these
+    logprobs: int | None = None  # None = none; k = the chosen token's logprob and the top k alternatives
+    ignore_eos: bool = False  # keep generating past the end-of-text token (benchmarks)
+
+    def check(self) -> None:
+        """Raise ValueError naming the first out-of-range field."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _to_signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = (_to_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical shift of int64 (torch shifts arithmetically)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def uniform_from(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """splitmix64(seed, step) -> float64 uniform in [0, 1), elementwise; int64 arithmetic wraps."""
+    z = seed * _GOLDEN + (step + 1) * _MIX2
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 11).double() / float(1 << 53)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings as tensors, built once per step from the running requests."""
+
+    temperature: torch.Tensor  # (B,) float32, 0 = greedy
+    top_k: torch.Tensor  # (B,) int64, 0 = off
+    top_p: torch.Tensor  # (B,) float32
+    seed: torch.Tensor  # (B,) int64
+    step: torch.Tensor  # (B,) int64, index of the token being drawn
+    logprobs: int  # the most alternatives any row asked for; -1 = no row wants logprobs
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], device) -> "SamplingBatch":
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            seed=torch.tensor(seeds, dtype=torch.int64, device=device),
+            step=torch.tensor(steps, dtype=torch.int64, device=device),
+            logprobs=max(want) if want else -1,
+        )
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch):
+    """logits: (B, V). Returns (tokens (B,), chosen logprobs (B,) or None, top logprobs (B, k) + ids or None).
+
+    Greedy rows take the argmax; the others draw one uniform number and invert the CDF of the
+    temperature-scaled distribution, truncated to the top-k / top-p set when asked for. The sort
+    that truncation needs is done only when some row truncates."""
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    tokens = greedy
+    sampled_rows = batch.temperature > 0
+    if bool(sampled_rows.any()):
+        scaled = logits / batch.temperature.clamp_min(1e-5)[:, None]
+        u = uniform_from(batch.seed, batch.step).float()
+        truncating = bool(((batch.top_k > 0) | (batch.top_p < 1)).any())
+        if truncating:
+            order = scaled.argsort(dim=-1, descending=True)
+            probs = scaled.gather(-1, order).softmax(dim=-1)
+            rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+            keep_k = (batch.top_k[:, None] == 0) | (rank < batch.top_k[:, None])
+            # A token stays if the mass before it is under top_p: the top token always stays.
+            keep_p = (probs.cumsum(-1) - probs) < batch.top_p[:, None]
+            probs = probs * (keep_k & keep_p)
+        else:
+            order = None
+            probs = scaled.softmax(dim=-1)
+        cdf = probs.cumsum(-1)
+        target = u[:, None] * cdf[:, -1:]
+        index = torch.searchsorted(cdf, target).clamp_max(probs.shape[-1] - 1).squeeze(-1)
+        drawn = order.gather(-1, index[:, None]).squeeze(-1) if order is not None else index
+        tokens = torch.where(sampled_rows, drawn, greedy)
+    if batch.logprobs < 0:
+        return tokens, None, None
+    logp = logits.log_softmax(dim=-1)
+    chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    top = logp.topk(batch.logprobs, dim=-1) if batch.logprobs > 0 else None
+    return tokens, chosen, top

@@ -1,0 +1,44 @@
+"""Fixtures for the inference tests: a tiny exported model with its own byte-level BPE tokenizer,
+built here so that the tests depend on neither the trainer nor the data pipeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from scalenlp.models.flavors import build_model, model_args
+from scalenlp.models.io import save_pretrained
+
+EOS = "<|endoftext|>"
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "a model that is trained on a few sentences says little of interest",
+    "continuous batching lets requests join and leave every step",
+    "hello world, this is scalenlp serving text over http",
+] * 4
+
+
+def train_tokenizer(path: Path, vocab_size: int = 320) -> Path:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(SENTENCES, trainer)
+    tok.save(str(path))
+    return path
+
+
+def make_export(root: Path, flavor: str = "debug", seed: int = 0, logit_scale: float = 8.0) -> Path:
+    """An export folder of a random tiny model. ``logit_scale`` spreads the output logits so that
+    greedy choices are not decided by float rounding noise."""
+    root.mkdir(parents=True, exist_ok=True)
+    tok_path = train_tokenizer(root / "tok.json")
+    vocab = Tokenizer.from_file(str(tok_path)).get_vocab_size()
+    torch.manual_seed(seed)
+    model = build_model(model_args(flavor, vocab_size=vocab, max_seq_len=128))
+    with torch.no_grad():
+        model.norm.weight.mul_(logit_scale)  # the final norm's gain scales the logits alone, tied or not
+    return save_pretrained(model, root / "export", tokenizer_file=tok_path)

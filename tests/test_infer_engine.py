@@ -1,0 +1,155 @@
+"""Engine: KV cache against a no-cache forward, continuous batching against one-at-a-time,
+seeds, stop strings, sampling settings, queue bound."""
+
+import threading
+
+import pytest
+import torch
+from infer_helpers import make_export
+
+from scalenlp.infer.engine import EOS_TOKEN, Engine, QueueFull, RequestError, load_tokenizer_for
+from scalenlp.infer.sampling import SamplingBatch, SamplingParams, sample, uniform_from
+from scalenlp.models.io import load_pretrained
+
+torch.set_num_threads(1)
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["debug", "debug-gpt2"])
+def export(request, tmp_path_factory):
+    return make_export(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def start_engine(export, **kw):
+    tok = load_tokenizer_for(export)
+    return Engine(load_pretrained(export), tok, eos_id=tok.token_to_id(EOS_TOKEN), **kw).start()
+
+
+@pytest.fixture
+def engine(export):
+    e = start_engine(export, max_batch=4)
+    yield e
+    e.stop()
+
+
+def ids_of(engine, prompts, params):
+    """Generated token ids per prompt, submitted together (one continuous batch)."""
+    outs = [[] for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+
+    def cb(i):
+        def f(d):
+            outs[i].extend(d.token_ids)
+            if d.finish_reason:
+                done[i].set()
+        return f
+
+    engine.submit_many([(engine.encode(p), params) for p in prompts], [cb(i) for i in range(len(prompts))])
+    for d in done:
+        assert d.wait(120)
+    return outs
+
+
+def test_kv_cache_greedy_matches_no_cache_forward(engine, export):
+    model = load_pretrained(export)  # a separate copy without a cache: full causal forward each token
+    prompt = "the quick brown"
+    tokens = engine.encode(prompt)
+    with torch.no_grad():
+        for _ in range(GREEDY.max_tokens):
+            logits = model(torch.tensor([tokens]))
+            tokens.append(int(logits[0, -1].argmax()))
+    assert ids_of(engine, [prompt], GREEDY)[0] == tokens[len(engine.encode(prompt)):]
+
+
+def test_continuous_batching_matches_one_at_a_time(engine):
+    prompts = ["hello", "the quick brown fox jumps", "a model that is trained on", "continuous", "x y z",
+               "hello world, this is"]
+    alone = [ids_of(engine, [p], GREEDY)[0] for p in prompts]
+    # Six requests on four slots with different lengths and max_tokens: rows join and leave mid-run.
+    together = ids_of(engine, prompts, GREEDY)
+    assert together == alone
+    mixed = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (3, 12, 7, 12, 1, 9)]
+    outs = [[] for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+    engine.submit_many([(engine.encode(p), m) for p, m in zip(prompts, mixed)],
+                       [lambda d, i=i: (outs[i].extend(d.token_ids), d.finish_reason and done[i].set())
+                        for i in range(len(prompts))])
+    for d in done:
+        assert d.wait(120)
+    assert outs == [a[:m.max_tokens] for a, m in zip(alone, mixed)]
+
+
+def test_seed_reproduces_and_differs(engine):
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
+    a = ids_of(engine, ["the quick", "hello", "the quick"], params)
+    b = ids_of(engine, ["the quick"], params)
+    assert a[0] == a[2] == b[0]  # same seed, same tokens, whatever shares the batch
+    other = ids_of(engine, ["the quick"], SamplingParams(max_tokens=16, temperature=1.0, seed=8, ignore_eos=True))
+    assert other[0] != a[0]
+
+
+def test_stop_string_truncates(engine):
+    prompt = "the quick brown fox"
+    full = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=1, seed=1, ignore_eos=True))[0]
+    # A 3-character stop string whose first occurrence is past the start of the text.
+    at = next(i for i in range(2, len(full) - 3) if full.find(full[i:i + 3]) == i)
+    stop = full[at:at + 3]
+    out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=1, seed=1, stop=["\x00never", stop],
+                                                   ignore_eos=True))[0]
+    assert out == full[:at]
+
+
+def test_max_tokens_and_context_checks(engine):
+    with pytest.raises(RequestError, match="maximum context length"):
+        engine.submit(engine.encode("hello"), SamplingParams(max_tokens=1000), lambda d: None)
+    with pytest.raises(RequestError, match="temperature"):
+        engine.submit(engine.encode("hello"), SamplingParams(temperature=-1), lambda d: None)
+    with pytest.raises(RequestError, match="empty"):
+        engine.submit([], SamplingParams(), lambda d: None)
+
+
+def test_queue_bound(export):
+    e = start_engine(export, max_batch=1, max_queue=2)
+    try:
+        long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        with pytest.raises(QueueFull):
+            e.submit_many([(e.encode("hi"), long)] * 3, [lambda d: None] * 3)
+        assert e.num_waiting == 0  # all or none
+    finally:
+        e.stop()
+
+
+def test_logprobs_are_log_softmax(engine, export):
+    model = load_pretrained(export)
+    deltas = []
+    done = threading.Event()
+    engine.submit(engine.encode("hello"), SamplingParams(max_tokens=1, temperature=0, logprobs=3),
+                  lambda d: (deltas.append(d), d.finish_reason and done.set()))
+    assert done.wait(60)
+    with torch.no_grad():
+        expected = model(torch.tensor([engine.encode("hello")]))[0, -1].log_softmax(-1)
+    assert deltas[0].logprobs[0] == pytest.approx(expected.max().item(), abs=1e-4)
+    assert len(deltas[0].top_logprobs[0]) == 3
+
+
+def test_sampling_respects_top_k_and_top_p():
+    logits = torch.tensor([[5.0, 4.0, 3.0, -10.0]] * 4000)
+    steps = torch.arange(4000)
+    base = dict(temperature=torch.ones(4000), seed=torch.full((4000,), 3), step=steps, logprobs=-1)
+    top1 = sample(logits, SamplingBatch(top_k=torch.ones(4000, dtype=torch.long), top_p=torch.ones(4000), **base))[0]
+    assert set(top1.tolist()) == {0}
+    top2 = sample(logits, SamplingBatch(top_k=torch.full((4000,), 2), top_p=torch.ones(4000), **base))[0]
+    assert set(top2.tolist()) == {0, 1}
+    nucleus = sample(logits, SamplingBatch(top_k=torch.zeros(4000, dtype=torch.long), top_p=torch.full((4000,), 0.5),
+                                           **base))[0]
+    assert set(nucleus.tolist()) == {0}  # token 0 alone holds ~0.7 of the mass
+    free = sample(logits, SamplingBatch(top_k=torch.zeros(4000, dtype=torch.long), top_p=torch.ones(4000), **base))[0]
+    share = (free == 0).float().mean().item()
+    assert abs(share - logits[0].softmax(-1)[0].item()) < 0.03  # the draw follows the distribution
+
+
+def test_counter_based_uniforms_are_uniform():
+    u = uniform_from(torch.full((20000,), 11), torch.arange(20000))
+    assert 0 <= u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01
+    assert torch.histc(u.float(), bins=10, min=0, max=1).min() > 1800
