@@ -1,0 +1,114 @@
+"""Packed training windows over a token file, and the per-rank loader of global batches.
+
+The token file is a flat stream of documents separated by EOS. Windows are cut at a fixed stride of
+``seq_len`` with one extra token of overlap, so a window of ``seq_len + 1`` tokens gives ``seq_len`` inputs and
+their ``seq_len`` next-token targets, and every token of the stream is a target exactly once per epoch.
+Windows cross document boundaries; the EOS between documents tells the model where one ends.
+
+Sharding is over global batches, like ``DistributedSampler`` but one level up: the order of windows
+depends only on (seed, epoch), each global batch is a contiguous slice of that order, and each data-parallel
+rank takes its contiguous share of the batch. The global batch, and so the loss of every step, is therefore
+the same whatever the number of ranks, and a position saved with one rank count resumes with another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from scalenlp.errors import UserError
+
+
+def open_tokens(token_file: Path) -> np.ndarray:
+    """The token stream, memory-mapped read-only (a ``.npy`` file carries its own dtype and length)."""
+    try:
+        return np.load(token_file, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read token file {token_file} ({e}); delete it to have it rebuilt") from None
+
+
+class TokenDataset:
+    """Non-overlapping windows of ``seq_len + 1`` tokens at stride ``seq_len`` over a memory-mapped token file."""
+
+    def __init__(self, token_file: Path, seq_len: int):
+        self.token_file = Path(token_file)
+        self.tokens = open_tokens(self.token_file)
+        self.seq_len = seq_len
+        if seq_len < 1:
+            raise UserError(f"training.seq_len must be at least 1, got {seq_len}")
+        if seq_len + 1 > len(self.tokens):
+            raise UserError(f"{self.token_file} holds {len(self.tokens)} tokens, fewer than one sequence of "
+                            f"seq_len+1 = {seq_len + 1}; use more data or a smaller training.seq_len")
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"window {i} out of range for {n} windows")
+        start = (i % n) * self.seq_len
+        return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+
+
+class DataLoader:
+    """This rank's share of each global batch, epoch after epoch, resumable at any batch."""
+
+    def __init__(self, dataset: TokenDataset, global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is not a rank of dp_size={dp_size}")
+        if global_batch_size % dp_size:
+            raise UserError(f"training.global_batch_size={global_batch_size} is not divisible by the "
+                            f"data-parallel size {dp_size}; make it a multiple of {dp_size}")
+        if len(dataset) < global_batch_size:
+            needed = global_batch_size * dataset.seq_len + 1
+            raise UserError(f"{dataset.token_file} holds {len(dataset.tokens)} tokens ({len(dataset)} sequences of "
+                            f"seq_len={dataset.seq_len}), fewer than one global batch of {global_batch_size} "
+                            f"sequences needs ({needed} tokens); use more data or a smaller "
+                            f"training.global_batch_size / training.seq_len")
+        self.dataset = dataset
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = global_batch_size // dp_size
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.batches_per_epoch = len(dataset) // global_batch_size  # the incomplete last batch is dropped
+        self.epoch, self.batch = 0, 0
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def window_order(self, epoch: int) -> np.ndarray:
+        """The permutation of window indices for ``epoch``: a function of (seed, epoch) only."""
+        if self._order is None or self._order[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._order = (epoch, rng.permutation(len(self.dataset)))
+        return self._order[1]
+
+    def global_batch_indices(self, epoch: int, batch: int) -> np.ndarray:
+        return self.window_order(epoch)[batch * self.global_batch_size:(batch + 1) * self.global_batch_size]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each a LongTensor (global_batch_size / dp_size, seq_len); targets = inputs shifted by one."""
+        if self.batch >= self.batches_per_epoch:
+            self.epoch, self.batch = self.epoch + 1, 0
+        indices = self.global_batch_indices(self.epoch, self.batch)
+        mine = indices[self.dp_rank * self.local_batch_size:(self.dp_rank + 1) * self.local_batch_size]
+        self.batch += 1
+        windows = torch.stack([self.dataset[int(i)] for i in mine])
+        return windows[:, :-1], windows[:, 1:]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its first batch."""
+        self.epoch, self.batch = epoch, 0
+
+    def state_dict(self) -> dict:
+        """The global position (independent of dp_size) plus what must match for it to mean the same batches."""
+        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed,
+                "global_batch_size": self.global_batch_size, "num_windows": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, mine in (("num_windows", len(self.dataset)), ("global_batch_size", self.global_batch_size),
+                          ("seed", self.seed)):
+            if key in state and state[key] != mine:
+                raise UserError(f"cannot resume the data position: the checkpoint has {key}={state[key]} but this "
+                                f"run has {mine}; resume with the same data, seq_len, global_batch_size and seed")
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])

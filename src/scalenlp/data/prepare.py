@@ -1,0 +1,243 @@
+"""Turn the configured text into cached token files: once, on one process, reused by every later run.
+
+Cache layout (``data.cache_dir``, default ``<run_dir>/../.token_cache``)::
+
+    tokenizer-<key>/tokenizer.json        a trained BPE; key = corpus fingerprint + vocab size
+    tokens-<key>/train.npy, val.npy       the token stream, split; key = corpus fingerprint + text field
+                 meta.json                + tokenizer content + val_fraction
+                                          (meta.json written last: its presence marks a complete entry)
+
+A corpus fingerprint is the resolved path, size and modification time of each source file, so editing,
+adding or removing a file re-tokenizes. Entries are built in a temporary folder and renamed into place,
+so a crash or a concurrent run never leaves a half-written entry behind.
+
+The validation split is the last ``val_fraction`` of the token stream (so a single large text file splits
+too); the tokenizer is trained on the whole corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from scalenlp.config import Config
+from scalenlp.data.sources import Corpus, Piece, open_corpus
+from scalenlp.data.tokenizer import eos_token_id, load_tokenizer, tokenizer_file, train_bpe
+from scalenlp.errors import UserError
+
+# Bump when the bytes a cache entry holds would change for the same inputs.
+CACHE_FORMAT = 1
+ENCODE_BATCH_CHARS = 4 << 20
+ENCODE_BATCH_PIECES = 2048
+
+
+@dataclass
+class DataFiles:
+    tokenizer_json: Path  # usable by tokenizers.Tokenizer.from_file
+    train_tokens: Path    # .npy token stream (uint16 if vocab < 65536 else uint32), documents separated by EOS
+    val_tokens: Path
+    eos_id: int
+    vocab_size: int
+
+
+@dataclass
+class _Plan:
+    """Everything prepare_data and open_data agree on before anything is read."""
+    cache_dir: Path
+    corpus: Corpus
+    tokenizer_json: Path
+    trains_tokenizer: bool
+    vocab_size: int
+
+
+def _key(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _plan(cfg: Config, run_dir: Path) -> _Plan:
+    cache_dir = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else \
+        Path(run_dir).resolve().parent / ".token_cache"
+    corpus = open_corpus(cfg.data.path, cfg.data.text_field)
+    if cfg.tokenizer.path:
+        return _Plan(cache_dir, corpus, tokenizer_file(cfg.tokenizer.path), False, 0)
+    key = _key({"format": CACHE_FORMAT, "corpus": corpus.fingerprint(), "vocab_size": cfg.tokenizer.vocab_size})
+    return _Plan(cache_dir, corpus, cache_dir / f"tokenizer-{key}" / "tokenizer.json", True,
+                 cfg.tokenizer.vocab_size)
+
+
+def _tokens_dir(plan: _Plan, cfg: Config) -> Path:
+    key = _key({"format": CACHE_FORMAT, "corpus": plan.corpus.fingerprint(),
+                "tokenizer": _file_sha256(plan.tokenizer_json), "val_fraction": cfg.data.val_fraction})
+    return plan.cache_dir / f"tokens-{key}"
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename a finished temporary folder into place; if another process got there first, keep theirs."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _new_tmp(final: Path) -> Path:
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _data_files(tokens_dir: Path, tokenizer_json: Path) -> DataFiles:
+    meta = json.loads((tokens_dir / "meta.json").read_text())
+    return DataFiles(tokenizer_json=tokenizer_json, train_tokens=tokens_dir / "train.npy",
+                     val_tokens=tokens_dir / "val.npy", eos_id=meta["eos_id"], vocab_size=meta["vocab_size"])
+
+
+def prepare_data(cfg: Config, run_dir: Path, log: Callable[[str], None] = print) -> DataFiles:
+    """Resolve sources, train or load the tokenizer, tokenize once into cached token files (run on one rank)."""
+    plan = _plan(cfg, run_dir)
+    plan.cache_dir.mkdir(parents=True, exist_ok=True)
+    log(f"data: {plan.corpus.description}")
+    if plan.trains_tokenizer:
+        if plan.tokenizer_json.is_file():
+            log(f"tokenizer: cache hit {plan.tokenizer_json}")
+        else:
+            _train_tokenizer(plan, log)
+    else:
+        log(f"tokenizer: {plan.tokenizer_json}")
+    tokens_dir = _tokens_dir(plan, cfg)
+    if (tokens_dir / "meta.json").is_file():
+        files = _data_files(tokens_dir, plan.tokenizer_json)
+        log(f"tokens: cache hit {tokens_dir} ({_count(files.train_tokens):,} train, "
+            f"{_count(files.val_tokens):,} val tokens)")
+        return files
+    _tokenize(plan, cfg.data.val_fraction, tokens_dir, log)
+    return _data_files(tokens_dir, plan.tokenizer_json)
+
+
+def open_data(cfg: Config, run_dir: Path) -> DataFiles:
+    """Find the token files prepare_data made for this config (cheap; every rank, after a barrier)."""
+    plan = _plan(cfg, run_dir)
+    if plan.trains_tokenizer and not plan.tokenizer_json.is_file():
+        raise UserError(f"no trained tokenizer in {plan.cache_dir} for this corpus and vocab size: "
+                        f"prepare_data must run (on rank 0) before open_data")
+    tokens_dir = _tokens_dir(plan, cfg)
+    if not (tokens_dir / "meta.json").is_file():
+        raise UserError(f"no token files in {plan.cache_dir} for this data and tokenizer: prepare_data must run "
+                        f"(on rank 0) before open_data, with the same config and unchanged source files")
+    return _data_files(tokens_dir, plan.tokenizer_json)
+
+
+def _count(token_file: Path) -> int:
+    return int(np.load(token_file, mmap_mode="r").shape[0])
+
+
+class _TextCounter:
+    """Passes texts through while counting documents and characters, for logs and the empty-corpus check."""
+
+    def __init__(self, pieces: Iterable[Piece]):
+        self.pieces, self.documents, self.chars = pieces, 0, 0
+
+    def __iter__(self) -> Iterator[Piece]:
+        for piece in self.pieces:
+            self.documents += piece.ends_document
+            self.chars += len(piece.text)
+            yield piece
+
+    def summary(self, corpus: Corpus) -> str:
+        what = "docstrings from the Python standard library" if corpus.builtin else "documents"
+        return f"{self.documents:,} {what}, {self.chars / 1e6:.1f} M characters"
+
+
+def _no_text(corpus: Corpus) -> UserError:
+    return UserError(f"no text found in {corpus.description} (every document is empty); check data.path and, "
+                     f"for .jsonl/.parquet/.tsv, data.text_field={corpus.text_field!r}")
+
+
+def _train_tokenizer(plan: _Plan, log: Callable[[str], None]) -> None:
+    start = time.perf_counter()
+    counter = _TextCounter(plan.corpus.pieces())
+    tokenizer = train_bpe((p.text for p in counter), plan.vocab_size)
+    if counter.chars == 0:
+        raise _no_text(plan.corpus)
+    final = plan.tokenizer_json.parent
+    tmp = _new_tmp(final)
+    tokenizer.save(str(tmp / "tokenizer.json"))
+    _publish(tmp, final)
+    log(f"tokenizer: trained byte-level BPE, vocab {tokenizer.get_vocab_size()}, on {counter.summary(plan.corpus)} "
+        f"in {time.perf_counter() - start:.1f}s (cached at {plan.tokenizer_json})")
+
+
+def _batches(pieces: Iterable[Piece]) -> Iterator[list[Piece]]:
+    batch, chars = [], 0
+    for piece in pieces:
+        batch.append(piece)
+        chars += len(piece.text)
+        if chars >= ENCODE_BATCH_CHARS or len(batch) >= ENCODE_BATCH_PIECES:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _write_stream(corpus: Corpus, tokenizer, eos: int, dtype, path: Path) -> _TextCounter:
+    """Tokenize every document into one flat file, EOS after each; returns the document/character counts."""
+    counter = _TextCounter(corpus.pieces())
+    with open(path, "wb") as out:
+        for batch in _batches(counter):
+            ids = []
+            for piece, enc in zip(batch, tokenizer.encode_batch([p.text for p in batch])):
+                ids.append(enc.ids)
+                # EOS closes a document unless the tokenizer's own template already ended it with one.
+                if piece.ends_document and not (enc.ids and enc.ids[-1] == eos):
+                    ids.append((eos,))
+            np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype).tofile(out)
+    return counter
+
+
+def _tokenize(plan: _Plan, val_fraction: float, tokens_dir: Path, log: Callable[[str], None]) -> None:
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(plan.tokenizer_json)
+    eos = eos_token_id(tokenizer, plan.tokenizer_json.parent)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    dtype = np.dtype(np.uint16 if vocab_size < 1 << 16 else np.uint32)
+    tmp = _new_tmp(tokens_dir)
+    try:
+        counter = _write_stream(plan.corpus, tokenizer, eos, dtype, tmp / "stream.bin")
+        total = (tmp / "stream.bin").stat().st_size // dtype.itemsize
+        if total == 0:
+            raise _no_text(plan.corpus)
+        tokens = np.memmap(tmp / "stream.bin", dtype=dtype, mode="r")
+        n_val = round(total * val_fraction)
+        np.save(tmp / "train.npy", tokens[:total - n_val])
+        np.save(tmp / "val.npy", tokens[total - n_val:])
+        del tokens
+        (tmp / "stream.bin").unlink()
+        (tmp / "meta.json").write_text(json.dumps({
+            "eos_id": eos, "vocab_size": vocab_size, "dtype": dtype.name, "train_tokens": total - n_val,
+            "val_tokens": n_val, "documents": counter.documents, "characters": counter.chars,
+            "sources": plan.corpus.description, "tokenizer": str(plan.tokenizer_json),
+        }, indent=2))
+        _publish(tmp, tokens_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when published
+    log(f"tokens: read {counter.summary(plan.corpus)}; tokenized {total:,} tokens ({total - n_val:,} train, "
+        f"{n_val:,} val) in {time.perf_counter() - start:.1f}s (cached at {tokens_dir})")

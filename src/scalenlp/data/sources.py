@@ -1,0 +1,276 @@
+"""Where training text comes from: files a user names (.txt, .jsonl, .parquet, .tsv) or the built-in corpus.
+
+A source is read as a stream of documents (strings); the tokenizer appends EOS after each one.
+
+- ``.txt``: one document per file. Files over ``TXT_PIECE_CHARS`` are yielded in pieces cut after a blank
+  line (a paragraph boundary) so that tokenization can batch and parallelise them; the pieces of one file
+  are still one document (see ``Piece.ends_document``), so EOS only follows the file's last piece.
+- ``.jsonl``: one JSON object per line, the text under ``text_field``; blank lines are skipped.
+- ``.parquet``: the ``text_field`` column, read in record batches with pyarrow; nulls are skipped.
+- ``.tsv``: a header row, then one document per row, the text in the column named ``text_field`` or,
+  failing that, ``sentence``/``content``/``text`` (GLUE style). Any mix of LF, CRLF and CR line endings.
+
+The built-in corpus (used when no path is given) is the docstrings of the Python standard library this
+interpreter runs on: free of licence questions, always present, several MB of English prose about code.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import json
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from scalenlp.errors import UserError
+
+SUPPORTED = (".txt", ".jsonl", ".parquet", ".tsv")
+TXT_PIECE_CHARS = 1 << 20
+TSV_TEXT_COLUMNS = ("sentence", "content", "text")
+BUILTIN = "builtin:stdlib-docstrings"
+# Folders of the standard library that hold tests or third-party code rather than library documentation.
+STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+# Tests lower this to read a few modules only; None means the whole standard library.
+BUILTIN_MAX_FILES: int | None = None
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    ends_document: bool = True
+
+
+def resolve_sources(path: str) -> list[Path]:
+    """The files behind ``data.path``: a file, a folder (recursive, sorted) or a glob (sorted)."""
+    if any(ch in path for ch in "*?["):
+        matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(path), recursive=True))
+        files = [p for p in matches if p.is_file()]
+        if not files:
+            raise UserError(f"data.path glob {path!r} matches no files; check the pattern "
+                            f"(use ** for subfolders, e.g. 'corpus/**/*.jsonl')")
+        for f in files:
+            _check_extension(f)
+        return files
+    p = Path(path).expanduser()
+    if p.is_file():
+        _check_extension(p)
+        return [p]
+    if p.is_dir():
+        found = sorted(f for f in p.rglob("*") if f.is_file() and not _hidden(f.relative_to(p)))
+        files = [f for f in found if f.suffix.lower() in SUPPORTED]
+        if not files:
+            seen = sorted({f.suffix or f.name for f in found})
+            raise UserError(f"data.path folder {str(p)!r} holds no {'/'.join(SUPPORTED)} files "
+                            f"(found: {', '.join(seen) or 'nothing'}); point it at a folder of text data")
+        return files
+    raise UserError(f"data.path {str(p)!r} does not exist; give a file, folder or glob of "
+                    f"{'/'.join(SUPPORTED)} files, or leave it empty for the built-in corpus")
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)
+
+
+def _check_extension(f: Path) -> None:
+    if f.suffix.lower() not in SUPPORTED:
+        raise UserError(f"{f}: unsupported file type {f.suffix or '(no extension)'!r}; data files must be "
+                        f"{', '.join(SUPPORTED)} (convert it, or narrow data.path to exclude it)")
+
+
+def read_pieces(files: list[Path], text_field: str) -> Iterator[Piece]:
+    """Every document of every file, in order; blank documents are dropped."""
+    readers = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet, ".tsv": _read_tsv}
+    for f in files:
+        document_open = False
+        for piece in readers[f.suffix.lower()](f, text_field):
+            # A blank last piece of a started document still carries the document's end.
+            if piece.text.strip() or (piece.ends_document and document_open):
+                yield piece
+                document_open = not piece.ends_document
+
+
+def _open_text(f: Path):
+    # newline=None turns CRLF and lone CR into LF, which untidy real files mix freely.
+    return open(f, encoding="utf-8", newline=None)
+
+
+def _decode_error(f: Path, e: UnicodeDecodeError) -> UserError:
+    return UserError(f"{f} is not UTF-8 text ({e.reason} at byte {e.start}); re-encode it as UTF-8")
+
+
+def _read_txt(f: Path, text_field: str) -> Iterator[Piece]:
+    try:
+        with _open_text(f) as fh:
+            text = fh.read()
+    except UnicodeDecodeError as e:
+        raise _decode_error(f, e) from None
+    if not text.strip():
+        return
+    start = 0
+    while len(text) - start > TXT_PIECE_CHARS:
+        cut = text.find("\n\n", start + TXT_PIECE_CHARS)
+        if cut < 0:
+            break
+        yield Piece(text[start:cut + 2], ends_document=False)
+        start = cut + 2
+    yield Piece(text[start:])
+
+
+def _read_jsonl(f: Path, text_field: str) -> Iterator[Piece]:
+    try:
+        with _open_text(f) as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{f}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+                if not isinstance(record, dict) or text_field not in record:
+                    raise UserError(f"{f}:{lineno}: no {text_field!r} field; set data.text_field to the field "
+                                    f"holding the text" + (f" (this line has {', '.join(map(repr, record))})"
+                                                           if isinstance(record, dict) else ""))
+                text = record[text_field]
+                if text is None:
+                    continue
+                if not isinstance(text, str):
+                    raise UserError(f"{f}:{lineno}: field {text_field!r} is {type(text).__name__}, not a string")
+                yield Piece(text)
+    except UnicodeDecodeError as e:
+        raise _decode_error(f, e) from None
+
+
+def _read_parquet(f: Path, text_field: str) -> Iterator[Piece]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(f)
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"{f} is not a readable parquet file ({e})") from None
+    columns = pf.schema_arrow.names
+    if text_field not in columns:
+        raise UserError(f"{f}: no column {text_field!r} (columns: {', '.join(columns)}); set data.text_field")
+    if not pa.types.is_string(pf.schema_arrow.field(text_field).type) and \
+            not pa.types.is_large_string(pf.schema_arrow.field(text_field).type):
+        raise UserError(f"{f}: column {text_field!r} holds {pf.schema_arrow.field(text_field).type}, not strings")
+    for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield Piece(text)
+
+
+def read_tsv(f: Path) -> tuple[list[str], Iterator[list[str]]]:
+    """Header and rows of a tab-separated file without quoting (GLUE style); rows are checked for width."""
+    fh = _open_text(f)
+    try:
+        header = fh.readline().rstrip("\n").split("\t")
+    except UnicodeDecodeError as e:
+        fh.close()
+        raise _decode_error(f, e) from None
+
+    def rows() -> Iterator[list[str]]:
+        with fh:
+            try:
+                for lineno, line in enumerate(fh, 2):
+                    line = line.rstrip("\n")
+                    if not line:
+                        continue
+                    row = line.split("\t")
+                    if len(row) != len(header):
+                        raise UserError(f"{f}:{lineno}: {len(row)} tab-separated fields, the header has "
+                                        f"{len(header)}; fix or remove the line")
+                    yield row
+            except UnicodeDecodeError as e:
+                raise _decode_error(f, e) from None
+
+    return header, rows()
+
+
+def tsv_text_column(f: Path, header: list[str], text_field: str) -> int:
+    for name in (text_field, *TSV_TEXT_COLUMNS):
+        if name in header:
+            return header.index(name)
+    raise UserError(f"{f}: no text column {text_field!r} in the header ({', '.join(header)}); "
+                    f"set data.text_field to one of them")
+
+
+def _read_tsv(f: Path, text_field: str) -> Iterator[Piece]:
+    header, rows = read_tsv(f)
+    column = tsv_text_column(f, header, text_field)
+    for row in rows:
+        yield Piece(row[column])
+
+
+def stdlib_files(max_files: int | None = None) -> list[Path]:
+    """Python sources of the standard library, sorted, without its tests and installed packages."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in STDLIB_SKIP_DIRS and not d.startswith("."))
+        files.extend(Path(dirpath) / n for n in sorted(filenames)
+                     if n.endswith(".py") and not n.startswith("test_"))
+    return files[:max_files]
+
+
+def stdlib_docstrings(files: list[Path]) -> Iterator[str]:
+    """Module, class and function docstrings of ``files``, in file order then source order."""
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    for f in files:
+        try:
+            tree = ast.parse(f.read_bytes(), filename=str(f))
+        except (SyntaxError, ValueError):  # a few stdlib files are deliberately invalid templates
+            continue
+        nodes = sorted((n for n in ast.walk(tree) if isinstance(n, kinds)),
+                       key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0)))
+        for node in nodes:
+            doc = ast.get_docstring(node, clean=True)
+            if doc and doc.strip():
+                yield doc
+
+
+@dataclass
+class Corpus:
+    """The resolved training text: which files, and how to read them as documents."""
+    description: str
+    files: list[Path]
+    text_field: str
+    builtin: bool
+    _builtin_docs: list[str] | None = field(default=None, repr=False)
+
+    def pieces(self) -> Iterator[Piece]:
+        """A fresh pass over the documents (read twice: to train the tokenizer, then to tokenize)."""
+        if self.builtin:
+            # A few MB parsed from hundreds of modules: parse once, keep for the second pass.
+            if self._builtin_docs is None:
+                self._builtin_docs = list(stdlib_docstrings(self.files))
+            return (Piece(doc) for doc in self._builtin_docs)
+        return read_pieces(self.files, self.text_field)
+
+    def fingerprint(self) -> dict:
+        return {"builtin": self.builtin, "text_field": self.text_field, "files": source_fingerprint(self.files)}
+
+
+def open_corpus(path: str, text_field: str) -> Corpus:
+    """``data.path`` resolved to files (cheap: nothing is read yet); empty means the built-in corpus."""
+    if not path.strip():
+        files = stdlib_files(BUILTIN_MAX_FILES)
+        if not files:
+            raise UserError(f"the built-in corpus needs the Python standard library sources, but none were found "
+                            f"under {sysconfig.get_paths()['stdlib']}; set data.path to your own text")
+        return Corpus(f"built-in corpus: docstrings of the Python standard library ({len(files)} modules)",
+                      files, text_field, builtin=True)
+    files = resolve_sources(path)
+    return Corpus(f"{len(files)} file(s) from {path}", files, text_field, builtin=False)
+
+
+def source_fingerprint(files: list[Path]) -> list[tuple[str, int, int]]:
+    """What identifies a set of source files for caching: resolved path, size and modification time."""
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append((str(f.resolve()), st.st_size, st.st_mtime_ns))
+    return out

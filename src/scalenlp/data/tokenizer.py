@@ -1,0 +1,85 @@
+"""Tokenizers: train a byte-level BPE on the corpus, or load a Hugging Face ``tokenizer.json``.
+
+Byte-level BPE (GPT-2 style) maps every byte to a symbol before merging, so there is no unknown token and
+``decode(encode(s)) == s`` for any string. Training has no randomness: the same corpus and vocabulary size
+give the same tokenizer, which is what lets it be cached by the corpus' fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from scalenlp.errors import UserError
+
+EOS = "<|endoftext|>"
+# Document-end tokens of common tokenizer families, tried before the tokenizer's own config files.
+EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>")
+MIN_VOCAB = 257  # the 256 byte symbols plus EOS
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of at most ``vocab_size`` tokens (fewer if the corpus has fewer useful merges)."""
+    if vocab_size < MIN_VOCAB:
+        raise UserError(f"tokenizer.vocab_size={vocab_size} is too small for a byte-level BPE: it needs at least "
+                        f"{MIN_VOCAB} (256 bytes + {EOS})")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, even those the corpus lacks
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def tokenizer_file(path: str | Path) -> Path:
+    """The ``tokenizer.json`` behind a path that names the file itself or a Hugging Face tokenizer folder."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "tokenizer.json"
+        if not p.is_file():
+            raise UserError(f"tokenizer folder {str(path)!r} has no tokenizer.json; only fast (tokenizers-library) "
+                            f"tokenizers are supported: save one with AutoTokenizer(...).save_pretrained()")
+    elif not p.is_file():
+        raise UserError(f"tokenizer.path {str(path)!r} does not exist; give a tokenizer.json file or a folder "
+                        f"holding one, or leave it empty to train a byte-level BPE")
+    return p
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a ``tokenizer.json`` file, or the one inside a Hugging Face tokenizer folder."""
+    p = tokenizer_file(path)
+    try:
+        return Tokenizer.from_file(str(p))
+    except Exception as e:  # the Rust side raises a bare Exception for malformed files
+        raise UserError(f"cannot load tokenizer {p}: {e}") from None
+
+
+def eos_token_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int:
+    """The id of the document-end token: a known EOS name, else the eos_token in the folder's config files."""
+    for name in EOS_CANDIDATES:
+        token_id = tokenizer.token_to_id(name)
+        if token_id is not None:
+            return token_id
+    folder = Path(path) if path is not None and Path(path).is_dir() else \
+        Path(path).parent if path is not None else None
+    for config_name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if folder is None or not (folder / config_name).is_file():
+            continue
+        try:
+            eos = json.loads((folder / config_name).read_text()).get("eos_token")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(eos, dict):  # written as an AddedToken: {"content": "...", ...}
+            eos = eos.get("content")
+        if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
+            return tokenizer.token_to_id(eos)
+    raise UserError(f"tokenizer {path or ''} has no end-of-document token ({', '.join(EOS_CANDIDATES)} or an "
+                    f"eos_token in tokenizer_config.json / special_tokens_map.json); add one to the tokenizer")
