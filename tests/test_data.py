@@ -395,6 +395,8 @@ def test_loader_user_errors(tmp_path):
         DataLoader(ds, 6, 0, 4, seed=0)
     with pytest.raises(UserError, match=r"holds 41 tokens \(10 sequences of seq_len=4\).*needs \(49 tokens\)"):
         DataLoader(ds, 12, 0, 2, seed=0)
+    with pytest.raises(UserError, match="seed must not be negative"):
+        DataLoader(ds, 4, 0, 2, seed=-1)
     loader = DataLoader(ds, 4, 0, 2, seed=0)
     with pytest.raises(UserError, match="global_batch_size=8 but this run has 4"):
         loader.load_state_dict({**loader.state_dict(), "global_batch_size": 8})

@@ -40,7 +40,8 @@ class TokenDataset:
             raise UserError(f"training.seq_len must be at least 1, got {seq_len}")
         if seq_len + 1 > len(self.tokens):
             raise UserError(f"{self.token_file} holds {len(self.tokens)} tokens, fewer than one sequence of "
-                            f"seq_len+1 = {seq_len + 1}; use more data or a smaller training.seq_len")
+                            f"seq_len+1 = {seq_len + 1}; use more data or a smaller training.seq_len "
+                            f"(for the held-out split, a larger data.val_fraction also helps)")
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
@@ -59,6 +60,8 @@ class DataLoader:
     def __init__(self, dataset: TokenDataset, global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is not a rank of dp_size={dp_size}")
+        if seed < 0:
+            raise UserError(f"training.seed must not be negative, got {seed}")
         if global_batch_size % dp_size:
             raise UserError(f"training.global_batch_size={global_batch_size} is not divisible by the "
                             f"data-parallel size {dp_size}; make it a multiple of {dp_size}")
