@@ -42,3 +42,27 @@ def make_export(root: Path, flavor: str = "debug", seed: int = 0, logit_scale: f
     with torch.no_grad():
         model.norm.weight.mul_(logit_scale)  # the final norm's gain scales the logits alone, tied or not
     return save_pretrained(model, root / "export", tokenizer_file=tok_path)
+
+
+class ServerThread:
+    """uvicorn serving an app on a free localhost port, in a thread of the test process."""
+
+    def __init__(self, app):
+        import socket
+        import threading
+
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            self.thread.join(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join()

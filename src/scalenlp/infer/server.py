@@ -1,0 +1,446 @@
+"""`scalenlp serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of the engine.
+
+Two layers: ``create_app`` speaks HTTP (routing, auth, error shapes, SSE, client disconnects) to a
+*backend*, which turns a validated ``CompletionRequest`` into a response or a stream of chunks.
+``LocalBackend`` drives an engine in this process (itself possibly tensor-parallel); the Ray
+backend in ``cluster.py`` forwards to replicas. A backend has ``complete``, ``stream``,
+``health``, ``metrics`` and ``model_name``.
+"""
+
+
+import argparse
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from scalenlp.infer.generate import add_engine_arguments
+
+MAX_N = 64
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: localhost only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route but /health")
+    parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    parser.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint folder's name)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes for one model (gloo/NCCL)")
+    parser.add_argument("--replicas", type=int, default=0,
+                        help="serve N engine replicas behind a load-balancing router on Ray Serve")
+    parser.add_argument("--max-replicas", type=int, default=None,
+                        help="with --replicas: autoscale between --replicas and this many on queue length")
+    parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _request_model():
+    """The request schema, built on first use so that `scalenlp --help` does not import pydantic."""
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class CompletionRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        model: str
+        prompt: str | list[str] | list[int] | list[list[int]]
+        max_tokens: int | None = Field(16)
+        temperature: float = 1.0
+        top_p: float = 1.0
+        n: int = 1
+        stream: bool = False
+        stream_options: dict[str, Any] | None = None
+        stop: str | list[str] | None = None
+        seed: int | None = None
+        logprobs: int | None = None
+        echo: bool = False
+        best_of: int | None = None
+        presence_penalty: float = 0.0
+        frequency_penalty: float = 0.0
+        logit_bias: dict[str, float] | None = None
+        user: str | None = None
+        suffix: str | None = None
+        # Extensions, as in vLLM:
+        top_k: int = 0
+        ignore_eos: bool = False
+
+    return CompletionRequest
+
+
+def check_request(req) -> None:
+    """What pydantic's types do not say: ranges, and the parts of the API this server does not implement."""
+    if req.n < 1 or req.n > MAX_N:
+        raise APIError(400, f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+    if req.best_of not in (None, req.n):
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    if req.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.presence_penalty or req.frequency_penalty:
+        raise APIError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {req.max_tokens}", param="max_tokens")
+    if req.temperature < 0 or req.temperature > 2:
+        raise APIError(400, f"temperature must be between 0 and 2, got {req.temperature}", param="temperature")
+    if not 0 < req.top_p <= 1:
+        raise APIError(400, f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
+    if isinstance(req.prompt, list) and not req.prompt:
+        raise APIError(400, "prompt must not be an empty list", param="prompt")
+
+
+def prompts_of(req) -> list[str | list[int]]:
+    """The request's prompts, each text or token ids."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]
+    return list(p)
+
+
+class LocalBackend:
+    """Requests go to an engine in this process; events come back from its thread to the event loop."""
+
+    def __init__(self, engine, model_name: str, health_timeout: float = 10.0):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.engine = engine
+        self.model_name = model_name
+        self.health_timeout = health_timeout
+        self.registry = CollectorRegistry()
+        Gauge("scalenlp_requests_running", "requests holding a KV-cache slot", registry=self.registry
+              ).set_function(lambda: engine.num_running)
+        Gauge("scalenlp_requests_waiting", "requests queued for a slot", registry=self.registry
+              ).set_function(lambda: engine.num_waiting)
+        self.prompt_tokens = Counter("scalenlp_prompt_tokens", "prompt tokens processed", registry=self.registry)
+        self.generated_tokens = Counter("scalenlp_generation_tokens", "tokens generated", registry=self.registry)
+        self.finished = Counter("scalenlp_requests_finished", "finished requests", ["finish_reason"],
+                                registry=self.registry)
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = Histogram("scalenlp_time_to_first_token_seconds", "arrival to first token",
+                              buckets=buckets, registry=self.registry)
+        self.itl = Histogram("scalenlp_inter_token_latency_seconds", "time between consecutive tokens",
+                             buckets=buckets, registry=self.registry)
+        self.e2e = Histogram("scalenlp_e2e_request_latency_seconds", "arrival to last token",
+                             buckets=buckets, registry=self.registry)
+
+    def _params(self, req, prompt_len: int, index: int):
+        from scalenlp.infer.sampling import SamplingParams
+
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        max_tokens = req.max_tokens if req.max_tokens is not None else max(1, self.engine.max_seq_len - prompt_len)
+        # n choices from one seed must differ from each other, and still reproduce.
+        seed = None if req.seed is None else req.seed + index
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                              seed=seed, stop=stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos)
+
+    async def _events(self, req) -> AsyncIterator[tuple[int, Any, int]]:
+        """Submit every choice of the request; yield (choice index, Delta, prompt length) as they come.
+        Leaving early (client gone, cancelled) cancels the engine requests, freeing their slots."""
+        from scalenlp.infer.engine import EngineDead, QueueFull, RequestError
+
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        items, callbacks, lengths = [], [], []
+        for p_index, prompt in enumerate(prompts_of(req)):
+            ids = self.engine.encode(prompt) if isinstance(prompt, str) else prompt
+            for j in range(req.n):
+                index = p_index * req.n + j
+                items.append((ids, self._params(req, len(ids), j)))
+                callbacks.append(lambda d, i=index: loop.call_soon_threadsafe(queue.put_nowait, (i, d)))
+                lengths.append(len(ids))
+        try:
+            requests = self.engine.submit_many(items, callbacks)
+        except RequestError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        except QueueFull as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+        except EngineDead as e:
+            raise APIError(503, str(e), type="server_error") from None
+        start = time.perf_counter()
+        last = [None] * len(requests)
+        open_count = len(requests)
+        try:
+            while open_count:
+                i, delta = await queue.get()
+                if delta.finish_reason == "abort":
+                    raise APIError(503, f"the engine stopped while serving this request: {self.engine.error!r}",
+                                   type="server_error")
+                n_tokens = len(delta.token_ids)
+                self.generated_tokens.inc(n_tokens)
+                if n_tokens:
+                    if last[i] is None:
+                        self.ttft.observe(delta.time - requests[i].arrival)
+                        self.prompt_tokens.inc(lengths[i])
+                    else:
+                        self.itl.observe(delta.time - last[i])
+                    last[i] = delta.time
+                if delta.finish_reason is not None:
+                    open_count -= 1
+                    self.finished.labels(delta.finish_reason).inc()
+                    self.e2e.observe(time.perf_counter() - start)
+                yield i, delta, lengths[i]
+        finally:
+            for r in requests:
+                if r.finish_reason is None:
+                    self.engine.cancel(r)
+
+    async def complete(self, req) -> dict:
+        n_choices = len(prompts_of(req)) * req.n
+        choices = [{"index": i, "text": "", "logprobs": _empty_logprobs() if req.logprobs is not None else None,
+                    "finish_reason": None} for i in range(n_choices)]
+        prompt_tokens = completion_tokens = 0
+        counted = set()
+        async for i, delta, prompt_len in self._events(req):
+            c = choices[i]
+            _append_logprobs(c["logprobs"], c["text"], delta)
+            c["text"] += delta.text
+            completion_tokens += len(delta.token_ids)
+            if i // req.n not in counted:
+                counted.add(i // req.n)
+                prompt_tokens += prompt_len
+            if delta.finish_reason is not None:
+                c["finish_reason"] = delta.finish_reason
+        return completion_object(self.model_name, choices, usage(prompt_tokens, completion_tokens))
+
+    async def stream(self, req) -> AsyncIterator[dict]:
+        """Completion chunks; a last chunk with only usage when stream_options.include_usage is set."""
+        cid, created = new_id(), int(time.time())
+        prompt_tokens = completion_tokens = 0
+        counted = set()
+        async for i, delta, prompt_len in self._events(req):
+            completion_tokens += len(delta.token_ids)
+            if i // req.n not in counted:
+                counted.add(i // req.n)
+                prompt_tokens += prompt_len
+            if not delta.text and delta.finish_reason is None:
+                continue  # text held back (an unfinished character or a possible stop string)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = _empty_logprobs()
+                _append_logprobs(logprobs, "", delta)
+            yield completion_object(self.model_name, [{"index": i, "text": delta.text, "logprobs": logprobs,
+                                                       "finish_reason": delta.finish_reason}], None, cid, created)
+        if (req.stream_options or {}).get("include_usage"):
+            yield completion_object(self.model_name, [], usage(prompt_tokens, completion_tokens), cid, created)
+
+    async def health(self) -> tuple[bool, str]:
+        """Send a one-token request through the engine; healthy if it finishes, or if the engine is
+        busy and still stepping (then the probe leaves the queue). Dead or no progress: unhealthy."""
+        from scalenlp.infer.engine import EngineDead
+        from scalenlp.infer.sampling import SamplingParams
+
+        engine = self.engine
+        if not engine.alive:
+            return False, f"engine stopped: {engine.error!r}"
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        steps_before = engine.steps
+        try:
+            probe = engine.submit([engine.eos_id or 0], SamplingParams(max_tokens=1, temperature=0),
+                                  lambda d: loop.call_soon_threadsafe(done.set), bypass_queue_limit=True)
+        except EngineDead as e:
+            return False, str(e)
+        deadline = time.monotonic() + self.health_timeout
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    await asyncio.wait_for(done.wait(), 0.05)
+                    return probe.finish_reason != "abort", "ok" if probe.finish_reason != "abort" else "engine stopped"
+                except asyncio.TimeoutError:
+                    if engine.steps > steps_before + 1:
+                        return True, "ok (busy)"
+            return False, f"engine made no progress in {self.health_timeout:.0f}s"
+        finally:
+            engine.cancel(probe)
+
+    def metrics(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+def _empty_logprobs() -> dict:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def _append_logprobs(logprobs: dict | None, text_so_far: str, delta) -> None:
+    if logprobs is None or delta.logprobs is None:
+        return
+    for k, token_id in enumerate(delta.token_ids):
+        logprobs["tokens"].append(str(token_id))
+        logprobs["token_logprobs"].append(delta.logprobs[k])
+        logprobs["top_logprobs"].append(delta.top_logprobs[k] if delta.top_logprobs else None)
+        logprobs["text_offset"].append(len(text_so_far))
+
+
+def new_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_object(model: str, choices: list[dict], usage_: dict | None, cid: str | None = None,
+                      created: int | None = None) -> dict:
+    return {"id": cid or new_id(), "object": "text_completion", "created": created or int(time.time()),
+            "model": model, "choices": choices, "usage": usage_}
+
+
+def create_app(backend, api_key: str | None = None):
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    CompletionRequest = _request_model()
+    app = FastAPI(title="scalenlp", docs_url=None, redoc_url=None)
+
+    def error_response(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        kind = first.get("type", "")
+        if kind == "json_invalid":
+            message = "the request body is not valid JSON"
+        elif kind == "extra_forbidden":
+            message = f"unrecognized request argument supplied: {'.'.join(loc)}"
+        else:
+            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+        return error_response(APIError(400, message, param=loc[0] if loc else None))
+
+    @app.middleware("http")
+    async def require_api_key(request: Request, call_next):
+        if api_key is not None and request.url.path != "/health":
+            header = request.headers.get("authorization", "")
+            if not hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
+                return error_response(APIError(401, "missing or wrong API key; send `Authorization: Bearer KEY`",
+                                               code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        ok, reason = await backend.health()
+        return JSONResponse({"status": "ok" if ok else "unhealthy", "detail": reason}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(backend.metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "created": 0,
+                                            "owned_by": "scalenlp"}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_request(req)
+        if req.model != backend.model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {backend.model_name!r}",
+                           param="model", code="model_not_found")
+        if req.stream:
+            chunks = backend.stream(req)
+            try:  # the first chunk, so that errors before any output are answered as errors, not a stream
+                first = await anext(chunks)
+            except StopAsyncIteration:
+                first = None
+            return StreamingResponse(_sse(first, chunks), media_type="text/event-stream")
+        return await _unless_disconnected(request, backend.complete(req))
+
+    return app
+
+
+async def _sse(first: dict | None, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Server-sent events; when the client goes away the server cancels this generator, and closing
+    ``chunks`` cancels the engine requests behind it."""
+    try:
+        if first is not None:
+            yield f"data: {json.dumps(first)}\n\n"
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+    except APIError as e:
+        yield f"data: {json.dumps(e.body())}\n\n"
+    finally:
+        await chunks.aclose()
+    yield "data: [DONE]\n\n"
+
+
+async def _unless_disconnected(request, work):
+    """Run ``work``; if the client disconnects first, cancel it (freeing its slots) and give up."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        from fastapi.responses import Response
+
+        return Response(status_code=499)
+    return task.result()
+
+
+def run(args) -> int:
+    from scalenlp.errors import UserError
+
+    if args.replicas and args.tp > 1:
+        raise UserError("--replicas with --tp > 1 is not supported yet; pick one")
+    if args.replicas:
+        from scalenlp.infer.cluster import serve_replicas
+
+        return serve_replicas(args)
+    if args.tp > 1:
+        from scalenlp.infer.sharded import serve_sharded
+
+        return serve_sharded(args)
+    import uvicorn
+
+    from scalenlp.infer.generate import build_engine
+
+    engine = build_engine(args, max_queue=args.max_queue)
+    backend = LocalBackend(engine, args.model_name or default_model_name(args.checkpoint))
+    try:
+        uvicorn.run(create_app(backend, args.api_key), host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.stop()
+    return 0
+
+
+def default_model_name(checkpoint: str) -> str:
+    from pathlib import Path
+
+    path = Path(checkpoint).resolve()
+    return path.parent.name if path.name == "export" else path.name
