@@ -163,7 +163,8 @@ class _TextCounter:
             yield piece
 
     def summary(self, corpus: Corpus) -> str:
-        what = "docstrings from the Python standard library" if corpus.builtin else "documents"
+        what = "docstrings from the Python standard library" if corpus.builtin else \
+            "document" if self.documents == 1 else "documents"
         return f"{self.documents:,} {what}, {self.chars / 1e6:.1f} M characters"
 
 
