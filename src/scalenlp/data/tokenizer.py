@@ -68,8 +68,7 @@ def eos_token_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int:
         token_id = tokenizer.token_to_id(name)
         if token_id is not None:
             return token_id
-    folder = Path(path) if path is not None and Path(path).is_dir() else \
-        Path(path).parent if path is not None else None
+    folder = None if path is None else Path(path) if Path(path).is_dir() else Path(path).parent
     for config_name in ("tokenizer_config.json", "special_tokens_map.json"):
         if folder is None or not (folder / config_name).is_file():
             continue
