@@ -182,6 +182,7 @@ def test_client_disconnect_frees_slot(served, monkeypatch):
     assert engine.num_running == 0
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine dies on purpose
 def test_health_503_when_engine_dead(tmp_path):
     export = make_export(tmp_path)
     tok = load_tokenizer_for(export)

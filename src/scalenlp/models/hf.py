@@ -1,0 +1,182 @@
+"""Hugging Face checkpoints in and out: our GPT-2 family <-> ``GPT2LMHeadModel``, our Llama family <->
+``LlamaForCausalLM``. Weights move as state dicts (no hub access); folders are written with
+safetensors. Both sides use the same RoPE layout (rotate-half), so no permutation is needed;
+GPT-2's ``Conv1D`` stores weights as (in, out), the transpose of ``nn.Linear``, and fuses q, k, v.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from scalenlp.errors import UserError
+from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
+
+GPT2_SHAPE = dict(norm="layernorm", activation="gelu", position="learned", bias=True)
+LLAMA_SHAPE = dict(norm="rmsnorm", activation="swiglu", position="rope")
+
+
+def family(args: ModelArgs) -> str:
+    """'gpt2' or 'llama': the Hugging Face class that computes exactly what this model computes."""
+    if all(getattr(args, k) == v for k, v in GPT2_SHAPE.items()) and args.n_kv_heads == args.n_heads:
+        return "gpt2"
+    if all(getattr(args, k) == v for k, v in LLAMA_SHAPE.items()):
+        return "llama"
+    raise UserError(f"no Hugging Face equivalent for norm={args.norm}, activation={args.activation}, "
+                    f"position={args.position}, bias={args.bias}: GPT-2 needs {GPT2_SHAPE} and no GQA, "
+                    f"Llama needs {LLAMA_SHAPE}")
+
+
+def hf_config(args: ModelArgs):
+    from transformers import GPT2Config, LlamaConfig
+
+    if family(args) == "gpt2":
+        return GPT2Config(vocab_size=args.vocab_size, n_positions=args.max_seq_len, n_embd=args.dim,
+                          n_layer=args.n_layers, n_head=args.n_heads, n_inner=args.ffn_dim,
+                          activation_function="gelu_new", layer_norm_epsilon=args.norm_eps,
+                          tie_word_embeddings=args.tie_embeddings, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+    return LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
+                       num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+                       num_key_value_heads=args.n_kv_heads, max_position_embeddings=args.max_seq_len,
+                       rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta, attention_bias=args.bias,
+                       mlp_bias=args.bias, tie_word_embeddings=args.tie_embeddings, head_dim=args.head_dim,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def args_from_hf(config) -> ModelArgs:
+    if config.model_type == "gpt2":
+        return ModelArgs(vocab_size=config.vocab_size, dim=config.n_embd, n_layers=config.n_layer,
+                         n_heads=config.n_head, ffn_dim=config.n_inner or 4 * config.n_embd,
+                         max_seq_len=config.n_positions, norm_eps=config.layer_norm_epsilon,
+                         tie_embeddings=config.tie_word_embeddings, **GPT2_SHAPE)
+    if config.model_type == "llama":
+        theta = getattr(config, "rope_theta", None) or (config.rope_parameters or {}).get("rope_theta", 10000.0)
+        return ModelArgs(vocab_size=config.vocab_size, dim=config.hidden_size, n_layers=config.num_hidden_layers,
+                         n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
+                         ffn_dim=config.intermediate_size, max_seq_len=config.max_position_embeddings,
+                         norm_eps=config.rms_norm_eps, rope_theta=theta, bias=config.attention_bias,
+                         tie_embeddings=config.tie_word_embeddings, **LLAMA_SHAPE)
+    raise UserError(f"cannot import a Hugging Face {config.model_type!r} model; supported: gpt2, llama")
+
+
+def _gpt2_pairs(n_layers: int):
+    """(our name, HF name, transposed) for every GPT-2 tensor except the fused q/k/v."""
+    pairs = [("tok_embeddings.weight", "transformer.wte.weight", False),
+             ("pos_embeddings.weight", "transformer.wpe.weight", False),
+             ("norm.weight", "transformer.ln_f.weight", False), ("norm.bias", "transformer.ln_f.bias", False),
+             ("output.weight", "lm_head.weight", False)]
+    for i in range(n_layers):
+        ours, hf = f"layers.{i}.", f"transformer.h.{i}."
+        for a, b in (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")):
+            pairs += [(ours + a + ".weight", hf + b + ".weight", False), (ours + a + ".bias", hf + b + ".bias", False)]
+        for a, b in (("attention.wo", "attn.c_proj"), ("feed_forward.w1", "mlp.c_fc"), ("feed_forward.w2", "mlp.c_proj")):
+            pairs += [(ours + a + ".weight", hf + b + ".weight", True), (ours + a + ".bias", hf + b + ".bias", False)]
+    return pairs
+
+
+def _llama_pairs(n_layers: int, bias: bool):
+    pairs = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight"),
+             ("output.weight", "lm_head.weight")]
+    for i in range(n_layers):
+        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+        pairs += [(ours + "attention_norm.weight", hf + "input_layernorm.weight"),
+                  (ours + "ffn_norm.weight", hf + "post_attention_layernorm.weight")]
+        for a, b in (("attention.wq", "self_attn.q_proj"), ("attention.wk", "self_attn.k_proj"),
+                     ("attention.wv", "self_attn.v_proj"), ("attention.wo", "self_attn.o_proj"),
+                     ("feed_forward.w1", "mlp.gate_proj"), ("feed_forward.w3", "mlp.up_proj"),
+                     ("feed_forward.w2", "mlp.down_proj")):
+            pairs.append((ours + a + ".weight", hf + b + ".weight"))
+            if bias:
+                pairs.append((ours + a + ".bias", hf + b + ".bias"))
+    return pairs
+
+
+def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    args, ours = model.args, model.state_dict()
+    if family(args) == "llama":
+        return {hf: ours[name] for name, hf in _llama_pairs(args.n_layers, args.bias)}
+    state = {hf: ours[name].t() if transposed else ours[name] for name, hf, transposed in _gpt2_pairs(args.n_layers)}
+    for i in range(args.n_layers):
+        a, hf = f"layers.{i}.attention.", f"transformer.h.{i}.attn.c_attn."
+        state[hf + "weight"] = torch.cat([ours[a + w + ".weight"] for w in ("wq", "wk", "wv")]).t()
+        state[hf + "bias"] = torch.cat([ours[a + w + ".bias"] for w in ("wq", "wk", "wv")])
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+def from_hf_state_dict(args: ModelArgs, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if args.tie_embeddings:  # HF state dicts may or may not list the tied head
+        hf = {**hf, "lm_head.weight": hf.get("lm_head.weight", hf.get("transformer.wte.weight",
+                                                                         hf.get("model.embed_tokens.weight")))}
+    try:
+        if family(args) == "llama":
+            return {name: hf[h] for name, h in _llama_pairs(args.n_layers, args.bias)}
+        state = {name: hf[h].t() if transposed else hf[h] for name, h, transposed in _gpt2_pairs(args.n_layers)}
+        for i in range(args.n_layers):
+            a, h = f"layers.{i}.attention.", f"transformer.h.{i}.attn.c_attn."
+            for w, part in zip(("wq", "wk", "wv"), hf[h + "weight"].t().split(args.dim)):
+                state[a + w + ".weight"] = part
+            for w, part in zip(("wq", "wk", "wv"), hf[h + "bias"].split(args.dim)):
+                state[a + w + ".bias"] = part
+    except KeyError as e:
+        raise UserError(f"the Hugging Face checkpoint lacks {e.args[0]}; it does not match its config.json") from None
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+def to_hf(model: Transformer):
+    """A transformers model computing the same function, on the same device and dtype."""
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    cls = GPT2LMHeadModel if family(model.args) == "gpt2" else LlamaForCausalLM
+    ref = next(model.parameters())
+    # Built for real (not on meta) so that HF's own non-persistent buffers (RoPE frequencies) exist.
+    with torch.device(ref.device):
+        hf = cls(hf_config(model.args)).to(ref.dtype)
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(model), strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"conversion mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return hf.eval()
+
+
+def from_hf(hf_model) -> Transformer:
+    args = args_from_hf(hf_model.config)
+    state = from_hf_state_dict(args, hf_model.state_dict())
+    ref = next(hf_model.parameters())
+    with torch.device("meta"):
+        model = Transformer(args)
+    if args.tie_embeddings:
+        state.pop("output.weight")
+    model.load_state_dict(state, strict=False, assign=True)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    if args.position == "rope":
+        model.rope_cos, model.rope_sin = rope_tables(args, device=ref.device)
+    return model.eval()
+
+
+def export_to_hf(export_dir: str | Path, out_dir: str | Path) -> Path:
+    """Our export folder -> a Hugging Face folder (config.json, model.safetensors, tokenizer.json)."""
+    from scalenlp.models.io import TOKENIZER, load_pretrained
+
+    hf = to_hf(load_pretrained(export_dir))
+    out = Path(out_dir)
+    hf.save_pretrained(out, safe_serialization=True)
+    if (Path(export_dir) / TOKENIZER).is_file():
+        shutil.copyfile(Path(export_dir) / TOKENIZER, out / TOKENIZER)
+    return out
+
+
+def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
+    """A local Hugging Face folder (never the hub) -> our export folder."""
+    from transformers import AutoModelForCausalLM
+
+    from scalenlp.models.io import TOKENIZER, save_pretrained
+
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, use_safetensors=True)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load a Hugging Face model from {hf_dir}: {e}") from None
+    tokenizer = Path(hf_dir) / TOKENIZER
+    return save_pretrained(from_hf(hf), out_dir, tokenizer_file=tokenizer if tokenizer.is_file() else None)
