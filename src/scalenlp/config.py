@@ -35,7 +35,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = opt("", "file, folder or glob of .txt/.jsonl/.parquet; empty uses the built-in corpus "
+    path: str = opt("", "file, folder or glob of .txt/.jsonl/.parquet/.tsv; empty uses the built-in corpus "
                         "(docstrings of the Python standard library)")
     text_field: str = opt("text", "field holding the text in .jsonl and .parquet records")
     val_fraction: float = opt(0.05, "fraction of the token stream held out for evaluation")

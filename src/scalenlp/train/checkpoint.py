@@ -9,6 +9,7 @@ looks complete, and older checkpoints are pruned only after the new one exists.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -54,6 +56,15 @@ def _options(strict: bool) -> StateDictOptions:
     return StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
 
 
+def _manifest(folder: Path) -> dict:
+    """Size of every file and a hash of DCP's index: a truncated or overwritten checkpoint is caught
+    before DCP reads it (its index is a pickle, so it should only ever read what we wrote)."""
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != STATE_FILE}
+    metadata = folder / ".metadata"
+    digest = hashlib.sha256(metadata.read_bytes()).hexdigest() if metadata.is_file() else None
+    return {"files": files, "metadata_sha256": digest}
+
+
 class Checkpointer:
     def __init__(self, root: Path, keep: int, rank: int):
         self.root, self.keep, self.rank = Path(root), keep, rank
@@ -86,7 +97,8 @@ class Checkpointer:
         torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")
         _barrier()
         if self.rank == 0:
-            (tmp / STATE_FILE).write_text(json.dumps({**train_state, "step": step}, indent=1))
+            state = {**train_state, "step": step, "manifest": _manifest(tmp)}
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
             if final.exists():  # a re-save of the same step: replace it only once the new one is whole
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -101,11 +113,15 @@ class Checkpointer:
             train_state = json.loads((path / STATE_FILE).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise UserError(f"checkpoint {path} is unreadable ({e}); delete it to resume from an older one") from None
+        if train_state.get("manifest") != _manifest(path):
+            raise UserError(f"checkpoint {path} is damaged (its files differ from what was saved); delete it "
+                            f"to resume from an older one")
         model_sd, optim_sd = _state_dicts(parts, optimizers)
         try:
             dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path),
                      no_dist=not dist.is_initialized())
-        except Exception as e:  # DCP wraps per-rank failures (missing keys, shapes, corrupt files) in its own types
+        except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
+            # (missing keys, shapes, corrupt files); its last line names the cause.
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise UserError(f"checkpoint {path} does not match this run ({reason[:300]}); resume with the model "
                             f"settings it was saved with, or start a new --run-dir") from None

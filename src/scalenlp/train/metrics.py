@@ -26,8 +26,9 @@ GPU_PEAK_TFLOPS = {
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:
     """Sustained FLOP/s of a square matmul on this process's share of the device."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    gen = torch.Generator(device).manual_seed(0)  # leave the training RNG streams untouched
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
     torch.mm(a, b)  # warm-up: thread pool, kernel selection
     iters, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:

@@ -132,7 +132,7 @@ class Trainer:
         self.micro_batch, self.accum = batch_shape(cfg, self.dims)
         self.loader = DataLoader(TokenDataset(self.data.train_tokens, t.seq_len), t.global_batch_size,
                                  dp_rank(self.mesh), self.dims.dp, t.seed)
-        self.val = TokenDataset(self.data.val_tokens, t.seq_len)
+        self.val = TokenDataset(self.data.val_tokens, t.seq_len) if t.eval_every else None
 
         # Model: same seed everywhere, so every layout starts from the weights of the single-process run.
         self.model_args = resolve_model_args(cfg, self.data.vocab_size)

@@ -1,0 +1,153 @@
+"""Trainer end to end through the CLI: determinism, exact resume, DDP parity, failures."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from scalenlp.models.io import load_pretrained
+from train_helpers import TINY, HANG_GUARD_S, cli_env, error_lines, read_metrics, run_train, write_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+def losses(run_dir):
+    return [r["loss"] for r in read_metrics(run_dir)]
+
+
+def test_same_seed_same_losses_bit_for_bit(tmp_path, corpus):
+    sets = [*TINY, f"data.path={corpus}", "training.steps=5"]
+    run_train(tmp_path / "a", *sets)
+    run_train(tmp_path / "b", *sets)
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    assert len(losses(tmp_path / "a")) == 5
+    other = run_train(tmp_path / "c", *sets, "training.seed=7")
+    assert other.returncode == 0 and losses(tmp_path / "c") != losses(tmp_path / "a")
+
+
+def test_resume_equals_uninterrupted(tmp_path, corpus):
+    sets = [*TINY, f"data.path={corpus}", "training.steps=8", "checkpoint.every=4", "checkpoint.keep=3",
+            "model.dropout=0.1"]  # dropout: the RNG state must survive the resume too
+    full = tmp_path / "full"
+    run_train(full, *sets)
+    reference = read_metrics(full)
+    record = {r["step"]: r for r in reference}
+
+    # The same run, interrupted after step 4: drop everything written after that checkpoint.
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-8")
+    shutil.rmtree(cut / "export")
+    (cut / "metrics.jsonl").write_text("")
+    run_train(cut, *sets, "checkpoint.resume=true")
+    resumed = read_metrics(cut)
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    for r in resumed:
+        assert r["loss"] == record[r["step"]]["loss"]
+        assert r["grad_norm"] == record[r["step"]]["grad_norm"]
+        assert r["lr"] == record[r["step"]]["lr"]
+
+
+def test_ddp_two_processes_match_single_process(tmp_path, corpus):
+    sets = [*TINY, f"data.path={corpus}", "training.steps=4"]
+    run_train(tmp_path / "single", *sets)
+    run_train(tmp_path / "ddp", *sets, nproc=2)
+    single, ddp = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "ddp")
+    assert [r["step"] for r in ddp] == [1, 2, 3, 4]
+    for a, b in zip(single, ddp):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    # Gradient accumulation (2 micro-batches per rank) is the same optimisation again.
+    run_train(tmp_path / "accum", *sets, "training.micro_batch_size=1", nproc=2)
+    for a, b in zip(single, read_metrics(tmp_path / "accum")):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
+def test_run_writes_metrics_checkpoints_and_a_loadable_export(tmp_path, corpus):
+    run = tmp_path / "run"
+    run_train(run, *TINY, f"data.path={corpus}", "training.steps=6", "checkpoint.every=2", "checkpoint.keep=2",
+              "training.eval_every=3")
+    records = read_metrics(run)
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "peak_mem_bytes"):
+        assert key in records[-1]
+    assert records[-1]["tokens_per_sec"] > 0 and 0 < records[-1]["mfu"] < 1
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4", "step-6"]  # keep=2
+    assert "val_loss" in (run / "metrics.jsonl").read_text()
+    assert (run / "config.toml").is_file() and (run / "export" / "config.toml").is_file()
+    model = load_pretrained(run / "export")
+    assert model.args.n_layers == 2
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]]))
+    assert logits.shape == (1, 3, model.args.vocab_size) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("sets, nproc, expected", [
+    (["training.stepz=3"], 1, "unknown config key 'training.stepz'"),
+    (["training.steps=many"], 1, "training.steps: expected int"),
+    (["training.mixed_precision=fp8"], 1, "training.mixed_precision='fp8' is not one of"),
+    (["parallel.tp=4"], 2, "world size 2"),
+    (["training.global_batch_size=3"], 2, "not divisible by the 2 data-parallel ranks"),
+    (["training.seq_len=1000"], 1, "over the model's max_seq_len 256"),
+    (["model.flavor=huge"], 1, "model.flavor='huge' is unknown"),
+    (["data.path=/nonexistent/corpus.txt"], 1, "/nonexistent/corpus.txt"),
+])
+def test_bad_input_is_one_error_line_and_exit_2(tmp_path, corpus, sets, nproc, expected):
+    proc = run_train(tmp_path / "run", *TINY, f"data.path={corpus}", *sets, nproc=nproc, check=False)
+    assert proc.returncode == 2, proc.stderr
+    errors = error_lines(proc.stderr)
+    assert errors and expected in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_empty_data_folder_is_reported(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = run_train(tmp_path / "run", *TINY, f"data.path={tmp_path / 'empty'}", check=False)
+    assert proc.returncode == 2 and error_lines(proc.stderr) and "Traceback" not in proc.stderr
+
+
+def test_checkpoints_are_never_overwritten_and_bad_ones_refused(tmp_path, corpus):
+    sets = [*TINY, f"data.path={corpus}", "training.steps=2", "checkpoint.every=2"]
+    run = tmp_path / "run"
+    run_train(run, *sets)
+    before = (run / "metrics.jsonl").read_text()
+
+    again = run_train(run, *sets, check=False)  # a new run into a used folder must not clobber it
+    assert again.returncode == 2 and "checkpoint.resume=true" in error_lines(again.stderr)[0]
+    assert (run / "metrics.jsonl").read_text() == before
+
+    mismatch = run_train(run, *sets, "training.steps=4", "model.flavor=debug-gpt2", "checkpoint.resume=true",
+                         check=False)
+    assert mismatch.returncode == 2 and "does not match this run" in error_lines(mismatch.stderr)[0]
+
+    (run / "checkpoints" / "step-2" / ".metadata").write_bytes(b"not a checkpoint")
+    corrupt = run_train(run, *sets, "training.steps=4", "checkpoint.resume=true", check=False)
+    assert corrupt.returncode == 2 and error_lines(corrupt.stderr), corrupt.stderr
+    assert "Traceback" not in corrupt.stderr
+
+
+def test_a_crashed_rank_does_not_leave_the_others_hanging(tmp_path, corpus):
+    cmd = [sys.executable, "-m", "scalenlp", "train", "--nproc", "2", "--run-dir", str(tmp_path / "run")]
+    for s in [*TINY, f"data.path={corpus}", "training.steps=100000", "training.timeout_s=60"]:
+        cmd += ["--set", s]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # both ranks are in the loop
+        assert launcher.poll() is None, launcher.communicate()[1]
+        time.sleep(0.5)
+    workers = subprocess.run(["pgrep", "-f", "-P", str(launcher.pid), "scalenlp"], capture_output=True, text=True)
+    pids = [int(p) for p in workers.stdout.split()]
+    assert len(pids) == 2, workers
+    os.kill(pids[1], signal.SIGKILL)
+    _, stderr = launcher.communicate(timeout=HANG_GUARD_S)
+    assert launcher.returncode != 0
+    assert error_lines(stderr) and "failed" in error_lines(stderr)[-1]

@@ -1,0 +1,58 @@
+"""Running `scalenlp train` as a user does (a subprocess per run) and reading what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+# A debug model on a tiny batch: every run takes seconds, and float32 keeps parity comparisons exact.
+TINY = ["model.flavor=debug", "tokenizer.vocab_size=400", "training.seq_len=32", "training.global_batch_size=4",
+        "training.log_every=1", "training.eval_every=0", "training.warmup_steps=2", "training.lr=3e-3"]
+
+# Hang guard only: a broken process group must fail the test, not stall CI forever.
+HANG_GUARD_S = 900
+
+
+def write_corpus(path: Path, chars: int = 60_000) -> Path:
+    """A slice of Tiny Shakespeare, or generated text where ../shared/data is absent."""
+    source = SHARED_DATA / "tinyshakespeare" / "input.txt"
+    if source.is_file():
+        text = source.read_text()[:chars]
+    else:
+        words = "the of and to a in is it you that he was for on are with as his they be at one have this".split()
+        text = "\n".join(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12)) for i in range(chars // 60))
+    path.write_text(text)
+    return path
+
+
+def cli_env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run_train(run_dir: Path, *sets: str, nproc: int = 1, extra: list[str] | None = None,
+              check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "scalenlp", "train", "--run-dir", str(run_dir), "--nproc", str(nproc)]
+    for s in sets:
+        cmd += ["--set", s]
+    cmd += extra or []
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=HANG_GUARD_S)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Training records (one per logged step), without the evaluation records."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
