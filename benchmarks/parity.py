@@ -1,0 +1,182 @@
+"""Loss and gradient-norm parity of every parallel layout against one process.
+
+    python benchmarks/parity.py [--steps 10] [--layouts ddp2,tp2,...]
+
+Each layout trains the same model (the debug flavor with 4 layers, float32) on the same global
+batches from the same initial weights, through scalenlp.parallel (parallelize / build_pipeline /
+shard_optimizer_state / skip_gradient_sync / clip_grad_norm_) with AdamW; the table shows the
+largest relative difference of the per-step loss and gradient norm from the single-process run.
+Layouts of one world size share one launch of processes (gloo, one thread each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from scalenlp.config import Config
+from scalenlp.models.flavors import build_model, model_args
+from scalenlp.parallel.data_parallel import skip_gradient_sync
+from scalenlp.parallel.mesh import ParallelDims, build_mesh, dp_rank
+from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, parallelize, shard_optimizer_state
+from scalenlp.parallel.pipeline import build_pipeline
+
+# name -> (world size, [parallel] overrides)
+LAYOUTS: dict[str, tuple[int, dict]] = {
+    "ddp2": (2, dict(data_parallel="ddp")),
+    "zero1x2": (2, dict(data_parallel="zero1")),
+    "zero2x2": (2, dict(data_parallel="zero2")),
+    "zero3x2": (2, dict(data_parallel="zero3")),
+    "tp2": (2, dict(tp=2)),
+    "tp2+sp": (2, dict(tp=2, sequence_parallel=True)),
+    "pp2 gpipe": (2, dict(pp=2, pp_schedule="gpipe", pp_microbatches=4)),
+    "pp2 1f1b": (2, dict(pp=2, pp_schedule="1f1b", pp_microbatches=4)),
+    "pp2 interleaved": (2, dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_microbatches=4)),
+    "zero3x4": (4, dict(data_parallel="zero3")),
+    "hsdp2x2": (4, dict(data_parallel="zero3", dp_replicate=2)),
+    "dp2xtp2": (4, dict(data_parallel="zero3", tp=2)),
+    "dp2xpp2": (4, dict(data_parallel="ddp", pp=2, pp_microbatches=2)),
+    "tp2xpp2": (4, dict(tp=2, pp=2, pp_microbatches=4)),
+    "ddp2xtp2": (4, dict(data_parallel="ddp", tp=2)),
+}
+
+VOCAB, SEQ, GLOBAL_BATCH, MICRO_BATCH = 256, 16, 8, 2
+
+
+def make_config(parallel: dict) -> Config:
+    cfg = Config()
+    cfg.training.seq_len, cfg.training.global_batch_size = SEQ, GLOBAL_BATCH
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+def batches(steps: int, seed: int = 0) -> torch.Tensor:
+    """(steps, GLOBAL_BATCH, SEQ + 1) token sequences that count up by a per-row stride: learnable,
+    so the loss falls and the comparison covers a moving optimisation, not noise."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, VOCAB, (steps, GLOBAL_BATCH, 1), generator=g)
+    stride = torch.randint(1, 4, (steps, GLOBAL_BATCH, 1), generator=g)
+    return (start + stride * torch.arange(SEQ + 1)) % VOCAB
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def train(parallel: dict, world: int, steps: int) -> dict[str, list[float]]:
+    """Train ``steps`` steps under the layout on this process's share; returns losses and grad norms."""
+    cfg = make_config(parallel)
+    margs = model_args("debug", vocab_size=VOCAB, n_layers=4, max_seq_len=SEQ)
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    check_layout(margs, dims, cfg)
+    mesh = build_mesh(dims)
+    torch.manual_seed(cfg.training.seed)
+    model = build_model(margs)
+    pp_mesh = mesh["pp"] if mesh is not None else None
+    if dims.pp > 1:
+        runner, parts = build_pipeline(model, dims, mesh, cfg, loss_fn)
+    else:
+        parts = [parallelize(model, dims, mesh, cfg)]
+    optimizers = [shard_optimizer_state([q for q in part.parameters()], torch.optim.AdamW, dims, mesh, cfg,
+                                        lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95)) for part in parts]
+    local = GLOBAL_BATCH // dims.dp
+    rank_in_dp = dp_rank(mesh)
+    data = batches(steps)[:, rank_in_dp * local:(rank_in_dp + 1) * local]
+    dp_group = dp_mesh(mesh, flat=True).get_group() if mesh is not None and dims.dp > 1 else None
+    losses, norms = [], []
+    for step in range(steps):
+        inputs, targets = data[step, :, :-1], data[step, :, 1:]
+        if dims.pp > 1:
+            loss = runner.step(inputs, targets)
+        else:
+            n_micro = local // MICRO_BATCH
+            loss = torch.zeros(())
+            for i in range(n_micro):
+                sl = slice(i * MICRO_BATCH, (i + 1) * MICRO_BATCH)
+                sync = i == n_micro - 1
+                with contextlib.nullcontext() if sync else skip_gradient_sync(parts):
+                    micro_loss = loss_fn(parts[0](inputs[sl]), targets[sl]) / n_micro
+                    micro_loss.backward()
+                loss += micro_loss.detach()
+        norm = clip_grad_norm_([q for part in parts for q in part.parameters()], 1.0, pp_mesh)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        if dp_group is not None:
+            dist.all_reduce(loss, group=dp_group)
+            loss /= dims.dp
+        losses.append(loss.item())
+        norms.append(norm.item())
+    return {"loss": losses, "grad_norm": norms}
+
+
+def _worker(rank: int, world: int, port: int, names: list[str], steps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {name: train(LAYOUTS[name][1], world, steps) for name in names}
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_layouts(names: list[str], steps: int) -> dict[str, dict[str, list[float]]]:
+    """Results per layout name; one process launch per world size."""
+    results = {}
+    for world in sorted({LAYOUTS[n][0] for n in names}):
+        group = [n for n in names if LAYOUTS[n][0] == world]
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "results.json")
+            mp.spawn(_worker, args=(world, free_port(), group, steps, out), nprocs=world)
+            results |= json.loads(Path(out).read_text())
+    return results
+
+
+def reference(steps: int) -> dict[str, list[float]]:
+    torch.set_num_threads(1)
+    return train({}, 1, steps)
+
+
+def relative_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ", ".join(LAYOUTS))
+    args = parser.parse_args()
+    names = [n.strip() for n in args.layouts.split(",") if n.strip()]
+    ref = reference(args.steps)
+    results = run_layouts(names, args.steps)
+    print(f"single process: losses {ref['loss'][0]:.5f} -> {ref['loss'][-1]:.5f} over {args.steps} steps")
+    print(f"{'layout':<18}{'procs':>6}{'max rel diff loss':>20}{'max rel diff grad norm':>25}{'  within 1e-4':>14}")
+    ok = True
+    for name in names:
+        dl = relative_diff(results[name]["loss"], ref["loss"])
+        dg = relative_diff(results[name]["grad_norm"], ref["grad_norm"])
+        ok &= dl < 1e-4 and dg < 1e-4
+        print(f"{name:<18}{LAYOUTS[name][0]:>6}{dl:>20.2e}{dg:>25.2e}{'yes' if dl < 1e-4 and dg < 1e-4 else 'NO':>14}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

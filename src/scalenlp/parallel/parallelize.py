@@ -1,0 +1,173 @@
+"""Apply parallelisms to a model in the one correct order.
+
+Order (per model, or per pipeline stage when pp > 1, see pipeline.py):
+  TP -> activation checkpointing -> compile -> data parallel (DDP / ZeRO / HSDP).
+- TP first: it replaces weights by DTensor shards, which everything after must see.
+- Activation checkpointing wraps each block; compile then compiles each (checkpointed) block, so
+  the recomputation is compiled too.
+- Data parallelism last: it must own the final parameters (DDP's hooks, FSDP's sharded DTensors),
+  and with TP it shards the already-TP-sharded weights along the other mesh dimension (2-D).
+
+``check_layout`` runs before any process group exists, so an impossible layout is one error line.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.checkpoint_activation import checkpoint
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+from scalenlp.config import Config, ConfigError
+from scalenlp.models.decoder import ModelArgs
+from scalenlp.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, zero1_optimizer
+from scalenlp.parallel.mesh import ParallelDims
+from scalenlp.parallel.tensor_parallel import apply_tp
+
+# Selective checkpointing keeps the outputs of the expensive ops (matmuls, attention) and recomputes
+# the cheap memory-bound rest (norms, activations, RoPE, residual adds) in backward.
+_OPS_TO_SAVE = [op for op in (
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+)]
+
+
+def check_layout(model_args: ModelArgs, dims: ParallelDims, cfg: Config) -> None:
+    """Raise ConfigError for a layout this model cannot run, before any process-group work."""
+    p, t = cfg.parallel, cfg.training
+    for name, heads in (("n_heads", model_args.n_heads), ("n_kv_heads", model_args.n_kv_heads)):
+        if heads % dims.tp:
+            raise ConfigError(f"parallel.tp={dims.tp} does not divide the model's {name}={heads}; "
+                              f"choose a tp degree that divides {heads}")
+    if p.sequence_parallel and dims.tp > 1 and t.seq_len % dims.tp:
+        raise ConfigError(f"sequence parallelism splits the sequence over tp ranks: training.seq_len={t.seq_len} "
+                          f"is not divisible by parallel.tp={dims.tp}")
+    if p.data_parallel == "zero1" and dims.dp > 1 and (dims.tp > 1 or dims.pp > 1):
+        # ZeroRedundancyOptimizer broadcasts plain tensors; tp/pp weights are DTensors or FSDP-managed.
+        raise ConfigError("parallel.data_parallel=\"zero1\" works with data parallelism alone; with tp or pp use "
+                          "parallel.data_parallel=\"zero2\" (gradients and optimizer state sharded)")
+    if p.offload and (p.data_parallel not in ("zero2", "zero3") or not torch.cuda.is_available()):
+        raise ConfigError("parallel.offload=true needs a GPU and parallel.data_parallel=\"zero2\" or \"zero3\"; "
+                          "set parallel.offload=false")
+    if p.pp_stages_per_rank > 1 and p.pp_schedule in ("gpipe", "1f1b"):
+        raise ConfigError(f"parallel.pp_stages_per_rank={p.pp_stages_per_rank} needs an interleaved schedule; "
+                          f"set parallel.pp_schedule=\"interleaved_1f1b\" or \"zero_bubble\"")
+    if dims.pp == 1:
+        return
+    stages = dims.pp * p.pp_stages_per_rank
+    if stages > model_args.n_layers:
+        raise ConfigError(f"parallel.pp={dims.pp} x pp_stages_per_rank={p.pp_stages_per_rank} = {stages} pipeline "
+                          f"stages but the model has only {model_args.n_layers} layers; use at most "
+                          f"{model_args.n_layers} stages")
+    if model_args.tie_embeddings:
+        raise ConfigError("tied input/output embeddings cannot be split across pipeline stages (first and last "
+                          "stage would share a weight); use parallel.pp=1 or a flavor without tie_embeddings")
+    if t.global_batch_size % dims.dp:
+        raise ConfigError(f"training.global_batch_size={t.global_batch_size} is not divisible by the "
+                          f"data-parallel degree {dims.dp}")
+    local_batch = t.global_batch_size // dims.dp
+    microbatches = p.pp_microbatches or dims.pp
+    if local_batch % microbatches:
+        raise ConfigError(f"parallel.pp_microbatches={microbatches} does not divide the per-rank batch "
+                          f"{local_batch} (global_batch_size / data-parallel degree); choose a divisor of {local_batch}")
+    if p.pp_schedule == "1f1b" and microbatches < dims.pp:
+        raise ConfigError(f"the 1f1b schedule needs at least as many microbatches as stages: "
+                          f"parallel.pp_microbatches={microbatches} < pp={dims.pp}")
+
+
+def apply_ac(model: nn.Module, mode: str) -> None:
+    """Activation checkpointing per block: "full" keeps only each block's input, "selective" also
+    keeps matmul/attention outputs. Composable ``checkpoint`` keeps parameter names unchanged."""
+    if mode == "none":
+        return
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _OPS_TO_SAVE) if mode == "selective" else None
+    for block in model.layers.values():
+        if context_fn is None:
+            checkpoint(block, preserve_rng_state=False)
+        else:
+            checkpoint(block, preserve_rng_state=False, context_fn=context_fn)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block separately: blocks are identical, so one compiled graph is reused, and
+    FSDP's per-block hooks stay outside the graphs."""
+    for block in model.layers.values():
+        block.compile(fullgraph=False)
+
+
+def dp_mesh(mesh: DeviceMesh, flat: bool) -> DeviceMesh:
+    """The data-parallel part of the mesh: 1-D "dp" (replicate x shard flattened) for DDP and
+    ZeRO-1; for FSDP, "dp_shard" alone or (dp_replicate, dp_shard) when replicas exist (HSDP)."""
+    if flat:
+        try:
+            return mesh["dp"]
+        except KeyError:
+            return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, cfg: Config) -> nn.Module:
+    """Apply TP, activation checkpointing, compile and data parallelism; returns the module to train
+    (a DDP wrapper for ddp/zero1 without tp/pp, the model itself, sharded in place, otherwise)."""
+    p, t = cfg.parallel, cfg.training
+    if mesh is not None and dims.tp > 1:
+        apply_tp(model, mesh["tp"], p.sequence_parallel)
+    apply_ac(model, t.activation_checkpointing)
+    if t.compile:
+        apply_compile(model)
+    if mesh is None or dims.dp == 1:
+        return model
+    if p.data_parallel in ("ddp", "zero1"):
+        if dims.tp == 1 and dims.pp == 1:
+            return apply_ddp(model, dp_mesh(mesh, flat=True), p.ddp_bucket_mb)
+        return apply_replicate(model, dp_mesh(mesh, flat=True), bf16=t.mixed_precision == "bf16")
+    return apply_fsdp(model, dp_mesh(mesh, flat=False), reshard_after_forward=p.data_parallel == "zero3",
+                      bf16=t.mixed_precision == "bf16", offload=p.offload)
+
+
+def shard_optimizer_state(param_groups: list, optimizer_class: type[torch.optim.Optimizer], dims: ParallelDims,
+                          mesh: DeviceMesh | None, cfg: Config, **defaults) -> torch.optim.Optimizer:
+    """The optimizer for one model part: ``optimizer_class(param_groups, **defaults)``, with its state
+    partitioned over the data-parallel ranks when parallel.data_parallel == "zero1" (ZeRO-1)."""
+    if cfg.parallel.data_parallel == "zero1" and mesh is not None and dims.dp > 1:
+        return zero1_optimizer(param_groups, optimizer_class, dp_mesh(mesh, flat=True), **defaults)
+    return optimizer_class(param_groups, **defaults)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """Global L2 gradient norm over every layout, then clip to ``max_norm`` (0 = only measure).
+
+    Gradients may be plain tensors or DTensors on different meshes (TP-sharded weights on
+    (dp, tp), replicated norms on dp only), so the norm is taken per sharding layout and the
+    per-layout norms combined; with pipelining each rank holds only its stages' gradients, so the
+    squared norms are summed over the pp group.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    by_layout: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else (None, None)
+        by_layout.setdefault(key, []).append(p)
+    squares = []
+    for group in by_layout.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    device = params[0].device if params else torch.device("cpu")
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        dist.all_reduce(total_sq, group=pp_mesh.get_group())
+    total = total_sq.sqrt()
+    if max_norm > 0:
+        for group in by_layout.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total

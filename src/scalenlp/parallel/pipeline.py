@@ -1,0 +1,136 @@
+"""Pipeline parallelism: split the decoder into stages by layer and run a torch.distributed.pipelining schedule.
+
+Stage s holds a contiguous run of layers; the first stage also holds the embeddings, the last the
+final norm, the output projection and (through the schedule) the loss. Layers are balanced by
+training FLOPs per token (matmul weights plus attention scores, the 6N + 12·L·H·Q·T terms), so
+the output projection of a large vocabulary counts against the last stage and the embedding
+lookup, which costs no matmul, does not.
+
+With pp_stages_per_rank = v > 1 (interleaved schedules) rank r holds stages r, r + pp, r + 2pp, ...:
+the pipeline's warm-up and cool-down bubble shrinks by v for v times more point-to-point sends.
+Each stage is a pruned copy of the full model, so parameter names (and checkpoints) are the same
+in every layout; TP, activation checkpointing, compile and DP are applied to each stage.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                    ScheduleInterleavedZeroBubble)
+
+from scalenlp.config import Config
+from scalenlp.parallel.mesh import ParallelDims
+from scalenlp.parallel.parallelize import parallelize
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "zero_bubble": ScheduleInterleavedZeroBubble}
+
+
+def layer_costs(model: nn.Module, seq_len: int) -> tuple[list[float], float]:
+    """Per-layer training cost in units of matmul parameters (FLOPs / 6 per token), and the output
+    projection's cost, which the last stage carries in addition to its layers."""
+    dim = model.args.dim
+    costs = [sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear)) + 2 * dim * seq_len
+             for block in model.layers.values()]
+    return costs, float(model.output.weight.numel())
+
+
+def split_layers(costs: list[float], head_cost: float, num_stages: int) -> list[list[int]]:
+    """Contiguous, non-empty runs of layer indices, one per stage, minimising the costliest stage
+    (exact dynamic programme; the last stage also pays ``head_cost``)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: the smallest max-stage cost that puts layers [0, i) on stages [0, s).
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n - (num_stages - s) + 1):
+            for j in range(s - 1, i):
+                stage = prefix[i] - prefix[j] + (head_cost if s == num_stages else 0.0)
+                value = max(best[s - 1][j], stage)
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds, i = [], n
+    for s in range(num_stages, 0, -1):
+        bounds.append((cut[s][i], i))
+        i = cut[s][i]
+    return [list(range(a, b)) for a, b in reversed(bounds)]
+
+
+def stage_module(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
+    """A copy of ``model`` keeping only ``layer_ids`` (and the embeddings / head if first / last)."""
+    keep = {str(i) for i in layer_ids}
+    part = copy.deepcopy(model)
+    for key in [k for k in part.layers if k not in keep]:
+        del part.layers[key]
+    if not first:
+        part.tok_embeddings = None
+        part.pos_embeddings = None
+        part.drop = nn.Identity()  # dropout after the embeddings belongs to the first stage only
+    if not last:
+        part.norm = None
+        part.output = None
+    return part
+
+
+class PipelineRunner:
+    """One optimizer step's worth of forward + backward through the pipeline schedule."""
+
+    def __init__(self, schedule, pp_mesh: DeviceMesh, has_first: bool, has_last: bool, device: torch.device):
+        self.schedule, self.pp_mesh, self.device = schedule, pp_mesh, device
+        self.has_first, self.has_last = has_first, has_last
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Run the local batch as the configured microbatches; gradients are left in the stage
+        parameters (averaged over microbatches). Returns the mean loss, the same on every pp rank."""
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        if self.has_first:
+            self.schedule.step(inputs, **kwargs)
+        else:
+            self.schedule.step(**kwargs)
+        loss = torch.stack(losses).mean().detach() if self.has_last else torch.zeros((), device=self.device)
+        # The last stage lives on the last pp rank (stage s is on rank s mod pp).
+        dist.broadcast(loss, group=self.pp_mesh.get_group(), group_src=self.pp_mesh.size() - 1)
+        return loss
+
+
+def build_pipeline(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: Config,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                   ) -> tuple[PipelineRunner, list[nn.Module]]:
+    """Split ``model`` into this rank's stages, parallelize each (TP/AC/compile/DP), and wrap them in
+    the configured schedule. ``loss_fn(logits, targets)`` must be a mean over its microbatch.
+    Returns the runner and the model parts (for the optimizer, gradient clipping and checkpoints)."""
+    p = cfg.parallel
+    pp_mesh = mesh["pp"]
+    pp_rank, v = pp_mesh.get_local_rank(), p.pp_stages_per_rank
+    num_stages = dims.pp * v
+    costs, head_cost = layer_costs(model, cfg.training.seq_len)
+    layers = split_layers(costs, head_cost, num_stages)
+    device = next(model.parameters()).device
+    stages, parts = [], []
+    for stage_id in range(pp_rank, num_stages, dims.pp):
+        first, last = stage_id == 0, stage_id == num_stages - 1
+        part = parallelize(stage_module(model, layers[stage_id], first, last), dims, mesh, cfg)
+        parts.append(part)
+        stages.append(PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
+    microbatches = p.pp_microbatches or dims.pp
+    schedule_class = SCHEDULES[p.pp_schedule]
+    if schedule_class in (ScheduleGPipe, Schedule1F1B):
+        schedule = schedule_class(stages[0], microbatches, loss_fn=loss_fn)
+    else:
+        schedule = schedule_class(stages, microbatches, loss_fn=loss_fn)
+    runner = PipelineRunner(schedule, pp_mesh, has_first=pp_rank == 0, has_last=pp_rank == dims.pp - 1,
+                            device=device)
+    return runner, parts

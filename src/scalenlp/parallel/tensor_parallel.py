@@ -1,0 +1,101 @@
+"""Tensor parallelism (Megatron-style) and sequence parallelism for the decoder family.
+
+Each block is split so that it needs one all-reduce (or, with sequence parallelism, one
+all-gather + one reduce-scatter) for attention and one for the MLP:
+- wq / wk / wv and w1 / w3 are column-parallel: every rank computes n_heads/tp heads (and
+  ffn_dim/tp hidden units) on the full input, which the decoder's ``view(B, T, -1, head_dim)`` allows;
+- wo and w2 are row-parallel: partial sums over the local heads / hidden units, reduced once.
+
+The embedding is vocabulary-parallel (each rank holds vocab/tp rows; the lookup is masked and
+summed across ranks) and the output projection is column-parallel over the vocabulary, then
+gathered: the vocabulary matrices are the largest in small models, so sharding them pays most.
+
+Sequence parallelism (Korthikanti et al., 2022) shards the activations between blocks along the
+sequence: norms and dropout run on T/tp tokens, the all-reduce becomes reduce-scatter + all-gather
+(same traffic), and the residual stream's memory drops by tp.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+
+class RelayoutHiddenInput(ParallelStyle):
+    """Redistribute a module's first positional input (the hidden states) from ``src`` to ``dst``
+    and pass the rest (RoPE tables, positions, cache slots, ...) through untouched, whatever their number."""
+
+    def __init__(self, src: Placement, dst: Placement):
+        super().__init__()
+        self.src, self.dst = src, dst
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def relayout(_, args):
+            x = args[0] if isinstance(args[0], DTensor) else DTensor.from_local(args[0], device_mesh, (self.src,),
+                                                                                run_check=False)
+            return (x.redistribute(placements=(self.dst,)).to_local(), *args[1:])
+        module.register_forward_pre_hook(relayout)
+        return module
+
+
+def block_plan(sequence_parallel: bool, has_w3: bool) -> dict[str, ParallelStyle]:
+    """Plan for one decoder Block, keyed by submodule name."""
+    plan: dict[str, ParallelStyle | None] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
+        "feed_forward.w3": ColwiseParallel() if has_w3 else None,  # SwiGLU's gate; GELU MLPs have none
+    }
+    if sequence_parallel:
+        plan |= {
+            "attention_norm": SequenceParallel(),
+            "attention": RelayoutHiddenInput(Shard(1), Replicate()),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": RelayoutHiddenInput(Shard(1), Replicate()),
+        }
+    return {name: style for name, style in plan.items() if style is not None}
+
+
+def outer_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Plan for the embeddings, final norm and output projection that this model (or stage) holds."""
+    plan: dict[str, ParallelStyle] = {}
+    learned_positions = getattr(model, "pos_embeddings", None) is not None
+    if model.tok_embeddings is not None:
+        # With learned positions the position embedding is added to the full sequence, so the token
+        # embedding stays replicated and the stream is sharded at the dropout that follows.
+        shard_here = sequence_parallel and not learned_positions
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
+                                                 output_layouts=Shard(1) if shard_here else Replicate())
+        if sequence_parallel and learned_positions:
+            plan["drop"] = RelayoutHiddenInput(Replicate(), Shard(1))
+    if model.norm is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                         output_layouts=Replicate())
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard ``model`` (a Transformer or a pipeline stage of one) in place over ``tp_mesh``."""
+    blocks = list(model.layers.values())
+    for block in blocks:
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, block.feed_forward.w3 is not None))
+    parallelize_module(model, tp_mesh, outer_plan(model, sequence_parallel))
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        # Both styles shard the (vocab, dim) matrix by rows (Shard(0)), so one DTensor serves both again.
+        model.output.weight = model.tok_embeddings.weight
+    if sequence_parallel and blocks:
+        # Pipeline stages exchange the full sequence: the receiving stage derives positions (RoPE)
+        # from the length of what it receives, so a sharded boundary would get them wrong.
+        if model.tok_embeddings is None:
+            parallelize_module(blocks[0], tp_mesh, RelayoutHiddenInput(Replicate(), Shard(1)))
+        if model.norm is None:
+            parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
+                output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
