@@ -1,0 +1,218 @@
+"""`scalenlp plan`: does a model fit on these devices, with which layout, and how fast will it train?
+
+Without --layout, searches every layout whose degrees divide the device count and prints the fastest
+that fit, each with its memory breakdown and the `scalenlp train` line that runs it; with --layout,
+predicts that one. The cost model and its calibration are described in scalenlp.plan.cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+from scalenlp.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="flavor name (debug, small, llama-8b, ...) or hidden=H,layers=L,heads=A,kv_heads=K,"
+                             "ffn=F,vocab=V[,family=llama|gpt2][,dropout=P]")
+    parser.add_argument("--seq", type=int, required=True, help="tokens per training sequence")
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--devices", type=int, required=True, help="number of accelerators (or CPU processes)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="devices per node (default 8; with --device cpu, all processes share this machine)")
+    parser.add_argument("--device", default="h100-sxm",
+                        help="h100-sxm | a100-80gb | h200 | cpu (cpu measures this machine: matmul rate, "
+                             "memory bandwidth, gloo all-reduce)")
+    parser.add_argument("--device-spec", default="",
+                        help="override device fields, e.g. memory_gb=40,nic_bw=12.5e9,gemm_efficiency=0.6")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
+                        help="training precision (default bf16 on GPUs, fp32 on cpu)")
+    parser.add_argument("--layout", default=None,
+                        help="predict one layout: dp_shard=..,dp_replicate=..,tp=..,pp=..,microbatch=..,"
+                             "zero=0-3|ddp|zero1-3,recompute=none|selective|full[,schedule=gpipe|1f1b|"
+                             "interleaved_1f1b][,v=..][,sp=true]")
+    parser.add_argument("--top", type=int, default=10, help="how many layouts to list")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+_ZERO_WORDS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+
+
+def parse_layout(text: str, devices: int, global_batch: int):
+    """``key=value,...`` -> Layout; unnamed data-parallel degrees take what the others leave."""
+    from scalenlp.plan.cost import Layout
+
+    values: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise UserError(f"--layout {item!r}: expected key=value")
+        values[key.strip()] = value.strip()
+    known = {"dp_shard", "dp_replicate", "tp", "pp", "microbatch", "zero", "recompute", "schedule", "v", "sp"}
+    unknown = set(values) - known
+    if unknown:
+        raise UserError(f"--layout: unknown key(s) {', '.join(sorted(unknown))}; keys are {', '.join(sorted(known))}")
+
+    def integer(key: str, default: int | None) -> int | None:
+        if key not in values:
+            return default
+        try:
+            return int(values[key])
+        except ValueError:
+            raise UserError(f"--layout {key}={values[key]!r}: expected an integer") from None
+
+    zero_text = values.get("zero", "0").lower()
+    zero = _ZERO_WORDS.get(zero_text)
+    if zero is None:
+        zero = integer("zero", 0)
+    tp, pp = integer("tp", 1), integer("pp", 1)
+    replicate, shard = integer("dp_replicate", None), integer("dp_shard", None)
+    if min(tp, pp) < 1 or min(x for x in (replicate, shard, 1) if x is not None) < 1:
+        raise UserError("--layout: degrees must be at least 1")
+    rest = devices // (tp * pp)
+    if replicate is None and shard is None:
+        replicate, shard = (1, rest) if zero else (rest, 1)
+    elif replicate is None:
+        replicate = rest // shard if rest % shard == 0 else 1
+    elif shard is None:
+        shard = rest // replicate if zero and rest % replicate == 0 else 1
+    dp = replicate * shard
+    microbatch = integer("microbatch", 1 if pp > 1 else max(1, global_batch // dp))
+    sp = values.get("sp", "false").lower()
+    if sp not in ("true", "false", "1", "0"):
+        raise UserError(f"--layout sp={values['sp']!r}: expected true or false")
+    v = integer("v", 1)
+    schedule = values.get("schedule", "interleaved_1f1b" if v > 1 else "1f1b")
+    return Layout(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, microbatch=microbatch, zero=zero,
+                  recompute=values.get("recompute", "none"), schedule=schedule, stages_per_rank=v,
+                  sequence_parallel=sp in ("true", "1"))
+
+
+def train_command(shape, work, layout, devices: int, gpus_per_node: int) -> str:
+    """The `scalenlp train` line that runs this layout."""
+    from scalenlp.plan.cost import ZERO_NAMES
+
+    if devices > gpus_per_node:
+        launch = ["--nproc", str(gpus_per_node), "--nnodes", str(devices // gpus_per_node)]
+    else:
+        launch = ["--nproc", str(devices)]
+    settings = {
+        "parallel.dp_replicate": layout.dp_replicate, "parallel.dp_shard": layout.dp_shard,
+        "parallel.tp": layout.tp, "parallel.pp": layout.pp,
+        "parallel.data_parallel": ZERO_NAMES[layout.zero],
+        "parallel.sequence_parallel": str(layout.sequence_parallel).lower(),
+    }
+    if layout.pp > 1:
+        settings["parallel.pp_schedule"] = layout.schedule
+        settings["parallel.pp_microbatches"] = work.global_batch // (layout.dp * layout.microbatch)
+        settings["parallel.pp_stages_per_rank"] = layout.stages_per_rank
+    settings.update({
+        "training.activation_checkpointing": layout.recompute,
+        "training.global_batch_size": work.global_batch,
+        "training.micro_batch_size": layout.microbatch,
+        "training.seq_len": work.seq,
+        "training.mixed_precision": work.precision,
+    })
+    if shape.flavor:
+        settings = {"model.flavor": shape.flavor, **settings}
+    words = ["scalenlp", "train", *launch]
+    for key, value in settings.items():
+        words += ["--set", f"{key}={value}"]
+    return shlex.join(words)
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:,.2f}"
+
+
+def _describe(p, device, rank: int | None) -> list[str]:
+    m = p.memory
+    head = f"#{rank} " if rank is not None else ""
+    return [
+        f"{head}{p.layout.describe()}",
+        f"    {p.tokens_per_sec:,.0f} tokens/s | step {p.step_time_s:.4g} s | {p.tflops_per_device:.1f} TFLOP/s per "
+        f"device | MFU {p.mfu:.1%} | bubble {p.bubble_fraction:.1%}",
+        f"    memory per device {_gib(p.memory_per_device_bytes)} of {_gib(device.memory_bytes)} GiB: params "
+        f"{_gib(m['params'])}, grads {_gib(m['grads'])}, optimizer {_gib(m['optimizer'])}, activations "
+        f"{_gib(m['activations'])}, buffers {_gib(m['buffers'])}, runtime {_gib(m['runtime'])}",
+        f"    {p.train_command}" if p.train_command else "    (custom shape: add it to scalenlp.models.flavors "
+                                                        "to train it with `scalenlp train`)",
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    from scalenlp.plan.cost import Workload, check_layout, fits, model_shape, predict
+    from scalenlp.plan.devices import get_device, parse_overrides
+    from scalenlp.plan.search import search, smallest_device_count
+
+    for name in ("seq", "global_batch", "devices", "top"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    overrides = parse_overrides(args.device_spec)
+    if args.device == "cpu":
+        from scalenlp.plan.measure import measure_cpu
+
+        gpus_per_node = args.gpus_per_node or args.devices
+        device = measure_cpu(processes=gpus_per_node, overrides=overrides)
+    else:
+        gpus_per_node = args.gpus_per_node or 8
+        device = get_device(args.device, overrides)
+    if args.devices > gpus_per_node and args.devices % gpus_per_node:
+        raise UserError(f"--devices {args.devices} is not a whole number of nodes of {gpus_per_node}; "
+                        "use a multiple of --gpus-per-node")
+    precision = args.precision or ("fp32" if args.device == "cpu" else "bf16")
+    shape = model_shape(args.model, args.seq)
+    work = Workload(seq=args.seq, global_batch=args.global_batch, precision=precision)
+    header = dict(model=args.model, parameters=shape.total_params, device=device.name, devices=args.devices,
+                  gpus_per_node=gpus_per_node, seq=args.seq, global_batch=args.global_batch, precision=precision)
+
+    if args.layout:
+        layout = parse_layout(args.layout, args.devices, args.global_batch)
+        problems = check_layout(shape, work, layout, args.devices, gpus_per_node)
+        if problems:
+            raise UserError(f"layout {layout.describe()} cannot work: {'; '.join(m for _, m in problems)}")
+        p = predict(shape, work, layout, device, gpus_per_node)
+        if not fits(p, device):
+            parts = ", ".join(f"{k} {_gib(v)}" for k, v in p.memory.items())
+            raise UserError(f"layout {layout.describe()} does not fit: it needs {_gib(p.memory_per_device_bytes)} GiB "
+                            f"per device ({parts}) and a {device.name} has {_gib(device.memory_bytes)} GiB; "
+                            "raise zero, recompute, tp or pp, or lower the microbatch")
+        p.train_command = train_command(shape, work, layout, args.devices, gpus_per_node) if shape.flavor else None
+        if args.json:
+            print(json.dumps({**header, **p.to_dict()}, indent=2))
+        else:
+            print(f"{args.model} ({shape.total_params / 1e9:.3g}B parameters) on {args.devices} x {device.name}")
+            print("\n".join(_describe(p, device, None)))
+        return 0
+
+    result = search(shape, work, device, args.devices, gpus_per_node)
+    for p in result.ranked[: args.top]:
+        p.train_command = train_command(shape, work, p.layout, args.devices, gpus_per_node) if shape.flavor else None
+    smallest = None
+    if not result.ranked:
+        smallest = smallest_device_count(shape, work, device, args.devices, gpus_per_node)
+    if args.json:
+        print(json.dumps({**header, "layouts": [p.to_dict() for p in result.ranked[: args.top]],
+                          "feasible": len(result.ranked), "rejected": dict(result.rejected),
+                          "smallest_device_count_that_fits": smallest}, indent=2))
+        return 0 if result.ranked else 1
+    print(f"{args.model} ({shape.total_params / 1e9:.3g}B parameters) on {args.devices} x {device.name}, "
+          f"seq {args.seq}, global batch {args.global_batch}, {precision}: "
+          f"{len(result.ranked)} layouts fit, {sum(result.rejected.values())} rejected")
+    for reason, count in result.rejected.most_common():
+        print(f"  rejected {count}: {reason}")
+    for rank, p in enumerate(result.ranked[: args.top], 1):
+        print()
+        print("\n".join(_describe(p, device, rank)))
+    if not result.ranked:
+        if smallest:
+            print(f"\nnothing fits on {args.devices} devices; the smallest device count that fits is {smallest} "
+                  f"(scalenlp plan ... --devices {smallest})", file=sys.stderr)
+        else:
+            print(f"\nnothing fits on {args.devices} devices, nor on any count up to 131,072", file=sys.stderr)
+        return 1
+    return 0

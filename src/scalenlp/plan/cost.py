@@ -1,0 +1,538 @@
+"""Cost model of one training step: memory per device, FLOPs, time, for a model, a layout and a device.
+
+Memory (per device, the largest pipeline stage):
+- model states per ZeRO stage, Rajbhandari et al. 2020, §5: with Ψ parameters on the device, N_d
+  the sharding degree and K the optimizer bytes per parameter, mixed precision (bf16 weights and
+  gradients, K = 12: fp32 master, momentum, variance) needs (2 + 2 + K)Ψ without ZeRO, 4Ψ + KΨ/N_d at
+  stage 1, 2Ψ + (2 + K)Ψ/N_d at stage 2 and (4 + K)Ψ/N_d at stage 3. fp32 training (the CPU case and
+  torch autocast, whose weights stay fp32) is the same with 4 + 4 + 8 bytes (no master copy).
+- activations per layer, Korthikanti et al. 2022, §4, written term by term so that GQA, SwiGLU,
+  dropout off and flash attention (no stored s×s scores) follow from the same count; for GPT shapes
+  with dropout it is exactly sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) with tensor parallelism,
+  sbh(34/t + 5as/(ht)) with sequence parallelism, and 2sbh (the layer input) with full
+  recomputation, times the microbatches a stage holds: 1 without pipelining, m for GPipe, p − i on
+  stage i for 1F1B, p(1 + (p − 1)/(pv)) on stage 0 for the interleaved schedule.
+- buffers: DDP's gradient buckets, ZeRO-3's gathered layers, the logits and the loss's fp32 copy.
+
+Compute: every matmul of a layer with its (m, n, k) after tensor-parallel sharding. FLOPs are
+Narayanan et al. 2021 eq. 3, F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) with full recomputation
+(72 and V/(12lh) without); the general count reduces to it for GPT shapes. Time of a matmul is
+flops / (peak · gemm_efficiency · Π_d d/(d + gemm_half_dim)) over its three dimensions: large
+matmuls reach a device's gemm_efficiency, and each thin dimension (a small head dim, a narrow
+tensor-parallel shard, a short microbatch) costs in proportion. Memory-bound kernels (norms,
+softmax, activations, dropout) stream ELEMENTWISE_TRAFFIC times the layer's stored activations
+through HBM per forward + backward (elementwise_traffic, a device field: kernel fusion differs).
+
+Communication, ring algorithms (n ranks, β bus bandwidth, α per hop): all-reduce 2(n−1)/n·bytes/β +
+2(n−1)α, all-gather and reduce-scatter half of that. Bandwidth of a group: intra-node when all its
+ranks share a node, else the NICs of its ranks on one node (mesh order pp, dp_replicate, dp_shard,
+tp, innermost last). Per layer per microbatch TP moves 8bsh(t−1)/t elements (two all-reduces
+forward, two backward; sequence parallelism replaces each by an all-gather plus a reduce-scatter of
+the same volume), plus two more with full recomputation; it is not overlapped. DDP and ZeRO-1/2
+reduce gradients (2(n−1)/n · 2Ψ bytes in bf16) overlapped with the backward of the last
+microbatch; ZeRO-3 gathers parameters for forward and backward and reduce-scatters gradients,
+1.5× the bytes of DDP, overlapped with that microbatch's compute. Pipeline stages send
+activations forward and gradients back, exposed. The pipeline runs m + (p − 1)/v microbatch slots
+of the slowest stage, so the bubble is (p − 1)/(v·m) of the ideal time. The optimizer streams its
+state once per step.
+
+Calibration (scalenlp.plan.calibrate; the constants are set from what it prints): three numbers
+are fitted once, by least squares on the log of per-GPU TFLOP/s, and never per row —
+GPU_GEMM_HALF_DIM, GPU_ELEMENTWISE_TRAFFIC and the A100's gemm_efficiency (devices.py) — on the
+six rows of Megatron-LM 2021 Table 1 that the tests do not check (3.6B, 7.5B, 39.1B, 76.1B, 310.1B,
+529.6B). The H100's gemm_efficiency is then fitted alone on the Llama 3 16,384-GPU row (400 TFLOP/s);
+the H200 shares it (same die). The tests check the other rows: Megatron's 1.7B, 18.4B, 145.6B,
+1008B and Llama 3's 8,192-GPU row. These rows span 1.7B to 1T parameters, TP 1-8, PP 1-64 and batch
+sizes that move the bubble, so the constants are pinned by shape effects the search relies on, not
+by one configuration. ``--device cpu`` measures its own peak, half dimension, bandwidths and
+latency (scalenlp.plan.measure).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass, field
+
+from scalenlp.errors import UserError
+from scalenlp.plan.devices import DeviceSpec
+
+# Bytes an Adam step streams per local optimizer parameter: read grad, weights, m, v; write weights, m, v.
+OPTIMIZER_TRAFFIC = 28
+# Kernels (or dispatched ops) per transformer layer for forward + backward; matters where dispatch is not hidden.
+OPS_PER_LAYER = 60
+
+ELEMENT_BYTES = {"bf16": 2, "fp32": 4}
+# (weights, gradients, optimizer) bytes per parameter: Rajbhandari et al. K = 12 for mixed precision.
+STATE_BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
+ZERO_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs of a decoder; parameter counts come from the model built on meta."""
+    name: str
+    flavor: str | None  # named flavor (usable as model.flavor) or None for a custom shape
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    swiglu: bool
+    dropout: bool
+    tied: bool
+    layer_params: int
+    embedding_params: int  # token (+ learned position) embeddings, on the first stage
+    head_params: int  # final norm + output projection, on the last stage (a tied one is held there too)
+    total_params: int
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * (self.hidden // self.heads)
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq: int
+    global_batch: int
+    precision: str = "bf16"  # bf16 | fp32
+    flash_attention: bool = True  # scaled_dot_product_attention keeps no s×s scores (PyTorch's default)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatch: int = 1  # sequences per forward/backward on one rank
+    zero: int = 0  # 0 = DDP, 1-3 = ZeRO stage over dp_shard
+    recompute: str = "none"  # none | selective | full
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (pp > 1)
+    stages_per_rank: int = 1  # v of the interleaved schedule
+    sequence_parallel: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def describe(self) -> str:
+        parts = [f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"tp={self.tp}",
+                 f"pp={self.pp}", f"microbatch={self.microbatch}", f"zero={self.zero}",
+                 f"recompute={self.recompute}"]
+        if self.pp > 1:
+            parts.append(f"schedule={self.schedule}" + (f",v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
+        if self.sequence_parallel:
+            parts.append("sp=true")
+        return " ".join(parts)
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    memory: dict[str, float]  # params, grads, optimizer, activations, buffers, runtime (bytes, largest stage)
+    memory_per_device_bytes: float
+    model_flops_per_step: float
+    hardware_flops_per_step: float  # with recomputation
+    step_time_s: float
+    tokens_per_sec: float
+    tflops_per_device: float  # hardware FLOPs (counting recomputation, as Megatron reports)
+    mfu: float  # model FLOPs / peak
+    bubble_fraction: float
+    time_breakdown_s: dict[str, float] = field(default_factory=dict)
+    train_command: str | None = None  # filled in by the command for a named flavor
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["layout"] = asdict(self.layout)
+        return out
+
+
+# ---------------------------------------------------------------- model shapes
+
+_CUSTOM_KEYS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "family", "dropout")
+
+
+def model_shape(model: str, seq: int) -> ModelShape:
+    """A named flavor, or ``hidden=H,layers=L,heads=A,kv_heads=K,ffn=F,vocab=V[,family=llama|gpt2][,dropout=p]``."""
+    from scalenlp.models.flavors import FLAVORS, model_args
+
+    if "=" not in model:
+        if model not in FLAVORS:
+            raise UserError(f"unknown model {model!r}: give a flavor ({', '.join(FLAVORS)}) or a shape "
+                            "hidden=H,layers=L,heads=A,kv_heads=K,ffn=F,vocab=V")
+        args = model_args(model)
+        if seq > args.max_seq_len:
+            raise UserError(f"--seq {seq} is longer than {model}'s max_seq_len {args.max_seq_len}; "
+                            f"use --seq {args.max_seq_len} or less")
+        return _count(model, model, args)
+    return _count(model, None, _custom_args(model, seq))
+
+
+def _custom_args(spec: str, seq: int):
+    from scalenlp.models.decoder import ModelArgs
+
+    values: dict[str, str] = {}
+    for item in spec.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() not in _CUSTOM_KEYS:
+            raise UserError(f"model shape {spec!r}: unknown key {key.strip()!r}; keys are {', '.join(_CUSTOM_KEYS)}")
+        values[key.strip()] = value.strip()
+    missing = [k for k in ("hidden", "layers", "heads", "vocab") if k not in values]
+    if missing:
+        raise UserError(f"model shape {spec!r} lacks {', '.join(missing)}")
+    family = values.pop("family", "llama")
+    if family not in ("llama", "gpt2"):
+        raise UserError(f"model shape {spec!r}: family must be llama or gpt2, got {family!r}")
+    try:
+        ints = {k: int(v) for k, v in values.items() if k != "dropout"}
+        dropout = float(values.get("dropout", 0.0))
+    except ValueError:
+        raise UserError(f"model shape {spec!r}: sizes must be integers") from None
+    hidden = ints["hidden"]
+    style = (dict(norm="layernorm", activation="gelu", position="learned", tie_embeddings=True, bias=True)
+             if family == "gpt2" else
+             dict(norm="rmsnorm", activation="swiglu", position="rope", tie_embeddings=False, bias=False))
+    default_ffn = 4 * hidden if family == "gpt2" else 256 * math.ceil(8 * hidden / 3 / 256)
+    args = ModelArgs(vocab_size=ints["vocab"], dim=hidden, n_layers=ints["layers"], n_heads=ints["heads"],
+                     n_kv_heads=ints.get("kv_heads", 0), ffn_dim=ints.get("ffn", default_ffn), max_seq_len=seq,
+                     dropout=dropout, **style)
+    if min(args.vocab_size, args.dim, args.n_layers, args.n_heads, args.ffn_dim) < 1:
+        raise UserError(f"model shape {spec!r}: sizes must be positive")
+    try:
+        args.check()
+    except ValueError as e:
+        raise UserError(f"model shape {spec!r}: {e}") from None
+    return args
+
+
+@functools.lru_cache(maxsize=64)
+def _count_cached(name: str, flavor: str | None, key: tuple) -> ModelShape:
+    from scalenlp.models.decoder import ModelArgs
+    from scalenlp.models.flavors import build_model
+
+    args = ModelArgs(**dict(key))
+    model = build_model(args, device="meta")  # allocates nothing, whatever the size
+
+    def count(module) -> int:
+        return sum(p.numel() for p in module.parameters()) if module is not None else 0
+
+    embedding = count(model.tok_embeddings) + count(model.pos_embeddings)
+    head = count(model.norm) + model.output.weight.numel()
+    return ModelShape(name=name, flavor=flavor, hidden=args.dim, layers=args.n_layers, heads=args.n_heads,
+                      kv_heads=args.n_kv_heads, ffn=args.ffn_dim, vocab=args.vocab_size,
+                      swiglu=args.activation == "swiglu", dropout=args.dropout > 0, tied=args.tie_embeddings,
+                      layer_params=count(model.layers["0"]), embedding_params=embedding, head_params=head,
+                      total_params=model.num_params())
+
+
+def _count(name: str, flavor: str | None, args) -> ModelShape:
+    return _count_cached(name, flavor, tuple(sorted(asdict(args).items())))
+
+
+# ---------------------------------------------------------------- memory
+
+def model_state_bytes(params: float, zero: int, shard: int, precision: str) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes on one device holding ``params`` before ZeRO sharding."""
+    w, g, o = STATE_BYTES[precision]
+    n = shard if zero else 1
+    return (w * params / (n if zero >= 3 else 1),
+            g * params / (n if zero >= 2 else 1),
+            o * params / (n if zero >= 1 else 1))
+
+
+def activation_bytes_per_layer(shape: ModelShape, micro: int, seq: int, tp: int, sequence_parallel: bool,
+                               recompute: str, precision: str, flash_attention: bool) -> float:
+    """Bytes one layer keeps for its backward, for one microbatch (Korthikanti et al. 2022, term by term)."""
+    e = ELEMENT_BYTES[precision]
+    tokens = micro * seq
+    outside_tp = tp if sequence_parallel else 1  # TP alone leaves norms, dropout and block inputs whole
+    if recompute == "full":
+        return e * tokens * shape.hidden / outside_tp
+    h, kv, f = shape.hidden, shape.kv_dim, shape.ffn
+    mask = 1 if shape.dropout else 0  # dropout keeps a one-byte mask
+    # Norm inputs (2), attention input, MLP input, and the two dropout masks: unsharded by TP alone.
+    outside = tokens * (4 * e * h + 2 * mask * h) / outside_tp
+    qkv = e * tokens * (h + 2 * kv)  # Q, K for the scores and V for their product
+    attn_out = e * tokens * h  # input of the output projection
+    if flash_attention or recompute == "selective":
+        scores = 4 * micro * shape.heads * seq if flash_attention else 0  # flash keeps its log-sum-exp rows
+    else:
+        scores = micro * shape.heads * seq * seq * (e + mask * (1 + e))  # softmax, dropout mask and output
+    mlp = e * tokens * f * (4 if shape.swiglu else 2)  # gate, up, act(gate), product | pre- and post-GELU
+    return outside + (qkv + attn_out + scores + mlp) / tp
+
+
+def layers_per_stage(layers: int, pp: int) -> list[int]:
+    """Even split; leftover layers go to middle stages first, since the ends also hold embedding and loss."""
+    counts = [layers // pp] * pp
+    order = list(range(1, pp - 1)) + [pp - 1, 0] if pp > 2 else list(range(pp))[::-1]
+    for i in order[: layers % pp]:
+        counts[i] += 1
+    return counts
+
+
+def _critical_stages(pp: int) -> list[int]:
+    """Stages that can be the largest or slowest: the first (embedding, most microbatches in flight), the
+    second (the first to get a leftover layer) and the last (the loss); the others are never worse."""
+    return sorted({0, min(1, pp - 1), pp - 1})
+
+
+def stage_params(shape: ModelShape, layout: Layout, stage: int, layers: int) -> float:
+    params = layers * shape.layer_params
+    if stage == 0:
+        params += shape.embedding_params
+    if stage == layout.pp - 1:
+        # A tied output weight is the embedding itself on one stage, a second copy on the last of several.
+        params += shape.head_params - (shape.vocab * shape.hidden if shape.tied and layout.pp == 1 else 0)
+    return params / layout.tp
+
+
+def _in_flight(layout: Layout, stage: int, microbatches: int) -> float:
+    """Microbatches whose activations stage ``stage`` holds at its peak."""
+    p, v = layout.pp, layout.stages_per_rank
+    if p == 1:
+        return 1
+    if layout.schedule == "gpipe":
+        return microbatches
+    if layout.schedule == "interleaved_1f1b":
+        return min(microbatches, (p - stage) * (1 + (p - 1) / (p * v)))
+    return min(microbatches, p - stage)
+
+
+def memory_by_stage(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpec) -> list[dict[str, float]]:
+    e = ELEMENT_BYTES[work.precision]
+    w_bytes, g_bytes, _ = STATE_BYTES[work.precision]
+    microbatches = work.global_batch // (layout.dp * layout.microbatch)
+    tokens = layout.microbatch * work.seq
+    per_layer = activation_bytes_per_layer(shape, layout.microbatch, work.seq, layout.tp, layout.sequence_parallel,
+                                           layout.recompute, work.precision, work.flash_attention)
+    full_layer = activation_bytes_per_layer(shape, layout.microbatch, work.seq, layout.tp, layout.sequence_parallel,
+                                            "none", work.precision, work.flash_attention)
+    out = []
+    counts = layers_per_stage(shape.layers, layout.pp)
+    for stage in _critical_stages(layout.pp):
+        layers = counts[stage]
+        params = stage_params(shape, layout, stage, layers)
+        weights, grads, optimizer = model_state_bytes(params, layout.zero, layout.dp_shard, work.precision)
+        in_flight = _in_flight(layout, stage, microbatches)
+        activations = in_flight * layers * per_layer
+        if layout.recompute == "full":
+            activations += full_layer  # the layer being recomputed is whole during its backward
+        if stage == 0:
+            activations += in_flight * e * tokens * shape.hidden / (layout.tp if layout.sequence_parallel else 1)
+        buffers = 0.0
+        if stage == layout.pp - 1:
+            # Logits, their fp32 log-softmax in the loss, and the logits' gradient.
+            buffers += tokens * shape.vocab / layout.tp * (2 * e + 4)
+        if layout.zero == 0 and layout.dp > 1:
+            buffers += g_bytes * params  # DDP's gradient buckets are a copy of the gradients
+        if layout.zero == 3:
+            gathered = (2 * shape.layer_params + max(shape.embedding_params, shape.head_params)) / layout.tp
+            buffers += gathered * (w_bytes + g_bytes)  # this layer and the prefetched next, unsharded
+        out.append(dict(params=weights, grads=grads, optimizer=optimizer, activations=activations,
+                        buffers=buffers, runtime=device.runtime_bytes))
+    return out
+
+
+# ---------------------------------------------------------------- time
+
+def _gemm_time(flops: float, dims: tuple[float, ...], peak: float, device: DeviceSpec) -> float:
+    efficiency = device.gemm_efficiency
+    for d in dims:
+        efficiency *= d / (d + device.gemm_half_dim)
+    return flops / (peak * efficiency)
+
+
+def layer_matmuls(shape: ModelShape, micro: int, seq: int, tp: int) -> list[tuple[float, tuple]]:
+    """Forward (flops, (m, n, k)) of each matmul of one layer on one tensor-parallel rank."""
+    h, t, tokens = shape.hidden, tp, micro * seq
+    head_dim = h // shape.heads
+    mlp_in = (2 if shape.swiglu else 1) * shape.ffn
+    return [
+        (2 * tokens * h * (h + 2 * shape.kv_dim) / t, (tokens, (h + 2 * shape.kv_dim) / t, h)),  # QKV
+        (2 * tokens * seq * h / t, (seq, seq, head_dim)),  # scores Q·Kᵀ, all heads
+        (2 * tokens * seq * h / t, (seq, head_dim, seq)),  # scores · V
+        (2 * tokens * h * h / t, (tokens, h, h / t)),  # output projection
+        (2 * tokens * h * mlp_in / t, (tokens, mlp_in / t, h)),  # up (and gate)
+        (2 * tokens * shape.ffn * h / t, (tokens, h, shape.ffn / t)),  # down
+    ]
+
+
+def forward_flops(shape: ModelShape, batch: int, seq: int) -> float:
+    """Forward FLOPs of ``batch`` sequences through the whole model (attention counted without causal savings,
+    as Narayanan et al. count it)."""
+    layer = sum(f for f, _ in layer_matmuls(shape, batch, seq, 1))
+    return shape.layers * layer + 2 * batch * seq * shape.hidden * shape.vocab
+
+
+def step_flops(shape: ModelShape, work: Workload, recompute: str) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one step: forward + backward (2×), plus the recomputed forward."""
+    model = 3 * forward_flops(shape, work.global_batch, work.seq)
+    layer = layer_matmuls(shape, work.global_batch, work.seq, 1)
+    if recompute == "full":
+        extra = shape.layers * sum(f for f, _ in layer)
+    elif recompute == "selective" and not work.flash_attention:
+        extra = shape.layers * (layer[1][0] + layer[2][0])
+    else:
+        extra = 0.0
+    return model, model + extra
+
+
+def _ring_time(kind: str, nbytes: float, n: int, bw: float, latency: float) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    hops = (n - 1) * (2 if kind == "all_reduce" else 1)
+    return hops * (nbytes / n / bw + latency)
+
+
+def _group_bw(stride: int, size: int, gpus_per_node: int, device: DeviceSpec) -> float:
+    """Bus bandwidth of a group of ``size`` ranks spaced ``stride`` apart in the rank order."""
+    if stride * size <= gpus_per_node:
+        return device.intra_node_bw
+    per_node = max(1, gpus_per_node // stride)
+    return min(device.intra_node_bw, per_node * device.nic_bw)
+
+
+def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpec, gpus_per_node: int = 8) -> Prediction:
+    """Memory and time of one step; assumes ``check_layout`` found nothing wrong with the degrees."""
+    lay, e = layout, ELEMENT_BYTES[work.precision]
+    w_bytes, g_bytes, _ = STATE_BYTES[work.precision]
+    peak = device.peak_flops(work.precision)
+    microbatches = work.global_batch // (lay.dp * lay.microbatch)
+    tokens = lay.microbatch * work.seq
+    v = lay.stages_per_rank if lay.pp > 1 else 1
+
+    # One layer, one microbatch: matmuls forward (1) + backward (2) + recomputed forward.
+    mm = layer_matmuls(shape, lay.microbatch, work.seq, lay.tp)
+    causal = 0.5 if work.flash_attention else 1.0  # flash skips the masked half of the scores
+    times = [_gemm_time(f, dims, peak, device) * (causal if i in (1, 2) else 1.0) for i, (f, dims) in enumerate(mm)]
+    passes = 3 + (1 if lay.recompute == "full" else 0)
+    matmul_s = passes * sum(times)
+    if lay.recompute == "selective" and not work.flash_attention:
+        matmul_s += times[1] + times[2]
+    stored = activation_bytes_per_layer(shape, lay.microbatch, work.seq, lay.tp, lay.sequence_parallel, "none",
+                                        work.precision, work.flash_attention)
+    elementwise_s = device.elementwise_traffic * stored * passes / 3 / device.hbm_bw + OPS_PER_LAYER * device.op_overhead_s
+    tp_bw = _group_bw(1, lay.tp, gpus_per_node, device)
+    collectives = 4 + (2 if lay.recompute == "full" else 0)
+    tp_s = collectives * _ring_time("all_reduce", e * tokens * shape.hidden, lay.tp, tp_bw, device.latency_s)
+
+    # The loss end: logits matmul (forward + backward) and the softmax over the vocabulary.
+    logits_matmul_s = 3 * _gemm_time(2 * tokens * shape.hidden * shape.vocab / lay.tp,
+                                     (tokens, shape.vocab / lay.tp, shape.hidden), peak, device)
+    logits_elementwise_s = device.elementwise_traffic * tokens * shape.vocab / lay.tp * (2 * e + 4) / device.hbm_bw
+
+    # Pipeline: each of the v chunks of a stage receives activations and sends gradients once per microbatch.
+    pp_bw = device.intra_node_bw if lay.tp * lay.dp < gpus_per_node else device.nic_bw
+    p2p_bytes = e * tokens * shape.hidden / (lay.tp if lay.sequence_parallel else 1)
+    p2p_s = 2 * v * (p2p_bytes / pp_bw + device.latency_s) if lay.pp > 1 else 0.0
+
+    # Data parallel: ring collectives over dp_shard (stride tp) and dp_replicate (stride tp·dp_shard).
+    shard_bw = _group_bw(lay.tp, lay.dp_shard, gpus_per_node, device)
+    repl_bw = _group_bw(lay.tp * lay.dp_shard, lay.dp_replicate, gpus_per_node, device)
+    lat = device.latency_s
+    stage_layers = layers_per_stage(shape.layers, lay.pp)
+    per_stage = []  # (one microbatch slot, once-per-step tail) for each stage that can be the slowest
+    for stage in _critical_stages(lay.pp):
+        layers, last = stage_layers[stage], stage == lay.pp - 1
+        slot = dict(matmul=layers * matmul_s + (logits_matmul_s if last else 0.0),
+                    elementwise=layers * elementwise_s + (logits_elementwise_s if last else 0.0),
+                    tensor_parallel=layers * tp_s, pipeline_p2p=p2p_s)
+        compute = slot["matmul"] + slot["elementwise"] + slot["tensor_parallel"]
+        params = stage_params(shape, lay, stage, layers)
+        gathered = (w_bytes if work.precision == "fp32" else 2) * params  # weights as the matmuls use them
+        grads = g_bytes * params
+        if lay.zero == 3:
+            # Gather for forward and backward, reduce-scatter after, overlapped with this microbatch's compute.
+            move = (2 * _ring_time("all_gather", gathered, lay.dp_shard, shard_bw, lat)
+                    + _ring_time("reduce_scatter", grads, lay.dp_shard, shard_bw, lat))
+            slot["zero3_exposed"] = max(0.0, move - compute)
+            sync = _ring_time("all_reduce", grads / lay.dp_shard, lay.dp_replicate, repl_bw, lat)
+        elif lay.zero:
+            sync = (_ring_time("reduce_scatter", grads, lay.dp_shard, shard_bw, lat)
+                    + _ring_time("all_gather", gathered, lay.dp_shard, shard_bw, lat)
+                    + _ring_time("all_reduce", grads / lay.dp_shard, lay.dp_replicate, repl_bw, lat))
+        else:
+            sync = _ring_time("all_reduce", grads, lay.dp, _group_bw(lay.tp, lay.dp, gpus_per_node, device), lat)
+        optimizer_params = params / (lay.dp_shard if lay.zero else 1)
+        tail = dict(grad_sync_exposed=max(0.0, sync - compute * 2 / passes),  # buckets fire during the last backward
+                    optimizer=optimizer_params * (OPTIMIZER_TRAFFIC + g_bytes) / device.hbm_bw)
+        per_stage.append((slot, tail))
+
+    slot = max((s for s, _ in per_stage), key=lambda s: sum(s.values()))
+    tail = max((t for _, t in per_stage), key=lambda t: sum(t.values()))
+    bubble_slots = (lay.pp - 1) / v
+    breakdown = {k: microbatches * x for k, x in slot.items()}
+    breakdown["bubble"] = bubble_slots * sum(slot.values())
+    breakdown.update(tail)
+    step_s = sum(breakdown.values())
+
+    model_flops, hardware_flops = step_flops(shape, work, lay.recompute)
+    n = lay.devices
+    parts = max(memory_by_stage(shape, work, lay, device), key=lambda m: sum(m.values()))
+    return Prediction(
+        layout=lay, memory=parts, memory_per_device_bytes=sum(parts.values()),
+        model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops, step_time_s=step_s,
+        tokens_per_sec=work.global_batch * work.seq / step_s,
+        tflops_per_device=hardware_flops / step_s / n / 1e12, mfu=model_flops / step_s / n / peak,
+        bubble_fraction=bubble_slots / microbatches, time_breakdown_s=breakdown)
+
+
+# ---------------------------------------------------------------- what cannot work
+
+def check_layout(shape: ModelShape, work: Workload, layout: Layout, devices: int,
+                 gpus_per_node: int) -> list[tuple[str, str]]:
+    """(kind, what is wrong) for each reason this layout cannot run, memory aside; empty when it can."""
+    lay, problems = layout, []
+
+    def bad(kind: str, message: str) -> None:
+        problems.append((kind, message))
+
+    if min(lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.microbatch, lay.stages_per_rank) < 1:
+        return [("bad value", "every degree and the microbatch must be at least 1")]
+    if lay.devices != devices:
+        bad("degrees do not multiply to the device count",
+            f"dp_replicate*dp_shard*tp*pp = {lay.devices} but there are {devices} devices")
+    if lay.zero not in ZERO_NAMES:
+        bad("bad value", f"zero={lay.zero} is not one of 0 (ddp), 1, 2, 3")
+    if lay.zero == 0 and lay.dp_shard > 1:
+        bad("bad value", "dp_shard > 1 needs zero >= 1 (DDP replicates: use dp_replicate)")
+    if lay.recompute not in RECOMPUTE:
+        bad("bad value", f"recompute={lay.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if lay.schedule not in SCHEDULES:
+        bad("bad value", f"schedule={lay.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    for name, size in (("heads", shape.heads), ("kv_heads", shape.kv_heads), ("ffn", shape.ffn),
+                       ("vocab", shape.vocab)):
+        if size % lay.tp:
+            bad("tp does not divide the model", f"tp={lay.tp} does not divide {name}={size}")
+    if lay.tp > gpus_per_node or gpus_per_node % lay.tp:
+        bad("tp would span nodes", f"tp={lay.tp} would span nodes of {gpus_per_node} devices "
+                                   "(TP all-reduces every layer and needs the node's own links)")
+    if lay.sequence_parallel and lay.tp == 1:
+        bad("bad value", "sequence parallelism needs tp > 1")
+    if lay.pp > 1 and lay.schedule == "interleaved_1f1b" and lay.stages_per_rank < 2:
+        bad("bad value", "interleaved_1f1b needs v (stages per rank) >= 2")
+    if lay.stages_per_rank > 1 and lay.schedule != "interleaved_1f1b":
+        bad("bad value", "v > 1 needs schedule=interleaved_1f1b")
+    if lay.pp * lay.stages_per_rank > shape.layers:
+        bad("more pipeline stages than layers",
+            f"pp*v = {lay.pp * lay.stages_per_rank} pipeline stages but only {shape.layers} layers")
+    if work.global_batch % (lay.dp * lay.microbatch):
+        bad("global batch does not split", f"global batch {work.global_batch} is not divisible by "
+                                           f"dp*microbatch = {lay.dp}*{lay.microbatch}")
+    elif lay.pp > 1 and work.global_batch // (lay.dp * lay.microbatch) < lay.pp:
+        bad("too few microbatches for the pipeline", f"{work.global_batch // (lay.dp * lay.microbatch)} "
+                                                      f"microbatches per step cannot fill {lay.pp} pipeline stages")
+    return problems
+
+
+def fits(prediction: Prediction, device: DeviceSpec) -> bool:
+    return prediction.memory_per_device_bytes <= device.memory_bytes

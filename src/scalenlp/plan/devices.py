@@ -1,0 +1,93 @@
+"""Accelerator specs the cost model reads: one table, each value overridable from the command line.
+
+Peaks and memory are datasheet values. Bandwidths are what collectives achieve, not link maxima:
+``intra_node_bw`` is the all-reduce bus bandwidth NCCL reaches over NVLink inside one 8-GPU node,
+``nic_bw`` the network bandwidth of the one NIC each GPU has to other nodes. ``gemm_efficiency``
+is the fraction of peak a large, well-shaped matmul reaches in a real training step; it is the
+one per-device constant calibrated from published training runs (see scalenlp.plan.calibrate).
+``--device cpu`` measures this machine instead (scalenlp.plan.measure).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from scalenlp.errors import UserError
+
+GiB = 2**30
+
+# Fitted once by scalenlp.plan.calibrate (python -m scalenlp.plan.calibrate prints them); see its docstring.
+GPU_GEMM_HALF_DIM = 151.1
+GPU_ELEMENTWISE_TRAFFIC = 5.15
+A100_GEMM_EFFICIENCY = 0.754
+H100_GEMM_EFFICIENCY = 0.597  # below the A100's: a 700 W H100 clocks down under sustained matmul load
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    peak_flops_bf16: float  # dense, FLOP/s
+    peak_flops_fp32: float  # dense, FLOP/s (plain fp32, no TF32)
+    memory_bytes: float
+    hbm_bw: float  # bytes/s that memory-bound kernels (norms, softmax, optimizer) stream
+    intra_node_bw: float  # all-reduce bus bandwidth inside a node, bytes/s
+    nic_bw: float  # bytes/s per device to other nodes
+    latency_s: float  # per hop of a ring collective or a point-to-point send
+    gemm_efficiency: float  # fraction of peak a large matmul reaches (calibrated)
+    gemm_half_dim: float  # a matmul dimension this small halves the efficiency (calibrated)
+    elementwise_traffic: float  # HBM bytes moved by memory-bound kernels per stored activation byte (calibrated)
+    runtime_bytes: float  # memory the runtime holds before the model: CUDA context, NCCL, allocator slack
+    op_overhead_s: float = 0.0  # launch/dispatch cost per kernel that the device does not hide
+
+    def peak_flops(self, precision: str) -> float:
+        return self.peak_flops_bf16 if precision == "bf16" else self.peak_flops_fp32
+
+
+_GPU_SHAPE = dict(gemm_half_dim=GPU_GEMM_HALF_DIM, elementwise_traffic=GPU_ELEMENTWISE_TRAFFIC,
+                  latency_s=10e-6, runtime_bytes=1.5 * GiB)
+
+DEVICES: dict[str, DeviceSpec] = {
+    # DGX A100: NVLink3 (~230 GB/s all-reduce bus bandwidth in nccl-tests), one HDR 200 Gb/s NIC per GPU.
+    "a100-80gb": DeviceSpec("a100-80gb", peak_flops_bf16=312e12, peak_flops_fp32=19.5e12, memory_bytes=80 * GiB,
+                            hbm_bw=2.04e12, intra_node_bw=230e9, nic_bw=25e9,
+                            gemm_efficiency=A100_GEMM_EFFICIENCY, **_GPU_SHAPE),
+    # HGX H100 SXM: NVLink4 (~360 GB/s all-reduce bus bandwidth), one 400 Gb/s NIC per GPU.
+    "h100-sxm": DeviceSpec("h100-sxm", peak_flops_bf16=989e12, peak_flops_fp32=67e12, memory_bytes=80 * GiB,
+                           hbm_bw=3.35e12, intra_node_bw=360e9, nic_bw=50e9,
+                           gemm_efficiency=H100_GEMM_EFFICIENCY, **_GPU_SHAPE),
+    # The H100's compute die with 141 GB of faster HBM3e.
+    "h200": DeviceSpec("h200", peak_flops_bf16=989e12, peak_flops_fp32=67e12, memory_bytes=141e9,
+                       hbm_bw=4.8e12, intra_node_bw=360e9, nic_bw=50e9,
+                       gemm_efficiency=H100_GEMM_EFFICIENCY, **_GPU_SHAPE),
+}
+
+_UNITS = {"memory_gb": ("memory_bytes", 1e9), "memory_gib": ("memory_bytes", GiB)}
+
+
+def parse_overrides(text: str | None) -> dict[str, float]:
+    """``key=value,...`` over DeviceSpec fields (plus memory_gb / memory_gib) -> field values."""
+    fields = {f.name for f in dataclasses.fields(DeviceSpec)} - {"name"}
+    out: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or (key not in fields and key not in _UNITS):
+            raise UserError(f"--device-spec {item!r}: expected key=value with key one of "
+                            f"{', '.join(sorted(fields | set(_UNITS)))}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise UserError(f"--device-spec {item!r}: {value!r} is not a number") from None
+        if number < 0 or (number == 0 and key not in ("latency_s", "op_overhead_s", "runtime_bytes")):
+            raise UserError(f"--device-spec {item!r}: must be positive")
+        field, scale = _UNITS.get(key, (key, 1.0))
+        out[field] = number * scale
+    return out
+
+
+def get_device(name: str, overrides: dict[str, float] | None = None) -> DeviceSpec:
+    if name not in DEVICES:
+        raise UserError(f"unknown device {name!r}; choose one of {', '.join([*DEVICES, 'cpu'])} "
+                        "(cpu measures this machine)")
+    return dataclasses.replace(DEVICES[name], **(overrides or {}))

@@ -1,0 +1,152 @@
+"""``--device cpu``: measure this machine instead of assuming a spec.
+
+- matmul rate over shapes from thin to square, fitted to the cost model's curve
+  rate = peak · Π_d d/(d + half_dim), which gives the CPU's peak and half dimension;
+- memory bandwidth (a large elementwise add) and the dispatch cost of one small op;
+- gloo all-reduce bandwidth and per-hop latency between two local processes, and the resident
+  memory such a process holds before any model (the runtime share of the memory estimate).
+
+Each process of a CPU run gets its share of the cores: torchrun gives each of several processes one
+thread (OMP_NUM_THREADS=1), a single process keeps torch's default, so the matmul and bandwidth
+figures are measured with that many threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import resource
+import socket
+import time
+
+import torch
+
+from scalenlp.plan.devices import GPU_ELEMENTWISE_TRAFFIC, DeviceSpec
+
+# (m, n, k): thin shapes like a small model's projections, up to square ones.
+MATMUL_SHAPES = ((1024, 64, 64), (1024, 256, 64), (2048, 64, 256), (512, 512, 512), (256, 256, 256),
+                 (1024, 1024, 1024), (128, 128, 128), (2048, 4096, 64))
+
+
+def _rate(fn, work: float, min_time: float = 0.05) -> float:
+    """Best of three timed batches of calls, in work units per second."""
+    fn()
+    best = math.inf
+    for _ in range(3):
+        reps, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < min_time / 3 or reps == 0:
+            fn()
+            reps += 1
+        best = min(best, elapsed / reps)
+    return work / best
+
+
+def matmul_rates(dtype: torch.dtype = torch.float32) -> list[tuple[tuple[int, int, int], float]]:
+    out = []
+    for m, n, k in MATMUL_SHAPES:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        out.append(((m, n, k), _rate(lambda: a @ b, 2.0 * m * n * k)))
+    return out
+
+
+def fit_matmul_curve(rates) -> tuple[float, float]:
+    """(peak, half_dim) minimising squared log error of rate = peak · Π d/(d + half_dim)."""
+    best = (math.inf, 0.0, 0.0)
+    for step in range(200):
+        half = 2 ** (step / 20)  # 1 .. ~1000
+        logs = [math.log(r) - sum(math.log(d / (d + half)) for d in dims) for dims, r in rates]
+        log_peak = sum(logs) / len(logs)
+        err = sum((x - log_peak) ** 2 for x in logs)
+        if err < best[0]:
+            best = (err, math.exp(log_peak), half)
+    return best[1], best[2]
+
+
+def memory_bandwidth() -> float:
+    a, b = torch.ones(1 << 23), torch.ones(1 << 23)
+    out = torch.empty_like(a)
+    return _rate(lambda: torch.add(a, b, out=out), 3 * 4 * a.numel(), min_time=0.2)
+
+
+def op_overhead() -> float:
+    a, b = torch.ones(4, 4), torch.ones(4, 4)
+    return 1.0 / _rate(lambda: a + b, 1.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_worker(rank: int, world: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        small, large = torch.ones(1), torch.ones(1 << 22)  # 4 bytes; 16 MiB
+        timings = {}
+        for name, tensor, reps in (("small", small, 50), ("large", large, 5)):
+            dist.all_reduce(tensor)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(reps):
+                dist.all_reduce(tensor)
+            timings[name] = (time.perf_counter() - start) / reps
+        if rank == 0:
+            queue.put((timings["small"], timings["large"], large.numel() * 4,
+                       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_allreduce() -> tuple[float, float, float]:
+    """(bus bandwidth bytes/s, latency per hop s, resident bytes of a bare torch + gloo process), 2 processes."""
+    import torch.multiprocessing as mp
+
+    world, ctx = 2, mp.get_context("spawn")
+    queue, port = ctx.SimpleQueue(), _free_port()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError("gloo measurement processes failed; see their output above")
+    small_s, large_s, nbytes, rss = queue.get()
+    hops = 2 * (world - 1)
+    latency = small_s / hops
+    bus_bw = hops / world * nbytes / max(large_s - small_s, 1e-9)
+    return bus_bw, latency, rss
+
+
+def measure_cpu(processes: int = 1, overrides: dict[str, float] | None = None) -> DeviceSpec:
+    """A DeviceSpec for one of ``processes`` training processes sharing this machine."""
+    threads = 1 if processes > 1 else torch.get_num_threads()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        peak, half = fit_matmul_curve(matmul_rates())
+        bf16_ratio = _rate_ratio()
+        bandwidth = memory_bandwidth()
+        overhead = op_overhead()
+    finally:
+        torch.set_num_threads(previous)
+    bus_bw, latency, rss = gloo_allreduce()
+    total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    spec = DeviceSpec(
+        name=f"cpu ({threads} thread{'s' if threads > 1 else ''} per process, measured)",
+        peak_flops_bf16=peak * bf16_ratio, peak_flops_fp32=peak, memory_bytes=total_ram / processes,
+        hbm_bw=bandwidth, intra_node_bw=bus_bw, nic_bw=bus_bw, latency_s=latency, gemm_efficiency=1.0,
+        gemm_half_dim=half, elementwise_traffic=GPU_ELEMENTWISE_TRAFFIC, runtime_bytes=rss,
+        op_overhead_s=overhead)
+    return dataclasses.replace(spec, **(overrides or {}))
+
+
+def _rate_ratio() -> float:
+    """bf16 over fp32 matmul rate at a mid-sized shape (CPUs without bf16 units emulate it slowly)."""
+    a32, b32 = torch.randn(512, 512), torch.randn(512, 512)
+    a16, b16 = a32.bfloat16(), b32.bfloat16()
+    return _rate(lambda: a16 @ b16, 1.0) / _rate(lambda: a32 @ b32, 1.0)

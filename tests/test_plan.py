@@ -1,0 +1,239 @@
+"""The planner: published formulas reproduced exactly, published throughputs predicted, the CLI's answers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shlex
+
+import pytest
+
+from scalenlp.cli import main
+from scalenlp.config import load_config
+from scalenlp.models.flavors import build_model, model_args
+from scalenlp.plan.calibrate import A100_ROWS, H100_ROWS, best_layout, llama3_row, megatron_row, predicted_tflops
+from scalenlp.plan.cost import (Layout, Workload, activation_bytes_per_layer, model_shape, model_state_bytes,
+                                predict, step_flops)
+from scalenlp.plan.devices import get_device
+
+
+def gpt(hidden, layers, heads, seq=2048, vocab=51200):
+    return model_shape(f"hidden={hidden},layers={layers},heads={heads},ffn={4 * hidden},vocab={vocab},"
+                       "family=gpt2,dropout=0.1", seq)
+
+
+# ---------------------------------------------------------------- exact reproductions
+
+def test_zero_paper_example_7_5b_on_64_gpus():
+    """Rajbhandari et al. 2020, Figure 1: 7.5B parameters, N_d = 64, K = 12 -> 120, 31.4, 16.6, 1.9 GB."""
+    per_stage = [sum(model_state_bytes(7.5e9, zero, 64, "bf16")) / 1e9 for zero in (0, 1, 2, 3)]
+    assert [round(x, 1) for x in per_stage] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_fp32_training_keeps_4_4_8_bytes_per_parameter():
+    assert model_state_bytes(1000, 0, 8, "fp32") == (4000, 4000, 8000)
+    assert model_state_bytes(1000, 3, 8, "fp32") == (500, 500, 1000)
+
+
+@pytest.mark.parametrize("hidden,layers,heads,batch", [(2304, 24, 24, 512), (25600, 128, 160, 3072)])
+def test_flops_are_narayanan_eq3(hidden, layers, heads, batch):
+    s, V, B, h, l = 2048, 51200, batch, hidden, layers
+    shape = gpt(h, l, heads)
+    model, hardware = step_flops(shape, Workload(seq=s, global_batch=B), "full")
+    eq3 = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    no_recompute = 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+    assert hardware == pytest.approx(eq3, rel=1e-12)
+    assert model == pytest.approx(no_recompute, rel=1e-12)
+
+
+def test_parameter_counts_come_from_the_model_definition():
+    shape = model_shape("llama-8b", 2048)
+    assert shape.total_params == build_model(model_args("llama-8b"), device="meta").num_params()
+    # Megatron's count for its GPT: 12lh^2 (1 + 13/(12h) + (V + s)/(12lh)), plus the final LayerNorm.
+    h, l, V, s = 2304, 24, 51200, 2048
+    assert gpt(h, l, 24).total_params == round(12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))) + 2 * h
+
+
+def test_activations_are_korthikanti_per_layer():
+    """Korthikanti et al. 2022, Table 2, for a GPT layer with dropout, 16-bit activations, no flash attention."""
+    shape = gpt(2304, 24, 24)
+    s, b, h, a, t = 2048, 4, 2304, 24, 8
+
+    def acts(tp, sp, recompute):
+        return activation_bytes_per_layer(shape, b, s, tp, sp, recompute, "bf16", flash_attention=False)
+
+    assert acts(1, False, "none") == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    assert acts(t, False, "none") == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert acts(t, True, "none") == pytest.approx(s * b * h * (34 / t + 5 * a * s / (h * t)))
+    assert acts(t, True, "selective") == pytest.approx(s * b * h * 34 / t)
+    assert acts(t, False, "full") == pytest.approx(2 * s * b * h)
+    assert acts(t, True, "full") == pytest.approx(2 * s * b * h / t)
+
+
+def _frictionless(device_name="a100-80gb"):
+    """A device whose compute and memory traffic take no time, so that predicted time is communication."""
+    return dataclasses.replace(get_device(device_name), peak_flops_bf16=math.inf, hbm_bw=math.inf, latency_s=0.0)
+
+
+def test_zero3_moves_one_and_a_half_times_the_bytes_of_ddp():
+    shape, work = model_shape("gpt2-124m", 1024), Workload(seq=1024, global_batch=8)
+    device = _frictionless()
+    ddp = predict(shape, work, Layout(dp_replicate=8, microbatch=1), device)
+    zero3 = predict(shape, work, Layout(dp_shard=8, zero=3, microbatch=1), device)
+    assert zero3.time_breakdown_s["zero3_exposed"] == pytest.approx(1.5 * ddp.time_breakdown_s["grad_sync_exposed"])
+
+
+def test_tensor_parallel_moves_8bsh_per_layer_per_microbatch():
+    shape, device = model_shape("llama-8b", 4096), _frictionless()
+    work = Workload(seq=4096, global_batch=4)
+    t, b = 8, 2
+    p = predict(shape, work, Layout(dp_replicate=1, tp=t, microbatch=b, sequence_parallel=True), device, 8)
+    elements = 8 * b * 4096 * shape.hidden * (t - 1) / t
+    microbatches = 4 // b
+    expected = elements * 2 * shape.layers * microbatches / device.intra_node_bw
+    assert p.time_breakdown_s["tensor_parallel"] == pytest.approx(expected)
+
+
+def test_pipeline_bubble_is_p_minus_1_over_m_divided_by_v():
+    shape, work, device = model_shape("llama-8b", 2048), Workload(seq=2048, global_batch=64), get_device("h100-sxm")
+    plain = predict(shape, work, Layout(dp_replicate=2, pp=4, microbatch=2), device)
+    interleaved = predict(shape, work, Layout(dp_replicate=2, pp=4, microbatch=2, schedule="interleaved_1f1b",
+                                              stages_per_rank=2), device)
+    assert plain.bubble_fraction == pytest.approx(3 / 16)
+    assert interleaved.bubble_fraction == pytest.approx(3 / 32)
+    assert interleaved.step_time_s < plain.step_time_s
+    # GPipe keeps every microbatch's activations; 1F1B at most p of them.
+    gpipe = predict(shape, work, Layout(dp_replicate=2, pp=4, microbatch=2, schedule="gpipe"), device)
+    assert gpipe.memory["activations"] > 3 * plain.memory["activations"]
+
+
+# ---------------------------------------------------------------- published throughput, one calibrated model
+
+@pytest.mark.parametrize("row", [
+    megatron_row(2304, 24, 24, 1, 1, 32, 512, 137),
+    megatron_row(6144, 48, 40, 8, 1, 256, 1024, 135),
+    megatron_row(12288, 96, 80, 8, 8, 1536, 2304, 148),
+    megatron_row(25600, 160, 128, 8, 64, 3072, 3072, 163),
+], ids=["1.7B", "18.4B", "145.6B", "1008B"])
+def test_megatron_table1_held_out_rows_within_15_percent(row):
+    device = get_device(row.device)
+    assert predicted_tflops(row, device) == pytest.approx(row.tflops_per_gpu, rel=0.15)
+
+
+def test_llama3_8192_h100_row_within_15_percent():
+    row, device = llama3_row(8192, 430), get_device("h100-sxm")
+    layout = best_layout(row, device)
+    assert (layout.tp, layout.pp, layout.dp) == (8, 16, 64)
+    shape = model_shape(row.model, row.seq)
+    p = predict(shape, Workload(seq=8192, global_batch=2048, flash_attention=True), layout, device)
+    assert p.tflops_per_device == pytest.approx(430, rel=0.15)
+    assert p.mfu == pytest.approx(0.43, rel=0.15)
+
+
+@pytest.mark.parametrize("row", A100_ROWS + H100_ROWS, ids=lambda r: r.source)
+def test_calibration_rows_are_matched(row):
+    """The rows the constants were fitted on (scalenlp.plan.calibrate) stay matched: the shipped constants
+    are what that fit printed."""
+    assert predicted_tflops(row, get_device(row.device)) == pytest.approx(row.tflops_per_gpu, rel=0.08)
+
+
+# ---------------------------------------------------------------- the command
+
+def run_cli(capsys, *argv):
+    code = main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_search_ranks_fitting_layouts_with_runnable_train_lines(capsys):
+    code, out, _ = run_cli(capsys, "--model", "llama-8b", "--seq", "4096", "--global-batch", "256",
+                           "--devices", "16", "--device", "h100-sxm", "--top", "5", "--json")
+    assert code == 0
+    result = json.loads(out)
+    layouts = result["layouts"]
+    assert len(layouts) == 5
+    speeds = [p["tokens_per_sec"] for p in layouts]
+    assert speeds == sorted(speeds, reverse=True)
+    assert result["rejected"]  # e.g. tp=16 does not divide kv_heads=8: counted, not dropped silently
+    for p in layouts:
+        assert p["memory_per_device_bytes"] <= 80 * 2**30
+        assert p["memory_per_device_bytes"] == pytest.approx(sum(p["memory"].values()))
+        for key in ("params", "grads", "optimizer", "activations"):
+            assert p["memory"][key] > 0
+        for key in ("model_flops_per_step", "step_time_s", "tokens_per_sec", "tflops_per_device", "mfu",
+                    "bubble_fraction"):
+            assert key in p
+        words = shlex.split(p["train_command"])
+        assert words[:6] == ["scalenlp", "train", "--nproc", "8", "--nnodes", "2"]
+        overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+        cfg = load_config(overrides=overrides)  # every key and value is one the trainer accepts
+        lay = p["layout"]
+        assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_shard, cfg.parallel.dp_replicate) == \
+            (lay["tp"], lay["pp"], lay["dp_shard"], lay["dp_replicate"])
+        assert cfg.training.global_batch_size == 256 and cfg.training.seq_len == 4096
+        assert cfg.model.flavor == "llama-8b"
+
+
+def test_single_layout_prediction_and_human_output(capsys):
+    code, out, _ = run_cli(capsys, "--model", "llama-8b", "--seq", "8192", "--global-batch", "512", "--devices", "16",
+                           "--layout", "tp=8,dp_shard=2,zero=3,microbatch=2,recompute=full,sp=true")
+    assert code == 0
+    assert "dp_shard=2 tp=8" in out and "zero=3" in out and "MFU" in out
+    assert "--set parallel.data_parallel=zero3" in out and "--set training.activation_checkpointing=full" in out
+
+
+@pytest.mark.parametrize("layout,reason", [
+    ("tp=16", "would span nodes"),
+    ("tp=3", "does not divide"),
+    ("tp=2,dp_replicate=3", "dp_replicate*dp_shard*tp*pp = 6 but there are 16 devices"),
+    ("pp=4,microbatch=64", "2 microbatches per step cannot fill 4 pipeline stages"),
+    ("dp_replicate=16,microbatch=32", "does not fit"),
+])
+def test_a_layout_that_cannot_work_says_why(capsys, layout, reason):
+    code, _, err = run_cli(capsys, "--model", "llama-8b", "--seq", "8192", "--global-batch", "512", "--devices", "16",
+                           "--layout", layout)
+    assert code == 2
+    assert err.startswith("error: ") and reason in err
+
+
+def test_nothing_fits_names_the_smallest_device_count(capsys):
+    code, _, err = run_cli(capsys, "--model", "llama-70b", "--seq", "4096", "--global-batch", "64", "--devices", "2",
+                           "--device", "a100-80gb")
+    assert code == 1
+    smallest = int(err.split("smallest device count that fits is ")[1].split()[0])
+    assert smallest > 2
+    code, out, _ = run_cli(capsys, "--model", "llama-70b", "--seq", "4096", "--global-batch", "64",
+                           "--devices", str(smallest), "--device", "a100-80gb", "--top", "1")
+    assert code == 0 and "#1 " in out
+
+
+def test_device_overrides_and_bad_input(capsys):
+    args = ["--model", "llama-8b", "--seq", "8192", "--global-batch", "512", "--devices", "16",
+            "--layout", "tp=8,dp_shard=2,zero=3,microbatch=1,sp=true", "--json"]
+    base = json.loads(run_cli(capsys, *args)[1])
+    slower = json.loads(run_cli(capsys, *args, "--device-spec", "peak_flops_bf16=400e12")[1])
+    assert slower["step_time_s"] > base["step_time_s"]
+    assert run_cli(capsys, *args, "--device-spec", "warp=9")[0] == 2
+    assert run_cli(capsys, "--model", "nope", "--seq", "8", "--global-batch", "8", "--devices", "1")[0] == 2
+    assert run_cli(capsys, "--model", "hidden=64,layers=2,heads=3,vocab=100", "--seq", "8", "--global-batch", "8",
+                   "--devices", "1")[0] == 2
+
+
+def test_custom_shape_plans_without_a_train_line(capsys):
+    code, out, _ = run_cli(capsys, "--model", "hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab=128256",
+                           "--seq", "8192", "--global-batch", "512", "--devices", "16", "--top", "1", "--json")
+    assert code == 0
+    best = json.loads(out)["layouts"][0]
+    assert best["train_command"] is None
+    # Same shape as the llama-8b flavor: same parameter count.
+    assert json.loads(out)["parameters"] == model_shape("llama-8b", 8192).total_params
+
+
+def test_cpu_device_is_measured():
+    from scalenlp.plan.measure import measure_cpu
+
+    spec = measure_cpu(processes=2)
+    assert spec.peak_flops_fp32 > 1e8 and spec.hbm_bw > 1e8
+    assert spec.intra_node_bw > 1e6 and 0 < spec.latency_s < 0.1
+    assert spec.runtime_bytes > 50e6 and spec.memory_bytes > 0
