@@ -1,0 +1,184 @@
+"""Tensor-parallel inference: one model sharded over N processes, rank 0 runs the engine and HTTP.
+
+Every rank holds 1/N of each block (Megatron layout from ``scalenlp.parallel.tensor_parallel``,
+without sequence parallelism) and its own KV-cache shard (n_kv_heads / N heads). Rank 0's engine
+calls ``ShardedModel`` exactly like a local model; each call first broadcasts the step's inputs,
+so that the other ranks, waiting in ``follow``, run the same forward and join its collectives.
+Sampling happens on rank 0 alone: after the output projection every rank holds the full logits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+
+FORWARD, SETUP_CACHE, STOP = 0, 1, 2
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HEADER = 6
+# Followers wait for rank 0's next step for as long as the server is idle.
+IDLE_TIMEOUT = datetime.timedelta(days=7)
+
+
+def init_process_group(rank: int, world_size: int, port: int) -> torch.device:
+    """gloo on CPU, NCCL with one GPU per rank."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=IDLE_TIMEOUT, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=IDLE_TIMEOUT)
+    return device
+
+
+def load_sharded(export_dir, device: torch.device, dtype: torch.dtype):
+    """Every rank loads the export and keeps its shard of each weight."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from scalenlp.errors import UserError
+    from scalenlp.models.io import load_pretrained
+    from scalenlp.parallel.tensor_parallel import apply_tp
+
+    model = load_pretrained(export_dir, device=device, dtype=dtype)
+    tp, a = dist.get_world_size(), model.args
+    for what, n in (("n_heads", a.n_heads), ("n_kv_heads", a.n_kv_heads), ("ffn_dim", a.ffn_dim),
+                    ("vocab_size", a.vocab_size)):
+        if n % tp:
+            raise UserError(f"--tp {tp} does not divide the model's {what} ({n}); pick a divisor of it")
+    mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
+    apply_tp(model, mesh, sequence_parallel=False)
+    return model.eval()
+
+
+class ShardedModel:
+    """Rank 0's handle on the sharded model: same calls as a Transformer, broadcast to every rank."""
+
+    def __init__(self, model):
+        self.model = model
+        self.args = model.args
+        self.device = next(model.parameters()).device
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def _broadcast_header(self, *values: int) -> None:
+        header = torch.tensor(list(values) + [0] * (HEADER - len(values)), dtype=torch.long, device=self.device)
+        dist.broadcast(header, src=0)
+
+    def setup_kv_cache(self, slots: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
+        dtype = dtype or next(self.model.parameters()).dtype
+        self._broadcast_header(SETUP_CACHE, slots, max_seq_len, DTYPES.index(dtype))
+        self.model.setup_kv_cache(slots, max_seq_len, dtype)
+
+    def __call__(self, tokens, input_pos, slots=None, kv_len=None, logits_at=None):
+        B, T = tokens.shape
+        self._broadcast_header(FORWARD, B, T, -1 if kv_len is None else kv_len, slots is not None,
+                               logits_at is not None)
+        for t in (tokens, input_pos, slots, logits_at):
+            if t is not None:
+                dist.broadcast(t.contiguous(), src=0)
+        return self.model(tokens, input_pos, slots, kv_len=kv_len, logits_at=logits_at)
+
+    def stop_followers(self) -> None:
+        self._broadcast_header(STOP)
+
+
+@torch.inference_mode()
+def follow(model) -> None:
+    """Ranks > 0: run whatever rank 0 runs, until it says stop."""
+    device = next(model.parameters()).device
+    header = torch.empty(HEADER, dtype=torch.long, device=device)
+    while True:
+        dist.broadcast(header, src=0)
+        cmd, *rest = header.tolist()
+        if cmd == STOP:
+            return
+        if cmd == SETUP_CACHE:
+            slots, max_seq_len, dtype_index = rest[:3]
+            model.setup_kv_cache(slots, max_seq_len, DTYPES[dtype_index])
+            continue
+        B, T, kv_len, has_slots, has_logits_at = rest[:5]
+        tokens = torch.empty(B, T, dtype=torch.long, device=device)
+        input_pos = torch.empty(B, T, dtype=torch.long, device=device)
+        slots = torch.empty(B, dtype=torch.long, device=device) if has_slots else None
+        logits_at = torch.empty(B, dtype=torch.long, device=device) if has_logits_at else None
+        for t in (tokens, input_pos, slots, logits_at):
+            if t is not None:
+                dist.broadcast(t, src=0)
+        model(tokens, input_pos, slots, kv_len=None if kv_len < 0 else kv_len, logits_at=logits_at)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _follower_main(rank: int, world_size: int, port: int, export_dir: str,
+                   dtype_name: str) -> None:
+    from scalenlp.infer.engine import pick_dtype
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    device = init_process_group(rank, world_size, port)
+    model = load_sharded(export_dir, device, pick_dtype(device, dtype_name))
+    try:
+        follow(model)
+    finally:
+        dist.destroy_process_group()
+
+
+def serve_sharded(args) -> int:
+    """`scalenlp serve --tp N`: spawn ranks 1..N-1 here, become rank 0, serve HTTP."""
+    import multiprocessing
+
+    import uvicorn
+
+    from scalenlp.errors import UserError
+    from scalenlp.infer.engine import EOS_TOKEN, Engine, load_tokenizer_for, pick_dtype, resolve_export
+    from scalenlp.infer.server import LocalBackend, create_app, default_model_name
+
+    if args.compile:
+        raise UserError("--compile is not supported with --tp yet; drop one of them")
+    export = resolve_export(args.checkpoint)
+    tokenizer = load_tokenizer_for(export)
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    followers = [ctx.Process(target=_follower_main, args=(r, args.tp, port, str(export), args.dtype),
+                             daemon=True) for r in range(1, args.tp)]
+    for p in followers:
+        p.start()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
+    device = init_process_group(0, args.tp, port)
+    model = ShardedModel(load_sharded(export, device, pick_dtype(device, args.dtype)))
+    engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
+                    max_seq_len=args.max_seq_len, eos_id=tokenizer.token_to_id(EOS_TOKEN)).start()
+
+    def watch_followers():
+        # A dead rank leaves the others blocked in a collective: exit so that a supervisor restarts us.
+        while all(p.is_alive() for p in followers):
+            for p in followers:
+                p.join(1.0)
+        if not stopping.is_set():
+            print("error: a tensor-parallel rank died; stopping the server", flush=True)
+            os._exit(1)
+
+    stopping = threading.Event()
+    threading.Thread(target=watch_followers, daemon=True).start()
+    backend = LocalBackend(engine, args.model_name or default_model_name(args.checkpoint))
+    try:
+        uvicorn.run(create_app(backend, args.api_key), host=args.host, port=args.port, log_level="warning")
+    finally:
+        stopping.set()
+        engine.stop()
+        model.stop_followers()
+        for p in followers:
+            p.join()
+        dist.destroy_process_group()
+    return 0

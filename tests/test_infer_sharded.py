@@ -1,0 +1,56 @@
+"""`scalenlp serve --tp 2`: two gloo processes, greedy output token-for-token identical to TP=1."""
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from infer_helpers import make_export
+
+from scalenlp.infer.engine import EOS_TOKEN, Engine, load_tokenizer_for
+from scalenlp.infer.sampling import SamplingParams
+from scalenlp.infer.sharded import free_port
+from scalenlp.models.io import load_pretrained
+
+torch.set_num_threads(1)
+PROMPTS = ["the quick brown fox", "hello", "continuous batching lets requests join", "a"]
+
+
+def wait_healthy(url, proc):
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("flavor", ["debug", "debug-gpt2"])
+def test_tp2_greedy_identical_to_tp1(tmp_path, flavor):
+    export = make_export(tmp_path, flavor)
+    tok = load_tokenizer_for(export)
+    engine = Engine(load_pretrained(export), tok, max_batch=4, eos_id=tok.token_to_id(EOS_TOKEN)).start()
+    try:
+        expected = engine.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    finally:
+        engine.stop()
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "scalenlp", "serve", "--checkpoint", str(export), "--tp", "2",
+                             "--port", str(port), "--dtype", "float32", "--max-batch", "4", "--model-name", "m"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        r = httpx.post(url + "/v1/completions", timeout=300, json={
+            "model": "m", "prompt": PROMPTS, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert [c["text"] for c in r.json()["choices"]] == expected
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
