@@ -40,12 +40,15 @@ class PublishedRun:
     recompute: str
     flash_attention: bool
     zero: int | None  # data-parallel flavour the run used; None leaves it to the planner
+    states: str = "mixed"  # both papers keep bf16/fp16 weights and gradients with an fp32 master copy
 
 
 def megatron_row(hidden: int, heads: int, layers: int, tp: int, pp: int, gpus: int, batch: int, tflops: float):
     """A row of Narayanan et al. 2021, Table 1: GPT, vocabulary 51,200, sequence 2,048, fp16, full recompute,
-    plain data parallelism."""
-    spec = f"hidden={hidden},layers={layers},heads={heads},ffn={4 * hidden},vocab=51200,family=gpt2,dropout=0.1"
+    plain data parallelism. Pipelined, Megatron keeps the tied output layer as its own copy on the last
+    stage, which is what an untied model is to the cost model (and the only form scalenlp pipelines)."""
+    spec = (f"hidden={hidden},layers={layers},heads={heads},ffn={4 * hidden},vocab=51200,family=gpt2,dropout=0.1,"
+            f"tie={'false' if pp > 1 else 'true'}")
     return PublishedRun(f"Megatron-LM 2021 Table 1, h={hidden}", spec, 2048, batch, gpus, tp, pp, "a100-80gb",
                         tflops, "full", False, 0)
 
@@ -77,7 +80,8 @@ def best_layout(run: PublishedRun, device: DeviceSpec) -> Layout:
     Memory is not filtered: the published runs fit with kernels (fused SwiGLU, Megatron's buffers) this
     model does not count, and what is checked here is speed."""
     shape = model_shape(run.model, run.seq)
-    work = Workload(seq=run.seq, global_batch=run.global_batch, precision="bf16", flash_attention=run.flash_attention)
+    work = Workload(seq=run.seq, global_batch=run.global_batch, precision="bf16", states=run.states,
+                    flash_attention=run.flash_attention)
     fixed = dict(tp=run.tp, pp=run.pp, recompute=run.recompute, sequence_parallel=run.flash_attention)
     if run.zero is not None:
         fixed["zero"] = run.zero
@@ -88,7 +92,8 @@ def best_layout(run: PublishedRun, device: DeviceSpec) -> Layout:
 def predicted_tflops(run: PublishedRun, device: DeviceSpec, layout: Layout | None = None) -> float:
     """Per-GPU TFLOP/s counted the way the run's paper counts it."""
     shape = model_shape(run.model, run.seq)
-    work = Workload(seq=run.seq, global_batch=run.global_batch, precision="bf16", flash_attention=run.flash_attention)
+    work = Workload(seq=run.seq, global_batch=run.global_batch, precision="bf16", states=run.states,
+                    flash_attention=run.flash_attention)
     p = predict(shape, work, layout or best_layout(run, device), device)
     return p.tflops_per_device
 

@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override device fields, e.g. memory_gb=40,nic_bw=12.5e9,gemm_efficiency=0.6")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                         help="training precision (default bf16 on GPUs, fp32 on cpu)")
+    parser.add_argument("--states", choices=("fp32", "mixed"), default="fp32",
+                        help="how weights, gradients and Adam state are kept: fp32 (4+4+8 bytes per parameter, as "
+                             "scalenlp train keeps them, bf16 only in matmuls) or mixed (2+2+12, Megatron/DeepSpeed)")
     parser.add_argument("--layout", default=None,
                         help="predict one layout: dp_shard=..,dp_replicate=..,tp=..,pp=..,microbatch=..,"
                              "zero=0-3|ddp|zero1-3,recompute=none|selective|full[,schedule=gpipe|1f1b|"
@@ -106,17 +109,16 @@ def train_command(shape, work, layout, devices: int, gpus_per_node: int) -> str:
         "parallel.data_parallel": ZERO_NAMES[layout.zero],
         "parallel.sequence_parallel": str(layout.sequence_parallel).lower(),
     }
-    if layout.pp > 1:
+    if layout.pp > 1:  # the schedule splits each rank's batch into pp_microbatches itself
         settings["parallel.pp_schedule"] = layout.schedule
         settings["parallel.pp_microbatches"] = work.global_batch // (layout.dp * layout.microbatch)
         settings["parallel.pp_stages_per_rank"] = layout.stages_per_rank
-    settings.update({
-        "training.activation_checkpointing": layout.recompute,
-        "training.global_batch_size": work.global_batch,
-        "training.micro_batch_size": layout.microbatch,
-        "training.seq_len": work.seq,
-        "training.mixed_precision": work.precision,
-    })
+    settings["training.activation_checkpointing"] = layout.recompute
+    settings["training.global_batch_size"] = work.global_batch
+    if layout.pp == 1:
+        settings["training.micro_batch_size"] = layout.microbatch
+    settings["training.seq_len"] = work.seq
+    settings["training.mixed_precision"] = work.precision
     if shape.flavor:
         settings = {"model.flavor": shape.flavor, **settings}
     words = ["scalenlp", "train", *launch]
@@ -166,9 +168,10 @@ def run(args: argparse.Namespace) -> int:
                         "use a multiple of --gpus-per-node")
     precision = args.precision or ("fp32" if args.device == "cpu" else "bf16")
     shape = model_shape(args.model, args.seq)
-    work = Workload(seq=args.seq, global_batch=args.global_batch, precision=precision)
+    work = Workload(seq=args.seq, global_batch=args.global_batch, precision=precision, states=args.states)
     header = dict(model=args.model, parameters=shape.total_params, device=device.name, devices=args.devices,
-                  gpus_per_node=gpus_per_node, seq=args.seq, global_batch=args.global_batch, precision=precision)
+                  gpus_per_node=gpus_per_node, seq=args.seq, global_batch=args.global_batch, precision=precision,
+                  states=args.states)
 
     if args.layout:
         layout = parse_layout(args.layout, args.devices, args.global_batch)

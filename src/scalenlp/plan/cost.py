@@ -4,8 +4,9 @@ Memory (per device, the largest pipeline stage):
 - model states per ZeRO stage, Rajbhandari et al. 2020, §5: with Ψ parameters on the device, N_d
   the sharding degree and K the optimizer bytes per parameter, mixed precision (bf16 weights and
   gradients, K = 12: fp32 master, momentum, variance) needs (2 + 2 + K)Ψ without ZeRO, 4Ψ + KΨ/N_d at
-  stage 1, 2Ψ + (2 + K)Ψ/N_d at stage 2 and (4 + K)Ψ/N_d at stage 3. fp32 training (the CPU case and
-  torch autocast, whose weights stay fp32) is the same with 4 + 4 + 8 bytes (no master copy).
+  stage 1, 2Ψ + (2 + K)Ψ/N_d at stage 2 and (4 + K)Ψ/N_d at stage 3 (states="mixed"). fp32 states
+  (states="fp32", the default: fp32 training, and bf16 autocast or FSDP2 mixed precision over fp32
+  weights, as scalenlp train runs) are the same with 4 + 4 + 8 bytes and no master copy.
 - activations per layer, Korthikanti et al. 2022, §4, written term by term so that GQA, SwiGLU,
   dropout off and flash attention (no stored s×s scores) follow from the same count; for GPT shapes
   with dropout it is exactly sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) with tensor parallelism,
@@ -28,10 +29,10 @@ Communication, ring algorithms (n ranks, β bus bandwidth, α per hop): all-redu
 ranks share a node, else the NICs of its ranks on one node (mesh order pp, dp_replicate, dp_shard,
 tp, innermost last). Per layer per microbatch TP moves 8bsh(t−1)/t elements (two all-reduces
 forward, two backward; sequence parallelism replaces each by an all-gather plus a reduce-scatter of
-the same volume), plus two more with full recomputation; it is not overlapped. DDP and ZeRO-1/2
-reduce gradients (2(n−1)/n · 2Ψ bytes in bf16) overlapped with the backward of the last
-microbatch; ZeRO-3 gathers parameters for forward and backward and reduce-scatters gradients,
-1.5× the bytes of DDP, overlapped with that microbatch's compute. Pipeline stages send
+the same volume), plus two more with full recomputation; it is not overlapped. DDP and ZeRO-1 reduce
+gradients once per step, overlapped with the backward of the last microbatch (ZeRO-1 then gathers
+the updated weights); FSDP's ZeRO-2/3 gather weights per microbatch (ZeRO-3 for forward and again
+for backward: with the reduce-scatter, 1.5× the bytes of DDP) behind that microbatch's compute. Pipeline stages send
 activations forward and gradients back, exposed. The pipeline runs m + (p − 1)/v microbatch slots
 of the slowest stage, so the bubble is (p − 1)/(v·m) of the ideal time. The optimizer streams its
 state once per step.
@@ -63,8 +64,10 @@ OPTIMIZER_TRAFFIC = 28
 OPS_PER_LAYER = 60
 
 ELEMENT_BYTES = {"bf16": 2, "fp32": 4}
-# (weights, gradients, optimizer) bytes per parameter: Rajbhandari et al. K = 12 for mixed precision.
-STATE_BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
+# (weights, gradients, optimizer) bytes per parameter. "mixed": Rajbhandari et al.'s mixed-precision Adam,
+# K = 12 (Megatron, DeepSpeed). "fp32": weights, gradients and Adam moments in fp32 with bf16 only in the
+# matmuls (torch autocast, FSDP2's MixedPrecisionPolicy over fp32 shards): what scalenlp train keeps.
+STATE_BYTES = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
 ZERO_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 RECOMPUTE = ("none", "selective", "full")
@@ -98,7 +101,8 @@ class ModelShape:
 class Workload:
     seq: int
     global_batch: int
-    precision: str = "bf16"  # bf16 | fp32
+    precision: str = "bf16"  # bf16 | fp32: the matmuls' precision
+    states: str = "fp32"  # fp32 | mixed: how weights, gradients and optimizer state are kept (STATE_BYTES)
     flash_attention: bool = True  # scaled_dot_product_attention keeps no s×s scores (PyTorch's default)
 
 
@@ -157,11 +161,12 @@ class Prediction:
 
 # ---------------------------------------------------------------- model shapes
 
-_CUSTOM_KEYS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "family", "dropout")
+_CUSTOM_KEYS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "family", "dropout", "tie")
 
 
 def model_shape(model: str, seq: int) -> ModelShape:
-    """A named flavor, or ``hidden=H,layers=L,heads=A,kv_heads=K,ffn=F,vocab=V[,family=llama|gpt2][,dropout=p]``."""
+    """A named flavor, or ``hidden=H,layers=L,heads=A,kv_heads=K,ffn=F,vocab=V[,family=llama|gpt2][,dropout=P]
+    [,tie=true|false]`` (the family sets norm, activation, positions and tying: GPT-2 or Llama style)."""
     from scalenlp.models.flavors import FLAVORS, model_args
 
     if "=" not in model:
@@ -191,6 +196,9 @@ def _custom_args(spec: str, seq: int):
     family = values.pop("family", "llama")
     if family not in ("llama", "gpt2"):
         raise UserError(f"model shape {spec!r}: family must be llama or gpt2, got {family!r}")
+    tie = values.pop("tie", "true" if family == "gpt2" else "false").lower()
+    if tie not in ("true", "false"):
+        raise UserError(f"model shape {spec!r}: tie must be true or false, got {tie!r}")
     try:
         ints = {k: int(v) for k, v in values.items() if k != "dropout"}
         dropout = float(values.get("dropout", 0.0))
@@ -203,7 +211,7 @@ def _custom_args(spec: str, seq: int):
     default_ffn = 4 * hidden if family == "gpt2" else 256 * math.ceil(8 * hidden / 3 / 256)
     args = ModelArgs(vocab_size=ints["vocab"], dim=hidden, n_layers=ints["layers"], n_heads=ints["heads"],
                      n_kv_heads=ints.get("kv_heads", 0), ffn_dim=ints.get("ffn", default_ffn), max_seq_len=seq,
-                     dropout=dropout, **style)
+                     dropout=dropout, **{**style, "tie_embeddings": tie == "true"})
     if min(args.vocab_size, args.dim, args.n_layers, args.n_heads, args.ffn_dim) < 1:
         raise UserError(f"model shape {spec!r}: sizes must be positive")
     try:
@@ -239,9 +247,9 @@ def _count(name: str, flavor: str | None, args) -> ModelShape:
 
 # ---------------------------------------------------------------- memory
 
-def model_state_bytes(params: float, zero: int, shard: int, precision: str) -> tuple[float, float, float]:
+def model_state_bytes(params: float, zero: int, shard: int, states: str) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes on one device holding ``params`` before ZeRO sharding."""
-    w, g, o = STATE_BYTES[precision]
+    w, g, o = STATE_BYTES[states]
     n = shard if zero else 1
     return (w * params / (n if zero >= 3 else 1),
             g * params / (n if zero >= 2 else 1),
@@ -309,7 +317,7 @@ def _in_flight(layout: Layout, stage: int, microbatches: int) -> float:
 
 def memory_by_stage(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpec) -> list[dict[str, float]]:
     e = ELEMENT_BYTES[work.precision]
-    w_bytes, g_bytes, _ = STATE_BYTES[work.precision]
+    g_bytes = STATE_BYTES[work.states][1]
     microbatches = work.global_batch // (layout.dp * layout.microbatch)
     tokens = layout.microbatch * work.seq
     per_layer = activation_bytes_per_layer(shape, layout.microbatch, work.seq, layout.tp, layout.sequence_parallel,
@@ -321,7 +329,7 @@ def memory_by_stage(shape: ModelShape, work: Workload, layout: Layout, device: D
     for stage in _critical_stages(layout.pp):
         layers = counts[stage]
         params = stage_params(shape, layout, stage, layers)
-        weights, grads, optimizer = model_state_bytes(params, layout.zero, layout.dp_shard, work.precision)
+        weights, grads, optimizer = model_state_bytes(params, layout.zero, layout.dp_shard, work.states)
         in_flight = _in_flight(layout, stage, microbatches)
         activations = in_flight * layers * per_layer
         if layout.recompute == "full":
@@ -332,11 +340,11 @@ def memory_by_stage(shape: ModelShape, work: Workload, layout: Layout, device: D
         if stage == layout.pp - 1:
             # Logits, their fp32 log-softmax in the loss, and the logits' gradient.
             buffers += tokens * shape.vocab / layout.tp * (2 * e + 4)
-        if layout.zero == 0 and layout.dp > 1:
-            buffers += g_bytes * params  # DDP's gradient buckets are a copy of the gradients
+        if layout.zero <= 1 and layout.dp > 1 and layout.tp == layout.pp == 1:
+            buffers += g_bytes * params  # torch DDP's gradient buckets are a copy of the gradients
         if layout.zero == 3:
             gathered = (2 * shape.layer_params + max(shape.embedding_params, shape.head_params)) / layout.tp
-            buffers += gathered * (w_bytes + g_bytes)  # this layer and the prefetched next, unsharded
+            buffers += gathered * (e + g_bytes)  # this layer and the prefetched next, unsharded
         out.append(dict(params=weights, grads=grads, optimizer=optimizer, activations=activations,
                         buffers=buffers, runtime=device.runtime_bytes))
     return out
@@ -404,7 +412,6 @@ def _group_bw(stride: int, size: int, gpus_per_node: int, device: DeviceSpec) ->
 def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpec, gpus_per_node: int = 8) -> Prediction:
     """Memory and time of one step; assumes ``check_layout`` found nothing wrong with the degrees."""
     lay, e = layout, ELEMENT_BYTES[work.precision]
-    w_bytes, g_bytes, _ = STATE_BYTES[work.precision]
     peak = device.peak_flops(work.precision)
     microbatches = work.global_batch // (lay.dp * lay.microbatch)
     tokens = lay.microbatch * work.seq
@@ -436,9 +443,16 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     p2p_s = 2 * v * (p2p_bytes / pp_bw + device.latency_s) if lay.pp > 1 else 0.0
 
     # Data parallel: ring collectives over dp_shard (stride tp) and dp_replicate (stride tp·dp_shard).
+    # DDP and ZeRO-1 reduce gradients once per step (no_sync while accumulating), during the last backward;
+    # ZeRO-1 then gathers the updated weights. FSDP (ZeRO-2/3) gathers weights for every microbatch (ZeRO-3
+    # again for backward), hidden behind that microbatch's compute, and reduce-scatters gradients after each
+    # microbatch, or once per step under a pipeline schedule, which syncs only on the last backward.
+    w_bytes, g_bytes, _ = STATE_BYTES[work.states]
     shard_bw = _group_bw(lay.tp, lay.dp_shard, gpus_per_node, device)
     repl_bw = _group_bw(lay.tp * lay.dp_shard, lay.dp_replicate, gpus_per_node, device)
+    dp_bw = _group_bw(lay.tp, lay.dp, gpus_per_node, device)
     lat = device.latency_s
+    reduce_every_microbatch = lay.zero >= 2 and lay.pp == 1
     stage_layers = layers_per_stage(shape.layers, lay.pp)
     per_stage = []  # (one microbatch slot, once-per-step tail) for each stage that can be the slowest
     for stage in _critical_stages(lay.pp):
@@ -447,23 +461,22 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
                     elementwise=layers * elementwise_s + (logits_elementwise_s if last else 0.0),
                     tensor_parallel=layers * tp_s, pipeline_p2p=p2p_s)
         compute = slot["matmul"] + slot["elementwise"] + slot["tensor_parallel"]
+        backward = compute * 2 / passes
         params = stage_params(shape, lay, stage, layers)
-        gathered = (w_bytes if work.precision == "fp32" else 2) * params  # weights as the matmuls use them
         grads = g_bytes * params
-        if lay.zero == 3:
-            # Gather for forward and backward, reduce-scatter after, overlapped with this microbatch's compute.
-            move = (2 * _ring_time("all_gather", gathered, lay.dp_shard, shard_bw, lat)
-                    + _ring_time("reduce_scatter", grads, lay.dp_shard, shard_bw, lat))
-            slot["zero3_exposed"] = max(0.0, move - compute)
-            sync = _ring_time("all_reduce", grads / lay.dp_shard, lay.dp_replicate, repl_bw, lat)
-        elif lay.zero:
-            sync = (_ring_time("reduce_scatter", grads, lay.dp_shard, shard_bw, lat)
-                    + _ring_time("all_gather", gathered, lay.dp_shard, shard_bw, lat)
-                    + _ring_time("all_reduce", grads / lay.dp_shard, lay.dp_replicate, repl_bw, lat))
+        if lay.zero >= 2:
+            gathers = (lay.zero - 1) * _ring_time("all_gather", e * params, lay.dp_shard, shard_bw, lat)
+            reduce = (_ring_time("reduce_scatter", grads, lay.dp_shard, shard_bw, lat)
+                      + _ring_time("all_reduce", grads / lay.dp_shard, lay.dp_replicate, repl_bw, lat))
+            hidden = gathers + (reduce if reduce_every_microbatch else 0.0)
+            slot["data_parallel_exposed"] = max(0.0, hidden - compute)
+            step_sync = 0.0 if reduce_every_microbatch else max(0.0, reduce - backward)
         else:
-            sync = _ring_time("all_reduce", grads, lay.dp, _group_bw(lay.tp, lay.dp, gpus_per_node, device), lat)
+            step_sync = max(0.0, _ring_time("all_reduce", grads, lay.dp, dp_bw, lat) - backward)
+            if lay.zero == 1:
+                step_sync += _ring_time("all_gather", w_bytes * params, lay.dp, dp_bw, lat)
         optimizer_params = params / (lay.dp_shard if lay.zero else 1)
-        tail = dict(grad_sync_exposed=max(0.0, sync - compute * 2 / passes),  # buckets fire during the last backward
+        tail = dict(grad_sync_exposed=step_sync,
                     optimizer=optimizer_params * (OPTIMIZER_TRAFFIC + g_bytes) / device.hbm_bw)
         per_stage.append((slot, tail))
 
@@ -518,6 +531,14 @@ def check_layout(shape: ModelShape, work: Workload, layout: Layout, devices: int
                                    "(TP all-reduces every layer and needs the node's own links)")
     if lay.sequence_parallel and lay.tp == 1:
         bad("bad value", "sequence parallelism needs tp > 1")
+    if lay.sequence_parallel and work.seq % lay.tp:
+        bad("tp does not divide the sequence", f"sequence parallelism needs tp={lay.tp} to divide seq={work.seq}")
+    if lay.zero == 1 and lay.dp > 1 and (lay.tp > 1 or lay.pp > 1):
+        bad("zero1 with tp or pp", "zero1 (torch's ZeroRedundancyOptimizer) works with data parallelism alone; "
+                                   "use zero=2 with tp or pp")
+    if lay.pp > 1 and shape.tied:
+        bad("tied embeddings cannot be pipelined", "the first and last pipeline stage would share the tied "
+                                                   "embedding; use pp=1 or an untied model")
     if lay.pp > 1 and lay.schedule == "interleaved_1f1b" and lay.stages_per_rank < 2:
         bad("bad value", "interleaved_1f1b needs v (stages per rank) >= 2")
     if lay.stages_per_rank > 1 and lay.schedule != "interleaved_1f1b":

@@ -14,10 +14,13 @@ figures are measured with that many threads.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import resource
 import socket
+import subprocess
+import sys
 import time
 
 import torch
@@ -80,8 +83,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _gloo_worker(rank: int, world: int, port: int, queue) -> None:
+def _gloo_worker(rank: int, world: int, port: int) -> None:
+    """One of the measuring processes (``python -m scalenlp.plan.measure RANK WORLD PORT``); rank 0 prints JSON."""
     import torch.distributed as dist
+
+    import scalenlp.train.trainer  # noqa: F401  the training process's own imports count towards its runtime memory
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -96,30 +102,27 @@ def _gloo_worker(rank: int, world: int, port: int, queue) -> None:
                 dist.all_reduce(tensor)
             timings[name] = (time.perf_counter() - start) / reps
         if rank == 0:
-            queue.put((timings["small"], timings["large"], large.numel() * 4,
-                       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+            print(json.dumps(dict(timings, nbytes=large.numel() * 4,
+                                  rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
     finally:
         dist.destroy_process_group()
 
 
 def gloo_allreduce() -> tuple[float, float, float]:
-    """(bus bandwidth bytes/s, latency per hop s, resident bytes of a bare torch + gloo process), 2 processes."""
-    import torch.multiprocessing as mp
-
-    world, ctx = 2, mp.get_context("spawn")
-    queue, port = ctx.SimpleQueue(), _free_port()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise RuntimeError("gloo measurement processes failed; see their output above")
-    small_s, large_s, nbytes, rss = queue.get()
+    """(bus bandwidth bytes/s, latency per hop s, resident bytes of a process with scalenlp's training
+    imports and a gloo group, before any model), measured between two local processes."""
+    world, port = 2, _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "scalenlp.plan.measure", str(r), str(world), str(port)],
+                              stdout=subprocess.PIPE, env=env, text=True) for r in range(world)]
+    outputs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("the gloo measurement processes failed; see their messages above")
+    result = json.loads(outputs[0].strip().splitlines()[-1])
     hops = 2 * (world - 1)
-    latency = small_s / hops
-    bus_bw = hops / world * nbytes / max(large_s - small_s, 1e-9)
-    return bus_bw, latency, rss
+    latency = result["small"] / hops
+    bus_bw = hops / world * result["nbytes"] / max(result["large"] - result["small"], 1e-9)
+    return bus_bw, latency, result["rss"]
 
 
 def measure_cpu(processes: int = 1, overrides: dict[str, float] | None = None) -> DeviceSpec:
@@ -150,3 +153,7 @@ def _rate_ratio() -> float:
     a32, b32 = torch.randn(512, 512), torch.randn(512, 512)
     a16, b16 = a32.bfloat16(), b32.bfloat16()
     return _rate(lambda: a16 @ b16, 1.0) / _rate(lambda: a32 @ b32, 1.0)
+
+
+if __name__ == "__main__":
+    _gloo_worker(*(int(a) for a in sys.argv[1:4]))
