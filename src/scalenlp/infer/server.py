@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-replicas", type=int, default=None,
                         help="with --replicas: autoscale between --replicas and this many on queue length")
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    parser.add_argument("--replica-cpus", type=float, default=1.0,
+                        help="with --replicas: CPUs Ray reserves for each replica (also its torch threads)")
 
 
 class APIError(Exception):

@@ -1,0 +1,273 @@
+"""Replicas behind a load-balancing router, on Ray Serve (`scalenlp serve --replicas N`).
+
+    client ──HTTP──► Ray Serve proxy ──► Router (the same FastAPI app as one-process serving,
+                                         with RayBackend) ──handle──► EngineReplica × N
+
+- Routing: the router calls the replicas through a Ray Serve deployment handle, whose
+  power-of-two-choices router sends each request to the less loaded of two sampled replicas,
+  load being the replica's ongoing requests (running + queued). ``max_ongoing_requests`` is kept
+  near a replica's slot count, so excess requests wait at the router, where any replica that
+  frees a slot can take them, instead of queueing behind a busy one.
+- Failure: a replica that dies is replaced by the Serve controller; the requests it held fail
+  at the router with RayActorError and are sent again to another replica. A request gets a seed
+  at the router when it has none, so a retry regenerates the same text; a stream that breaks
+  midway resumes after the characters the client already has.
+- Autoscaling: with ``--max-replicas``, the replica count moves between the bounds to keep about
+  ``max_batch`` ongoing requests per replica.
+Ray is an optional extra (``pip install scalenlp[cluster]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from typing import AsyncIterator
+
+from scalenlp.errors import UserError
+
+RETRIES = 5
+APP_NAME = "scalenlp"
+
+
+def _import_ray():
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise UserError("--replicas needs Ray Serve, which is not installed; add it with "
+                        "`pip install 'scalenlp[cluster]'` (or serve on one process without --replicas)") from None
+    return ray, serve
+
+
+class EngineReplica:
+    """One engine (loaded from the checkpoint) serving completion requests handed over by the router."""
+
+    def __init__(self, engine_options: dict, model_name: str):
+        import argparse
+
+        import torch
+
+        from scalenlp.infer.generate import build_engine
+        from scalenlp.infer.server import LocalBackend
+
+        torch.set_num_threads(max(1, int(engine_options.pop("threads", 1))))
+        self.engine = build_engine(argparse.Namespace(**engine_options), max_queue=engine_options["max_queue"])
+        self.backend = LocalBackend(self.engine, model_name)
+        try:
+            from ray import serve
+
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside Serve (tests of the class itself)
+            self.replica_id = f"pid{os.getpid()}"
+
+    def _request(self, body: dict):
+        from scalenlp.infer.server import _request_model, check_request
+
+        req = _request_model()(**body)
+        check_request(req)
+        return req
+
+    async def complete(self, body: dict) -> dict:
+        from scalenlp.infer.server import APIError
+
+        try:
+            out = await self.backend.complete(self._request(body))
+        except APIError as e:
+            return {"__error__": [e.status, e.body()]}
+        out["system_fingerprint"] = self.replica_id
+        return out
+
+    async def stream(self, body: dict) -> AsyncIterator[dict]:
+        from scalenlp.infer.server import APIError
+
+        try:
+            async for chunk in self.backend.stream(self._request(body)):
+                chunk["system_fingerprint"] = self.replica_id
+                yield chunk
+        except APIError as e:
+            yield {"__error__": [e.status, e.body()]}
+
+    async def health(self) -> tuple[bool, str]:
+        return await self.backend.health()
+
+    def load(self) -> dict:
+        return {"replica": self.replica_id, "running": self.engine.num_running, "waiting": self.engine.num_waiting}
+
+
+def _raise_if_error(out: dict) -> None:
+    from scalenlp.infer.server import APIError
+
+    if "__error__" in out:
+        status, body = out["__error__"]
+        err = body["error"]
+        raise APIError(status, err["message"], err["type"], err["param"], err["code"])
+
+
+class RayBackend:
+    """The server's backend when the engines are Ray Serve replicas: forwards, and retries on replica death."""
+
+    def __init__(self, handle, model_name: str):
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.handle = handle
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.requests = Counter("scalenlp_router_requests", "requests answered by the router", ["status"],
+                                registry=self.registry)
+        self.retries = Counter("scalenlp_router_retries", "requests sent again after a replica failed",
+                               registry=self.registry)
+        self.latency = Histogram("scalenlp_router_e2e_request_latency_seconds", "arrival to response",
+                                 registry=self.registry)
+
+    def _body(self, req) -> dict:
+        body = req.model_dump(exclude_none=True)
+        body.setdefault("seed", random.getrandbits(62))  # retries must regenerate the same text
+        return body
+
+    async def _retrying(self, attempt):
+        """Run ``attempt()`` until it neither dies with its replica nor finds it full."""
+        from ray.exceptions import RayActorError
+
+        from scalenlp.infer.server import APIError
+
+        for n in range(RETRIES):
+            try:
+                return await attempt()
+            except RayActorError:
+                if n == RETRIES - 1:
+                    raise APIError(503, "every replica tried failed; retry later", type="server_error") from None
+            except APIError as e:
+                if e.status != 429 or n == RETRIES - 1:
+                    raise
+            self.retries.inc()
+            await asyncio.sleep(0.1 * 2 ** n)
+
+    async def complete(self, req) -> dict:
+        body, start = self._body(req), time.perf_counter()
+
+        async def attempt():
+            out = await self.handle.complete.remote(body)
+            _raise_if_error(out)
+            return out
+
+        try:
+            out = await self._retrying(attempt)
+        except Exception as e:
+            self.requests.labels(getattr(e, "status", 500)).inc()
+            raise
+        self.requests.labels(200).inc()
+        self.latency.observe(time.perf_counter() - start)
+        return out
+
+    async def stream(self, req) -> AsyncIterator[dict]:
+        from ray.exceptions import RayActorError
+
+        from scalenlp.infer.server import APIError
+
+        body, start = self._body(req), time.perf_counter()
+        delivered: dict[int, int] = {}  # choice index -> characters the client already has
+        for n in range(RETRIES):
+            produced: dict[int, int] = {}
+            try:
+                async for chunk in self.handle.options(stream=True).stream.remote(body):
+                    _raise_if_error(chunk)
+                    choices = []
+                    for c in chunk["choices"]:
+                        i, text = c["index"], c["text"]
+                        before = produced.get(i, 0)
+                        produced[i] = before + len(text)
+                        skip = max(0, delivered.get(i, 0) - before)  # a retry repeats what was sent
+                        if skip < len(text) or c["finish_reason"] is not None:
+                            choices.append({**c, "text": text[skip:]})
+                            delivered[i] = max(delivered.get(i, 0), produced[i])
+                    if choices or not chunk["choices"]:
+                        yield {**chunk, "choices": choices}
+                self.requests.labels(200).inc()
+                self.latency.observe(time.perf_counter() - start)
+                return
+            except RayActorError:
+                if n == RETRIES - 1:
+                    self.requests.labels(503).inc()
+                    raise APIError(503, "every replica tried failed; retry later", type="server_error") from None
+            except APIError as e:
+                if e.status != 429 or n == RETRIES - 1 or delivered:
+                    self.requests.labels(e.status).inc()
+                    raise
+            self.retries.inc()
+            await asyncio.sleep(0.1 * 2 ** n)
+
+    async def health(self) -> tuple[bool, str]:
+        from ray.exceptions import RayActorError
+
+        try:
+            return await self.handle.health.remote()
+        except RayActorError as e:
+            return False, f"replica unreachable: {e.__class__.__name__}"
+
+    def metrics(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class Router:
+    """The ingress deployment: the FastAPI app of `scalenlp serve`, forwarding to the replicas."""
+
+    def __init__(self, replicas, model_name: str, api_key: str | None):
+        from scalenlp.infer.server import create_app
+
+        self.fastapi_app = create_app(RayBackend(replicas, model_name), api_key)
+
+    def __serve_build_asgi_app__(self):
+        return self.fastapi_app
+
+
+def build_application(engine_options: dict, model_name: str, api_key: str | None, replicas: int,
+                      max_replicas: int | None, replica_cpus: float):
+    """The Ray Serve application: Router -> EngineReplica deployment."""
+    _, serve = _import_ray()
+    max_batch = engine_options["max_batch"]
+    scaling = ({"num_replicas": replicas} if not max_replicas or max_replicas <= replicas else
+               {"autoscaling_config": {"min_replicas": replicas, "max_replicas": max_replicas,
+                                       "initial_replicas": replicas, "target_ongoing_requests": max_batch}})
+    replica = serve.deployment(EngineReplica, name="EngineReplica", max_ongoing_requests=max_batch * 2,
+                               ray_actor_options={"num_cpus": replica_cpus}, health_check_period_s=2,
+                               **scaling)
+    router = serve.deployment(serve.ingress()(Router), name="Router", max_ongoing_requests=10_000,
+                              ray_actor_options={"num_cpus": 0})
+    options = {**engine_options, "threads": max(1, int(replica_cpus))}
+    return router.bind(replica.bind(options, model_name), model_name, api_key)
+
+
+def start(args, ray_init_kwargs: dict | None = None) -> str:
+    """Start (or join) Ray, deploy, and return the HTTP address."""
+    ray, serve = _import_ray()
+    from scalenlp.infer.engine import resolve_export
+    from scalenlp.infer.server import default_model_name
+
+    export = resolve_export(args.checkpoint)  # fail here, not inside a replica
+    if not ray.is_initialized():
+        ray.init(address=args.ray_address, ignore_reinit_error=True, **(ray_init_kwargs or {}))
+    serve.start(http_options={"host": args.host, "port": args.port})
+    options = {"checkpoint": str(export.resolve()), "dtype": args.dtype, "device": args.device,
+               "max_batch": args.max_batch, "max_seq_len": args.max_seq_len, "compile": args.compile,
+               "max_queue": args.max_queue}
+    app = build_application(options, args.model_name or default_model_name(args.checkpoint), args.api_key,
+                            args.replicas, args.max_replicas, args.replica_cpus)
+    serve.run(app, name=APP_NAME, route_prefix="/")
+    return f"http://{args.host}:{args.port}"
+
+
+def serve_replicas(args) -> int:
+    ray, serve = _import_ray()
+    cpus = None if args.ray_address else max(os.cpu_count() or 1, int(args.replicas * args.replica_cpus) + 1)
+    url = start(args, {"num_cpus": cpus} if cpus else {})
+    print(f"serving {args.replicas} replica(s) at {url} (Ctrl-C to stop)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
