@@ -89,7 +89,8 @@ def train(parallel: dict, world: int, steps: int) -> dict[str, list[float]]:
         runner, parts = build_pipeline(model, dims, mesh, cfg, loss_fn)
     else:
         parts = [parallelize(model, dims, mesh, cfg)]
-    optimizers = [shard_optimizer_state([q for q in part.parameters()], torch.optim.AdamW, dims, mesh, cfg,
+    optimizers = [shard_optimizer_state([q for q in part.parameters()], torch.optim.AdamW, dims, mesh,
+                                        cfg.parallel.data_parallel,
                                         lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95)) for part in parts]
     local = GLOBAL_BATCH // dims.dp
     rank_in_dp = dp_rank(mesh)

@@ -107,3 +107,25 @@ def skip_gradient_sync(model_parts: list[nn.Module]) -> Iterator[None]:
         finally:
             for part in fsdp_parts:
                 part.set_requires_all_reduce(True)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state, for checkpointing: ZeRO-1's local share (its state is
+    keyed by parameter name, so the shares of all ranks make up the whole state in any layout), with
+    the current hyperparameters (learning rate) copied in, since ZeRO-1 copies them only at step()."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        _copy_hyperparameters(optimizer.param_groups, optimizer.optim.param_groups)
+        return optimizer.optim
+    return optimizer
+
+
+def restore_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
+    """After loading a checkpoint into ``local_optimizer(optimizer)``: ZeRO-1 copies its own groups'
+    hyperparameters over the local ones at step(), so the loaded values must go there too."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        _copy_hyperparameters(optimizer.optim.param_groups, optimizer.param_groups)
+
+
+def _copy_hyperparameters(src: list[dict], dst: list[dict]) -> None:
+    for s, d in zip(src, dst, strict=True):
+        d.update({k: v for k, v in s.items() if k != "params"})

@@ -136,10 +136,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, c
 
 
 def shard_optimizer_state(param_groups: list, optimizer_class: type[torch.optim.Optimizer], dims: ParallelDims,
-                          mesh: DeviceMesh | None, cfg: Config, **defaults) -> torch.optim.Optimizer:
+                          mesh: DeviceMesh | None, data_parallel: str, **defaults) -> torch.optim.Optimizer:
     """The optimizer for one model part: ``optimizer_class(param_groups, **defaults)``, with its state
-    partitioned over the data-parallel ranks when parallel.data_parallel == "zero1" (ZeRO-1)."""
-    if cfg.parallel.data_parallel == "zero1" and mesh is not None and dims.dp > 1:
+    partitioned over the data-parallel ranks when ``data_parallel`` (parallel.data_parallel) is "zero1".
+    A ZeRO-1 optimizer's ``.optim`` is the local optimizer over this rank's share of the parameters:
+    checkpoint that one (its state is keyed by parameter name, so it reshards like any other)."""
+    if data_parallel == "zero1" and mesh is not None and dims.dp > 1:
         return zero1_optimizer(param_groups, optimizer_class, dp_mesh(mesh, flat=True), **defaults)
     return optimizer_class(param_groups, **defaults)
 

@@ -92,15 +92,23 @@ class PipelineRunner:
         self.has_first, self.has_last = has_first, has_last
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Run the local batch as the configured microbatches; gradients are left in the stage
-        parameters (averaged over microbatches). Returns the mean loss, the same on every pp rank."""
+        """Forward + backward of the local batch as the configured microbatches; gradients are left
+        in the stage parameters (averaged over microbatches). Returns the mean loss on every pp rank."""
+        return self._run(self.schedule.step, inputs, targets)
+
+    @torch.no_grad()
+    def eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only; the mean loss on every pp rank."""
+        return self._run(self.schedule.eval, inputs, targets)
+
+    def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
         if self.has_first:
-            self.schedule.step(inputs, **kwargs)
+            run(inputs, **kwargs)
         else:
-            self.schedule.step(**kwargs)
-        loss = torch.stack(losses).mean().detach() if self.has_last else torch.zeros((), device=self.device)
+            run(**kwargs)
+        loss = torch.stack(losses).mean().detach().float() if self.has_last else torch.zeros((), device=self.device)
         # The last stage lives on the last pp rank (stage s is on rank s mod pp).
         dist.broadcast(loss, group=self.pp_mesh.get_group(), group_src=self.pp_mesh.size() - 1)
         return loss
