@@ -1,0 +1,200 @@
+"""Parallel layouts: layer-level numerics, stage splits, shard sizes, layout checks, and loss /
+gradient-norm parity of every layout against one process (gloo, one thread per process)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from scalenlp.config import Config, ConfigError
+from scalenlp.models.flavors import build_model, model_args
+from scalenlp.parallel.mesh import ParallelDims
+from scalenlp.parallel.parallelize import apply_ac, check_layout
+from scalenlp.parallel.pipeline import layer_costs, split_layers, stage_module
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import parity  # noqa: E402  (the parity harness is shared with the benchmark script)
+
+torch.set_num_threads(1)
+
+
+def _spawn(fn, world: int, *args) -> None:
+    mp.spawn(_init_and_run, args=(world, parity.free_port(), fn, args), nprocs=world)
+
+
+def _init_and_run(rank, world, port, fn, args):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- tensor parallelism, layer level ----------------------------------------------------------------
+
+def _tp_matches_unsharded(rank, world):
+    for flavor in ("debug", "debug-gpt2"):
+        for sequence_parallel in (False, True):
+            _check_tp(world, flavor, sequence_parallel)
+
+
+def _check_tp(world, flavor, sequence_parallel):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from scalenlp.parallel.tensor_parallel import apply_tp
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    reference = build_model(model_args(flavor, vocab_size=96, max_seq_len=16))
+    sharded = copy.deepcopy(reference)
+    apply_tp(sharded, mesh["tp"], sequence_parallel)
+    tokens, targets = torch.randint(0, 96, (2, 16)), torch.randint(0, 96, (2, 16))
+    for model in (reference, sharded):
+        F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+    torch.testing.assert_close(sharded(tokens), reference(tokens), rtol=1e-5, atol=1e-6)
+    sharded_params = dict(sharded.named_parameters())
+    assert sharded_params.keys() == dict(reference.named_parameters()).keys()  # names survive (checkpoints)
+    for name, p in reference.named_parameters():
+        q = sharded_params[name]
+        if name.endswith(("wq.weight", "w1.weight", "w2.weight")):
+            assert isinstance(q, DTensor) and q.to_local().numel() == p.numel() // world
+        grad = q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
+        torch.testing.assert_close(grad, p.grad, rtol=1e-4, atol=1e-6, msg=f"{flavor} {name}")
+
+
+def test_tensor_parallel_model_matches_unsharded_forward_and_backward():
+    """Llama (RoPE, GQA, SwiGLU) and GPT-2 (learned positions, GELU, biases, tied embeddings), with
+    and without sequence parallelism."""
+    _spawn(_tp_matches_unsharded, 2)
+
+
+# -- FSDP shard sizes -------------------------------------------------------------------------------
+
+def _fsdp_shards(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from scalenlp.parallel.data_parallel import apply_fsdp
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    torch.manual_seed(0)
+    full = build_model(model_args("debug", vocab_size=96, max_seq_len=16))
+    sharded = apply_fsdp(copy.deepcopy(full), mesh["dp_shard"], reshard_after_forward=True, bf16=False, offload=False)
+    for (name, p), (_, q) in zip(full.named_parameters(), sharded.named_parameters()):
+        assert q.to_local().shape[0] == -(-p.shape[0] // world), name  # dim 0 split in ceil-sized rows
+        torch.testing.assert_close(q.full_tensor(), p, rtol=0, atol=0)
+    local = sum(q.to_local().numel() for q in sharded.parameters())
+    assert local <= full.num_params() / world + sum(p[0].numel() for p in full.parameters())
+
+
+def test_zero3_holds_one_shard_of_every_parameter():
+    _spawn(_fsdp_shards, 2)
+
+
+# -- pipeline split ---------------------------------------------------------------------------------
+
+def test_split_layers_is_contiguous_balanced_and_charges_the_head_to_the_last_stage():
+    assert split_layers([1.0] * 8, 0.0, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert split_layers([1.0] * 8, 0.0, 8) == [[i] for i in range(8)]
+    # A head as costly as four layers leaves the last stage with fewer layers.
+    assert split_layers([1.0] * 8, 4.0, 2) == [[0, 1, 2, 3, 4, 5], [6, 7]]
+    # Every stage holds at least one layer, whatever the costs.
+    assert split_layers([1.0, 100.0, 1.0], 0.0, 3) == [[0], [1], [2]]
+
+
+def test_stage_modules_partition_the_model_under_the_same_parameter_names():
+    model = build_model(model_args("debug", vocab_size=96, n_layers=4, max_seq_len=16))
+    costs, head = layer_costs(model, seq_len=16)
+    assert len(costs) == 4 and head == 96 * 64
+    layers = split_layers(costs, head, 2)
+    parts = [stage_module(model, ids, first=s == 0, last=s == 1) for s, ids in enumerate(layers)]
+    names = [set(p.state_dict()) for p in parts]
+    assert not names[0] & names[1] and names[0] | names[1] == set(model.state_dict())
+    tokens = torch.randint(0, 96, (2, 16))
+    torch.testing.assert_close(parts[1](parts[0](tokens)), model(tokens))
+
+
+# -- activation checkpointing -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_gradients_and_names(mode):
+    torch.manual_seed(0)
+    reference = build_model(model_args("debug", vocab_size=96, max_seq_len=16))
+    checkpointed = copy.deepcopy(reference)
+    apply_ac(checkpointed, mode)
+    tokens = torch.randint(0, 96, (2, 16))
+    for model in (reference, checkpointed):
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    assert [n for n, _ in checkpointed.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    for p, q in zip(reference.parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+
+
+# -- impossible layouts: one clear error before any process group ------------------------------------
+
+def _cfg(**parallel) -> Config:
+    cfg = Config()
+    cfg.training.global_batch_size = 8
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+@pytest.mark.parametrize("parallel, world, message", [
+    (dict(tp=3), 3, "does not divide the model's n_heads=4"),
+    (dict(tp=4), 4, "does not divide the model's n_kv_heads=2"),
+    (dict(pp=4), 4, "4 pipeline stages but the model has only 2 layers"),
+    (dict(pp=2, pp_stages_per_rank=2, pp_schedule="interleaved_1f1b"), 2, "only 2 layers"),
+    (dict(pp=2, pp_microbatches=3), 2, "pp_microbatches=3 does not divide the per-rank batch 8"),
+    (dict(pp=2, pp_stages_per_rank=2, pp_schedule="1f1b"), 2, "needs an interleaved schedule"),
+    (dict(data_parallel="zero1", tp=2), 4, "zero1"),
+    (dict(offload=True), 2, "offload"),
+])
+def test_impossible_layouts_are_one_config_error(parallel, world, message):
+    cfg = _cfg(**parallel)
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    with pytest.raises(ConfigError, match=message):
+        check_layout(model_args("debug"), dims, cfg)
+
+
+def test_tied_embeddings_cannot_be_pipelined_and_degrees_must_fill_the_world():
+    cfg = _cfg(pp=2)
+    with pytest.raises(ConfigError, match="tied input/output embeddings"):
+        check_layout(model_args("debug-gpt2"), ParallelDims.from_config(cfg.parallel, 2), cfg)
+    with pytest.raises(ConfigError, match="= 4 but the world size is 3"):
+        ParallelDims.from_config(_cfg(tp=2, dp_shard=2).parallel, 3)
+
+
+# -- end to end: 10 steps of every layout against one process ----------------------------------------
+
+@pytest.fixture(scope="module")
+def single_process():
+    return parity.reference(steps=10)
+
+
+def _assert_parity(names, reference):
+    results = parity.run_layouts(names, steps=10)
+    for name in names:
+        got = results[name]
+        assert len(got["loss"]) == 10
+        assert got["loss"] == pytest.approx(reference["loss"], rel=1e-4), name
+        assert got["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4), name
+    assert reference["loss"][-1] < reference["loss"][0]  # the comparison covers a moving optimisation
+
+
+def test_two_process_layouts_match_single_process(single_process):
+    """ddp, zero1, zero2, zero3, tp, tp + sequence parallel, pp gpipe / 1f1b / interleaved (2 stages per rank)."""
+    _assert_parity([n for n, (world, _) in parity.LAYOUTS.items() if world == 2], single_process)
+
+
+def test_four_process_layouts_match_single_process(single_process):
+    """zero3 x4, hsdp 2x2, dp2 x tp2 (FSDP and DDP), dp2 x pp2, tp2 x pp2."""
+    _assert_parity([n for n, (world, _) in parity.LAYOUTS.items() if world == 4], single_process)
