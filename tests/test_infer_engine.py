@@ -135,15 +135,18 @@ def test_logprobs_are_log_softmax(engine, export):
 def test_sampling_respects_top_k_and_top_p():
     logits = torch.tensor([[5.0, 4.0, 3.0, -10.0]] * 4000)
     steps = torch.arange(4000)
-    base = dict(temperature=torch.ones(4000), seed=torch.full((4000,), 3), step=steps, logprobs=-1)
-    top1 = sample(logits, SamplingBatch(top_k=torch.ones(4000, dtype=torch.long), top_p=torch.ones(4000), **base))[0]
+    base = dict(temperature=torch.ones(4000), seed=torch.full((4000,), 3), step=steps, logprobs=-1, any_sampled=True)
+    top1 = sample(logits, SamplingBatch(top_k=torch.ones(4000, dtype=torch.long), top_p=torch.ones(4000),
+                                        any_truncated=True, **base))[0]
     assert set(top1.tolist()) == {0}
-    top2 = sample(logits, SamplingBatch(top_k=torch.full((4000,), 2), top_p=torch.ones(4000), **base))[0]
+    top2 = sample(logits, SamplingBatch(top_k=torch.full((4000,), 2), top_p=torch.ones(4000), any_truncated=True,
+                                        **base))[0]
     assert set(top2.tolist()) == {0, 1}
     nucleus = sample(logits, SamplingBatch(top_k=torch.zeros(4000, dtype=torch.long), top_p=torch.full((4000,), 0.5),
-                                           **base))[0]
+                                           any_truncated=True, **base))[0]
     assert set(nucleus.tolist()) == {0}  # token 0 alone holds ~0.7 of the mass
-    free = sample(logits, SamplingBatch(top_k=torch.zeros(4000, dtype=torch.long), top_p=torch.ones(4000), **base))[0]
+    free = sample(logits, SamplingBatch(top_k=torch.zeros(4000, dtype=torch.long), top_p=torch.ones(4000),
+                                        any_truncated=False, **base))[0]
     share = (free == 0).float().mean().item()
     assert abs(share - logits[0].softmax(-1)[0].item()) < 0.03  # the draw follows the distribution
 

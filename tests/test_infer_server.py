@@ -197,3 +197,33 @@ def test_health_503_when_engine_dead(tmp_path):
     finally:
         server.stop()
         engine.stop()
+
+
+def test_health_503_when_engine_stuck(tmp_path, monkeypatch):
+    export = make_export(tmp_path)
+    engine = Engine(load_pretrained(export), load_tokenizer_for(export), max_batch=1).start()
+    server = ServerThread(create_app(LocalBackend(engine, "tiny", health_timeout=1)))
+    release = threading.Event()
+    real = engine._decode
+
+    def stuck(*args, **kwargs):  # a decode step that never returns until released (a hung device)
+        release.wait()
+        return real(*args, **kwargs)
+
+    try:
+        monkeypatch.setattr(engine, "_decode", stuck)
+        t = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions",
+                                                       json={"model": "tiny", "prompt": "hi", "max_tokens": 3},
+                                                       timeout=None))
+        t.start()
+        while engine.num_running == 0:
+            time.sleep(0.02)
+        health = httpx.get(server.url + "/health", timeout=None)
+        assert health.status_code == 503 and "no progress" in health.json()["detail"]
+        release.set()
+        t.join()
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        release.set()
+        server.stop()
+        engine.stop()

@@ -76,6 +76,8 @@ class SamplingBatch:
     seed: torch.Tensor  # (B,) int64
     step: torch.Tensor  # (B,) int64, index of the token being drawn
     logprobs: int  # the most alternatives any row asked for; -1 = no row wants logprobs
+    any_sampled: bool  # known from the settings, so that no device sync is needed to branch
+    any_truncated: bool
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], device) -> "SamplingBatch":
@@ -87,6 +89,8 @@ class SamplingBatch:
             seed=torch.tensor(seeds, dtype=torch.int64, device=device),
             step=torch.tensor(steps, dtype=torch.int64, device=device),
             logprobs=max(want) if want else -1,
+            any_sampled=any(p.temperature > 0 for p in params),
+            any_truncated=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params),
         )
 
 
@@ -99,12 +103,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     tokens = greedy
-    sampled_rows = batch.temperature > 0
-    if bool(sampled_rows.any()):
+    if batch.any_sampled:
         scaled = logits / batch.temperature.clamp_min(1e-5)[:, None]
         u = uniform_from(batch.seed, batch.step).float()
-        truncating = bool(((batch.top_k > 0) | (batch.top_p < 1)).any())
-        if truncating:
+        if batch.any_truncated:
             order = scaled.argsort(dim=-1, descending=True)
             probs = scaled.gather(-1, order).softmax(dim=-1)
             rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
@@ -119,7 +121,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):
         target = u[:, None] * cdf[:, -1:]
         index = torch.searchsorted(cdf, target).clamp_max(probs.shape[-1] - 1).squeeze(-1)
         drawn = order.gather(-1, index[:, None]).squeeze(-1) if order is not None else index
-        tokens = torch.where(sampled_rows, drawn, greedy)
+        tokens = torch.where(batch.temperature > 0, drawn, greedy)
     if batch.logprobs < 0:
         return tokens, None, None
     logp = logits.log_softmax(dim=-1)

@@ -38,21 +38,27 @@ def init_process_group(rank: int, world_size: int, port: int) -> torch.device:
     return device
 
 
-def load_sharded(export_dir, device: torch.device, dtype: torch.dtype):
-    """Every rank loads the export and keeps its shard of each weight."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def check_tp(export_dir, tp: int) -> None:
+    """Before any process starts: every sharded dimension must split evenly."""
     from scalenlp.errors import UserError
-    from scalenlp.models.io import load_pretrained
-    from scalenlp.parallel.tensor_parallel import apply_tp
+    from scalenlp.models.io import load_model_args
 
-    model = load_pretrained(export_dir, device=device, dtype=dtype)
-    tp, a = dist.get_world_size(), model.args
+    a = load_model_args(export_dir)
     for what, n in (("n_heads", a.n_heads), ("n_kv_heads", a.n_kv_heads), ("ffn_dim", a.ffn_dim),
                     ("vocab_size", a.vocab_size)):
         if n % tp:
             raise UserError(f"--tp {tp} does not divide the model's {what} ({n}); pick a divisor of it")
-    mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
+
+
+def load_sharded(export_dir, device: torch.device, dtype: torch.dtype):
+    """Every rank loads the export and keeps its shard of each weight."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from scalenlp.models.io import load_pretrained
+    from scalenlp.parallel.tensor_parallel import apply_tp
+
+    model = load_pretrained(export_dir, device=device, dtype=dtype)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
     apply_tp(model, mesh, sequence_parallel=False)
     return model.eval()
 
@@ -147,6 +153,7 @@ def serve_sharded(args) -> int:
     if args.compile:
         raise UserError("--compile is not supported with --tp yet; drop one of them")
     export = resolve_export(args.checkpoint)
+    check_tp(export, args.tp)
     tokenizer = load_tokenizer_for(export)
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
