@@ -28,7 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_mb: int) -> DDP:
     """Replicate ``model`` over the (flattened, 1-D) data-parallel mesh; gradients all-reduced in buckets."""
     device = next(model.parameters()).device
-    return DDP(model, process_group=dp_mesh.get_group(), bucket_cap_mb=bucket_mb,
+    # Gradients as views into the all-reduce buckets: otherwise DDP holds a second copy of them (4Ψ).
+    return DDP(model, process_group=dp_mesh.get_group(), bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
                device_ids=None if device.type == "cpu" else [device.index])
 
 
