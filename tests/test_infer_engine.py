@@ -156,3 +156,18 @@ def test_counter_based_uniforms_are_uniform():
     assert 0 <= u.min() and u.max() < 1
     assert abs(u.mean().item() - 0.5) < 0.01
     assert torch.histc(u.float(), bins=10, min=0, max=1).min() > 1800
+
+
+def test_compiled_decode_step_matches_eager(tmp_path):
+    export = make_export(tmp_path, "debug")
+    prompts = ["hello", "the quick brown", "a"]
+    eager = start_engine(export, max_batch=4)
+    try:
+        expected = [ids_of(eager, [p], GREEDY)[0] for p in prompts]
+    finally:
+        eager.stop()
+    compiled = start_engine(export, max_batch=4, compile=True)
+    try:
+        assert ids_of(compiled, prompts, GREEDY) == expected
+    finally:
+        compiled.stop()
