@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from scalenlp.errors import UserError
+from scalenlp.parallel.data_parallel import local_optimizer, restore_hyperparameters
 
 STATE_FILE = "train_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -32,6 +34,21 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _dcp_call(fn, state: dict, path: Path, no_dist: bool) -> None:
+    """dcp.save / dcp.load, without DCP's warning that a single process is a single process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        fn(state, checkpoint_id=str(path), no_dist=no_dist)
+
+
+def load_full_model(path: Path, model: nn.Module) -> None:
+    """Fill an unsharded model from a checkpoint saved under any layout, in this process alone
+    (DCP reshards on read): how the final weights are exported."""
+    state = {"model": model.state_dict()}
+    _dcp_call(dcp.load, state, path, no_dist=True)
+    model.load_state_dict(state["model"])
 
 
 def _rng_state() -> dict:
@@ -46,7 +63,7 @@ def _state_dicts(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
     Flattened optimizer keys ("state.<fqn>.exp_avg") make parts merge without clobbering each other."""
     model_sd, optim_sd = {}, {}
     for part, opt in zip(parts, optimizers):
-        m, o = get_state_dict(part, opt, options=_options(strict=True))
+        m, o = get_state_dict(part, local_optimizer(opt), options=_options(strict=True))
         model_sd.update(m)
         optim_sd.update(o)
     return model_sd, optim_sd
@@ -93,7 +110,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         model_sd, optim_sd = _state_dicts(parts, optimizers)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        _dcp_call(dcp.save, {"model": model_sd, "optim": optim_sd}, tmp, no_dist=not dist.is_initialized())
         torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")
         _barrier()
         if self.rank == 0:
@@ -118,8 +135,7 @@ class Checkpointer:
                             f"to resume from an older one")
         model_sd, optim_sd = _state_dicts(parts, optimizers)
         try:
-            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path),
-                     no_dist=not dist.is_initialized())
+            _dcp_call(dcp.load, {"model": model_sd, "optim": optim_sd}, path, no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
             # (missing keys, shapes, corrupt files); its last line names the cause.
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
@@ -127,8 +143,9 @@ class Checkpointer:
                             f"settings it was saved with, or start a new --run-dir") from None
         for part, opt in zip(parts, optimizers):
             # Each part takes its own keys from the merged dicts, so strictness only holds for a single part.
-            set_state_dict(part, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+            set_state_dict(part, local_optimizer(opt), model_state_dict=model_sd, optim_state_dict=optim_sd,
                            options=_options(strict=len(parts) == 1))
+            restore_hyperparameters(opt)
         rng_file = path / f"rng-rank{self.rank}.pt"
         if rng_file.is_file():  # absent when resuming on more ranks than were saved: seeds stay as set
             rng = torch.load(rng_file, weights_only=True)

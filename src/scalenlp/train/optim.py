@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from scalenlp.config import TrainingConfig
+from scalenlp.parallel.mesh import ParallelDims
+from scalenlp.parallel.parallelize import shard_optimizer_state
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -20,11 +22,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, t: TrainingConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, t: TrainingConfig, dims: ParallelDims | None = None, mesh=None,
+                    data_parallel: str = "ddp") -> torch.optim.Optimizer:
+    """AdamW over ``model`` (one model part); with data_parallel="zero1" its state is sharded over
+    the data-parallel ranks of ``mesh``."""
     # foreach=True batches the per-parameter update into a few kernels; fused is GPU-only.
     fused = next(model.parameters()).device.type == "cuda"
-    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                             eps=1e-8, fused=fused or None, foreach=None if fused else True)
+    return shard_optimizer_state(param_groups(model, t.weight_decay), torch.optim.AdamW, dims, mesh, data_parallel,
+                                 lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused or None,
+                                 foreach=None if fused else True)
 
 
 def lr_factor(step: int, t: TrainingConfig) -> float:

@@ -17,9 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from scalenlp.config import Config, ConfigError, save_config
@@ -29,8 +27,10 @@ from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.flavors import FLAVORS, build_model, model_args
 from scalenlp.models.io import save_pretrained
 from scalenlp.parallel.mesh import ParallelDims, build_mesh, device_type, dp_rank, init_distributed
-from scalenlp.parallel.parallelize import parallelize
-from scalenlp.train.checkpoint import Checkpointer
+from scalenlp.parallel.data_parallel import skip_gradient_sync
+from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, parallelize
+from scalenlp.parallel.pipeline import build_pipeline
+from scalenlp.train.checkpoint import Checkpointer, load_full_model
 from scalenlp.train.metrics import MetricsWriter, peak_flops, peak_memory_bytes
 from scalenlp.train.optim import build_optimizer, build_scheduler
 
@@ -62,6 +62,8 @@ def batch_shape(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
         raise ConfigError(f"training.global_batch_size={g} is not divisible by the {dims.dp} data-parallel ranks; "
                           f"use a multiple of {dims.dp}")
     local = g // dims.dp
+    if dims.pp > 1:  # the pipeline schedule splits the local batch into parallel.pp_microbatches itself
+        return local, 1
     mb = mb or local
     if local % mb:
         raise ConfigError(f"training.micro_batch_size={mb} does not divide the {local} sequences each rank "
@@ -72,7 +74,7 @@ def batch_shape(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
 def validate_run(cfg: Config, world_size: int) -> ParallelDims:
     """Every check that needs no process group and no data, so a launcher can fail before starting N processes."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
-    resolve_model_args(cfg)
+    check_layout(resolve_model_args(cfg), dims, cfg)
     batch_shape(cfg, dims)
     return dims
 
@@ -91,6 +93,11 @@ def autocast(device: torch.device, mixed_precision: str):
     if mixed_precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of one (micro-)batch, in fp32 even under bf16 autocast."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def _mean_over(value: torch.Tensor, group) -> float:
@@ -140,9 +147,14 @@ class Trainer:
         model = build_model(self.model_args, self.device)
         self.n_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
-        self.model = parallelize(model, self.dims, self.mesh, cfg)
-        self.optimizer = build_optimizer(self.model, t)
-        self.scheduler = build_scheduler(self.optimizer, t)
+        if self.dims.pp > 1:
+            self.pipeline, self.model_parts = build_pipeline(model, self.dims, self.mesh, cfg, cross_entropy)
+        else:
+            self.pipeline, self.model_parts = None, [parallelize(model, self.dims, self.mesh, cfg)]
+        self.optimizers = [build_optimizer(part, t, self.dims, self.mesh, cfg.parallel.data_parallel)
+                           for part in self.model_parts]
+        self.schedulers = [build_scheduler(opt, t) for opt in self.optimizers]
+        self.scheduler = self.schedulers[0]  # all parts follow the same schedule
         torch.manual_seed(t.seed + 1 + self.rank)  # dropout streams differ per rank, reproducibly
         self.step = 0
         latest = self.checkpointer.latest() if cfg.checkpoint.resume else None
@@ -169,13 +181,14 @@ class Trainer:
                 "layout": self.dims.names_and_sizes()}
 
     def _resume(self, path: Path) -> None:
-        state = self.checkpointer.load(path, [self.model], [self.optimizer])
+        state = self.checkpointer.load(path, self.model_parts, self.optimizers)
         t = self.cfg.training
         for key in ("global_batch_size", "seq_len"):
             if state[key] != getattr(t, key):
                 raise UserError(f"checkpoint {path} was trained with training.{key}={state[key]}, this run has "
                                 f"{getattr(t, key)}; the data position only carries over with the same value")
-        self.scheduler.load_state_dict(state["scheduler"])
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
         self.step = state["step"]
         self.log(f"resumed from {path} at step {self.step} (saved on {state['world_size']} process(es))")
@@ -185,44 +198,53 @@ class Trainer:
         """One optimizer step over this rank's share of the global batch; (loss, grad norm) on this rank."""
         inputs, targets = (x.to(self.device, non_blocking=True) for x in self.loader.next_batch())
         loss_sum = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(zip(inputs.split(self.micro_batch), targets.split(self.micro_batch))):
-            # Gradients are reduced across data-parallel ranks only after the last micro-batch.
-            sync = i == self.accum - 1 or not hasattr(self.model, "no_sync")
-            with contextlib.nullcontext() if sync else self.model.no_sync():
-                with autocast(self.device, self.cfg.training.mixed_precision):
-                    logits = self.model(x)
-                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / self.accum
-                loss.backward()
-            loss_sum += loss.detach()
-        clip = self.cfg.training.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.pipeline is not None:  # the schedule runs the micro-batches (pp_microbatches) itself
+            with autocast(self.device, self.cfg.training.mixed_precision):
+                loss_sum += self.pipeline.step(inputs, targets)
+        else:
+            for i, (x, y) in enumerate(zip(inputs.split(self.micro_batch), targets.split(self.micro_batch))):
+                # Gradients are reduced across data-parallel ranks only after the last micro-batch.
+                with contextlib.nullcontext() if i == self.accum - 1 else skip_gradient_sync(self.model_parts):
+                    with autocast(self.device, self.cfg.training.mixed_precision):
+                        loss = cross_entropy(self.model_parts[0](x), y) / self.accum
+                    loss.backward()
+                loss_sum += loss.detach()
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = clip_grad_norm_(params, self.cfg.training.grad_clip,
+                                    self.mesh["pp"] if self.pipeline is not None else None)
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over a fixed slice of the held-out split (the same windows every time)."""
         t = self.cfg.training
-        n = min(len(self.val), t.eval_batches * t.global_batch_size) // self.dims.dp * self.dims.dp
+        # A pipeline schedule takes whole local batches only.
+        unit = self.dims.dp * (self.micro_batch if self.pipeline is not None else 1)
+        n = min(len(self.val), t.eval_batches * t.global_batch_size) // unit * unit
         if n == 0:
             return float("nan")
-        self.model.eval()
+        for part in self.model_parts:
+            part.eval()
         mine = list(range(dp_rank(self.mesh), n, self.dims.dp))
         total = torch.zeros((), device=self.device)
         for start in range(0, len(mine), self.micro_batch):
             batch = torch.stack([self.val[i] for i in mine[start:start + self.micro_batch]]).to(self.device)
             with autocast(self.device, t.mixed_precision):
-                logits = self.model(batch[:, :-1])
-                total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").float()
-        self.model.train()
+                if self.pipeline is not None:
+                    total += self.pipeline.eval(batch[:, :-1], batch[:, 1:]) * batch[:, 1:].numel()
+                else:
+                    logits = self.model_parts[0](batch[:, :-1])
+                    total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").float()
+        for part in self.model_parts:
+            part.train()
         return _mean_over(total / (len(mine) * t.seq_len), self.dp_group)
 
     def save(self) -> Path:
-        path = self.checkpointer.save(self.step, [self.model], [self.optimizer], self._train_state())
+        path = self.checkpointer.save(self.step, self.model_parts, self.optimizers, self._train_state())
         self.log(f"checkpoint saved: {path}")
         return path
 
@@ -231,9 +253,7 @@ class Trainer:
         and writes safetensors + model args + tokenizer + resolved config."""
         if self.is_main:
             model = Transformer(self.model_args)
-            state = {"model": model.state_dict()}
-            dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-            model.load_state_dict(state["model"])
+            load_full_model(checkpoint, model)
             out = save_pretrained(model, self.run_dir / "export", self.data.tokenizer_json,
                                   {"config.toml": (self.run_dir / "config.toml").read_text()})
             self.log(f"exported final weights: {out}")
