@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from scalenlp.infer.packing import can_pack, pack_linears
 from scalenlp.infer.sampling import SamplingBatch, SamplingParams, sample
 
 
@@ -89,11 +90,13 @@ def pick_device() -> torch.device:
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 64, token_budget: int = 2048,
                  max_seq_len: int | None = None, eos_id: int | None = None, compile: bool = False,
-                 cache_dtype: torch.dtype | None = None):
+                 cache_dtype: torch.dtype | None = None, pack_weights: bool = True):
         """model: a Transformer (or anything with its ``setup_kv_cache`` and forward signature, like a
         sharded one). tokenizer: a ``tokenizers.Tokenizer``. max_seq_len: positions per cache row
         (prompt + output), at most the model's. token_budget: tokens one step may process
-        (decode rows + prefill prompts); a prompt longer than it is still admitted alone."""
+        (decode rows + prefill prompts); a prompt longer than it is still admitted alone.
+        pack_weights: on CPU with bf16 weights, pre-pack the linear layers for oneDNN (the model
+        is changed in place and is for inference only afterwards)."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
@@ -104,6 +107,8 @@ class Engine:
         ref = next(model.parameters())
         self.device = ref.device
         model.setup_kv_cache(max_batch, self.max_seq_len, cache_dtype or ref.dtype)
+        if pack_weights and can_pack(model):  # after the cache, which reads the weights' shapes
+            pack_linears(model)
         self._decode = torch.compile(model, dynamic=True) if compile else model
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}

@@ -1,0 +1,45 @@
+"""CPU inference: linear weights reordered once into oneDNN's blocked layout.
+
+A plain bf16 ``nn.Linear`` on CPU lets oneDNN reorder the weight on every call; at decode time,
+when each weight is read once per token, that reorder costs as much as the product itself. Packing
+at load time (what torch.compile's freezing does, here without the compile) gives the same
+numbers faster. A module swap whose forward is one line, applied after the KV cache is set up.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # batch_size=1 tunes the layout for decode; any other batch (prefill) still computes correctly.
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1),
+                             persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_pack(model: nn.Module) -> bool:
+    """Plain (not sharded) bf16 weights on a CPU whose oneDNN computes in bf16."""
+    ref = next(model.parameters())
+    return (isinstance(model, nn.Module) and ref.device.type == "cpu" and ref.dtype == torch.bfloat16
+            and type(ref) is nn.Parameter and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap every nn.Linear for a PackedLinear in place; returns how many. Inference only: the
+    packed weights take no gradient, and a tied output projection gets its own packed copy."""
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, PackedLinear(child))
+                swapped += 1
+    return swapped
