@@ -100,6 +100,7 @@ def decode(args) -> None:
     hf = to_hf(model)
     tokenizer = load_tokenizer_for(export)
     vocab = model.args.vocab_size
+    wbytes, n_params = weight_bytes(model), model.num_params()  # before the engine packs the weights
     engine = Engine(model, tokenizer, max_batch=16, max_queue=1024, max_seq_len=args.prompt_len + args.new_tokens + 1,
                     compile=args.compile).start()
     n_new = args.new_tokens
@@ -118,9 +119,8 @@ def decode(args) -> None:
                     attention_mask=torch.ones_like(batch))
 
     bw = read_bandwidth()
-    wbytes = weight_bytes(model)
     bound = bw / wbytes
-    print(f"model: {model.num_params() / 1e6:.1f}M parameters, vocab {vocab}, {dtype}, {wbytes / 1e6:.0f} MB of weights; "
+    print(f"model: {n_params / 1e6:.1f}M parameters, vocab {vocab}, {dtype}, {wbytes / 1e6:.0f} MB of weights; "
           f"torch threads {torch.get_num_threads()}; compile={args.compile}")
     print(f"read bandwidth measured now: {bw / 1e9:.1f} GB/s -> weight-streaming bound at batch 1: {bound:.1f} tokens/s")
     rows = []

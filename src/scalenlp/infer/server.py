@@ -368,14 +368,23 @@ def create_app(backend, api_key: str | None = None):
                            param="model", code="model_not_found")
         if req.stream:
             chunks = backend.stream(req)
-            try:  # the first chunk, so that errors before any output are answered as errors, not a stream
-                first = await anext(chunks)
-            except StopAsyncIteration:
-                first = None
+            # Wait for the first chunk before answering, so that errors before any output (queue full,
+            # prompt too long) get their status code instead of a 200 stream.
+            first = await _unless_disconnected(request, _first(chunks))
+            if not isinstance(first, (dict, type(None))):  # the client left while waiting
+                await chunks.aclose()
+                return first
             return StreamingResponse(_sse(first, chunks), media_type="text/event-stream")
         return await _unless_disconnected(request, backend.complete(req))
 
     return app
+
+
+async def _first(chunks: AsyncIterator[dict]) -> dict | None:
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        return None
 
 
 async def _sse(first: dict | None, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
