@@ -18,6 +18,8 @@ import os
 import socket
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,34 +53,46 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "ddp2xtp2": (4, dict(data_parallel="ddp", tp=2)),
 }
 
-VOCAB, SEQ, GLOBAL_BATCH, MICRO_BATCH = 256, 16, 8, 2
 
 
-def make_config(parallel: dict) -> Config:
+@dataclass(frozen=True)
+class Shape:
+    """Model and batch of a run: the parity default is tiny; benchmarks/scaling.py uses a larger one."""
+    model: tuple = (("vocab_size", 256), ("n_layers", 4), ("max_seq_len", 16))  # overrides of the debug flavor
+    seq: int = 16
+    global_batch: int = 8
+    micro_batch: int = 2  # per rank, for gradient accumulation when pp == 1
+
+
+PARITY = Shape()
+
+
+def make_config(parallel: dict, shape: Shape = PARITY) -> Config:
     cfg = Config()
-    cfg.training.seq_len, cfg.training.global_batch_size = SEQ, GLOBAL_BATCH
+    cfg.training.seq_len, cfg.training.global_batch_size = shape.seq, shape.global_batch
     for key, value in parallel.items():
         setattr(cfg.parallel, key, value)
     return cfg
 
 
-def batches(steps: int, seed: int = 0) -> torch.Tensor:
-    """(steps, GLOBAL_BATCH, SEQ + 1) token sequences that count up by a per-row stride: learnable,
+def batches(steps: int, shape: Shape, vocab: int, seed: int = 0) -> torch.Tensor:
+    """(steps, global batch, seq + 1) token sequences that count up by a per-row stride: learnable,
     so the loss falls and the comparison covers a moving optimisation, not noise."""
     g = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, VOCAB, (steps, GLOBAL_BATCH, 1), generator=g)
-    stride = torch.randint(1, 4, (steps, GLOBAL_BATCH, 1), generator=g)
-    return (start + stride * torch.arange(SEQ + 1)) % VOCAB
+    start = torch.randint(0, vocab, (steps, shape.global_batch, 1), generator=g)
+    stride = torch.randint(1, 4, (steps, shape.global_batch, 1), generator=g)
+    return (start + stride * torch.arange(shape.seq + 1)) % vocab
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def train(parallel: dict, world: int, steps: int) -> dict[str, list[float]]:
-    """Train ``steps`` steps under the layout on this process's share; returns losses and grad norms."""
-    cfg = make_config(parallel)
-    margs = model_args("debug", vocab_size=VOCAB, n_layers=4, max_seq_len=SEQ)
+def train(parallel: dict, world: int, steps: int, shape: Shape = PARITY) -> dict[str, list[float]]:
+    """Train ``steps`` steps under the layout on this process's share; per-step losses, gradient
+    norms and wall-clock seconds."""
+    cfg = make_config(parallel, shape)
+    margs = model_args("debug", **dict(shape.model))
     dims = ParallelDims.from_config(cfg.parallel, world)
     check_layout(margs, dims, cfg)
     mesh = build_mesh(dims)
@@ -92,20 +106,21 @@ def train(parallel: dict, world: int, steps: int) -> dict[str, list[float]]:
     optimizers = [shard_optimizer_state([q for q in part.parameters()], torch.optim.AdamW, dims, mesh,
                                         cfg.parallel.data_parallel,
                                         lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95)) for part in parts]
-    local = GLOBAL_BATCH // dims.dp
+    local = shape.global_batch // dims.dp
     rank_in_dp = dp_rank(mesh)
-    data = batches(steps)[:, rank_in_dp * local:(rank_in_dp + 1) * local]
+    data = batches(steps, shape, margs.vocab_size)[:, rank_in_dp * local:(rank_in_dp + 1) * local]
     dp_group = dp_mesh(mesh, flat=True).get_group() if mesh is not None and dims.dp > 1 else None
-    losses, norms = [], []
+    losses, norms, seconds = [], [], []
     for step in range(steps):
+        start = time.perf_counter()
         inputs, targets = data[step, :, :-1], data[step, :, 1:]
         if dims.pp > 1:
             loss = runner.step(inputs, targets)
         else:
-            n_micro = local // MICRO_BATCH
+            n_micro = local // shape.micro_batch
             loss = torch.zeros(())
             for i in range(n_micro):
-                sl = slice(i * MICRO_BATCH, (i + 1) * MICRO_BATCH)
+                sl = slice(i * shape.micro_batch, (i + 1) * shape.micro_batch)
                 sync = i == n_micro - 1
                 with contextlib.nullcontext() if sync else skip_gradient_sync(parts):
                     micro_loss = loss_fn(parts[0](inputs[sl]), targets[sl]) / n_micro
@@ -120,14 +135,15 @@ def train(parallel: dict, world: int, steps: int) -> dict[str, list[float]]:
             loss /= dims.dp
         losses.append(loss.item())
         norms.append(norm.item())
-    return {"loss": losses, "grad_norm": norms}
+        seconds.append(time.perf_counter() - start)
+    return {"loss": losses, "grad_norm": norms, "step_s": seconds}
 
 
-def _worker(rank: int, world: int, port: int, names: list[str], steps: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, layouts: dict[str, dict], steps: int, shape: Shape, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {name: train(LAYOUTS[name][1], world, steps) for name in names}
+    results = {name: train(parallel, world, steps, shape) for name, parallel in layouts.items()}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -139,14 +155,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_layouts(names: list[str], steps: int) -> dict[str, dict[str, list[float]]]:
-    """Results per layout name; one process launch per world size."""
+def run_layouts(names: list[str], steps: int, shape: Shape = PARITY,
+                layouts: dict[str, tuple[int, dict]] = LAYOUTS) -> dict[str, dict[str, list[float]]]:
+    """Results per layout name (a key of ``layouts``); one process launch per world size."""
     results = {}
-    for world in sorted({LAYOUTS[n][0] for n in names}):
-        group = [n for n in names if LAYOUTS[n][0] == world]
+    for world in sorted({layouts[n][0] for n in names}):
+        group = {n: layouts[n][1] for n in names if layouts[n][0] == world}
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "results.json")
-            mp.spawn(_worker, args=(world, free_port(), group, steps, out), nprocs=world)
+            mp.spawn(_worker, args=(world, free_port(), group, steps, shape, out), nprocs=world)
             results |= json.loads(Path(out).read_text())
     return results
 
