@@ -45,6 +45,7 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "pp2 gpipe": (2, dict(pp=2, pp_schedule="gpipe", pp_microbatches=4)),
     "pp2 1f1b": (2, dict(pp=2, pp_schedule="1f1b", pp_microbatches=4)),
     "pp2 interleaved": (2, dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_microbatches=4)),
+    "pp2 zero bubble": (2, dict(pp=2, pp_schedule="zero_bubble", pp_stages_per_rank=2, pp_microbatches=4)),
     "zero3x4": (4, dict(data_parallel="zero3")),
     "hsdp2x2": (4, dict(data_parallel="zero3", dp_replicate=2)),
     "dp2xtp2": (4, dict(data_parallel="zero3", tp=2)),

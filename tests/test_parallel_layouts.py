@@ -191,10 +191,27 @@ def _assert_parity(names, reference):
 
 
 def test_two_process_layouts_match_single_process(single_process):
-    """ddp, zero1, zero2, zero3, tp, tp + sequence parallel, pp gpipe / 1f1b / interleaved (2 stages per rank)."""
+    """ddp, zero1, zero2, zero3, tp, tp + sequence parallel, pp gpipe / 1f1b / interleaved 1f1b / interleaved
+    zero bubble (2 stages per rank)."""
     _assert_parity([n for n, (world, _) in parity.LAYOUTS.items() if world == 2], single_process)
 
 
 def test_four_process_layouts_match_single_process(single_process):
     """zero3 x4, hsdp 2x2, dp2 x tp2 (FSDP and DDP), dp2 x pp2, tp2 x pp2."""
     _assert_parity([n for n, (world, _) in parity.LAYOUTS.items() if world == 4], single_process)
+
+
+def test_compiled_blocks_match_eager():
+    from scalenlp.parallel.parallelize import parallelize
+
+    torch.manual_seed(0)
+    reference = build_model(model_args("debug", vocab_size=96, max_seq_len=16))
+    cfg = Config()
+    cfg.training.compile = True
+    compiled = parallelize(copy.deepcopy(reference), ParallelDims(1, 1, 1, 1, 1), None, cfg)
+    tokens = torch.randint(0, 96, (2, 16))
+    for model in (reference, compiled):
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    for p, q in zip(reference.parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
