@@ -17,36 +17,37 @@ Memory (per device, the largest pipeline stage):
 
 Compute: every matmul of a layer with its (m, n, k) after tensor-parallel sharding. FLOPs are
 Narayanan et al. 2021 eq. 3, F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) with full recomputation
-(72 and V/(12lh) without); the general count reduces to it for GPT shapes. Time of a matmul is
-flops / (peak · gemm_efficiency · Π_d d/(d + gemm_half_dim)) over its three dimensions: large
-matmuls reach a device's gemm_efficiency, and each thin dimension (a small head dim, a narrow
-tensor-parallel shard, a short microbatch) costs in proportion. Memory-bound kernels (norms,
-softmax, activations, dropout) stream ELEMENTWISE_TRAFFIC times the layer's stored activations
-through HBM per forward + backward (elementwise_traffic, a device field: kernel fusion differs).
+(72 and V/(12lh) without); the general count reduces to it for GPT shapes. A matmul takes
+flops / (peak · gemm_efficiency · Π_d d/(d + gemm_half_dim)) over its three dimensions (large
+matmuls reach the device's gemm_efficiency; each thin dimension, a small head dim, a narrow
+tensor-parallel shard, a short microbatch, costs in proportion) plus writing its result at the
+memory bandwidth (which matters on CPUs, and for eager attention's s×s scores). Memory-bound
+kernels (norms, softmax, activation functions, dropout) move elementwise_traffic times the layer's
+stored activations through memory per forward + backward.
 
 Communication, ring algorithms (n ranks, β bus bandwidth, α per hop): all-reduce 2(n−1)/n·bytes/β +
-2(n−1)α, all-gather and reduce-scatter half of that. Bandwidth of a group: intra-node when all its
-ranks share a node, else the NICs of its ranks on one node (mesh order pp, dp_replicate, dp_shard,
-tp, innermost last). Per layer per microbatch TP moves 8bsh(t−1)/t elements (two all-reduces
-forward, two backward; sequence parallelism replaces each by an all-gather plus a reduce-scatter of
-the same volume), plus two more with full recomputation; it is not overlapped. DDP and ZeRO-1 reduce
-gradients once per step, overlapped with the backward of the last microbatch (ZeRO-1 then gathers
-the updated weights); FSDP's ZeRO-2/3 gather weights per microbatch (ZeRO-3 for forward and again
-for backward: with the reduce-scatter, 1.5× the bytes of DDP) behind that microbatch's compute. Pipeline stages send
-activations forward and gradients back, exposed. The pipeline runs m + (p − 1)/v microbatch slots
-of the slowest stage, so the bubble is (p − 1)/(v·m) of the ideal time. The optimizer streams its
-state once per step.
+2(n−1)α, all-gather and reduce-scatter half of that. A group's bandwidth is the node's own when all
+its ranks share a node, else the NICs of its ranks on one node (mesh order pp, dp_replicate,
+dp_shard, tp, innermost last). Per layer per microbatch TP moves 8bsh(t−1)/t elements (two
+all-reduces forward, two backward; sequence parallelism replaces each by an all-gather plus a
+reduce-scatter of the same volume), two more with full recomputation, not overlapped. DDP and
+ZeRO-1 reduce gradients once per step, overlapped with the last microbatch's backward (ZeRO-1 then
+gathers the updated weights); FSDP's ZeRO-2/3 gather weights for each microbatch (ZeRO-3 for
+forward and again for backward: with the reduce-scatter, 1.5× the bytes of DDP), hidden behind that
+microbatch's compute as far as it lasts. Pipeline stages send activations forward and gradients
+back, exposed. The pipeline runs m + (p − 1)/v microbatch slots of its slowest stage, so the bubble
+is (p − 1)/(v·m) of the ideal time. The optimizer streams its state once per step.
 
-Calibration (scalenlp.plan.calibrate; the constants are set from what it prints): three numbers
-are fitted once, by least squares on the log of per-GPU TFLOP/s, and never per row —
-GPU_GEMM_HALF_DIM, GPU_ELEMENTWISE_TRAFFIC and the A100's gemm_efficiency (devices.py) — on the
-six rows of Megatron-LM 2021 Table 1 that the tests do not check (3.6B, 7.5B, 39.1B, 76.1B, 310.1B,
-529.6B). The H100's gemm_efficiency is then fitted alone on the Llama 3 16,384-GPU row (400 TFLOP/s);
-the H200 shares it (same die). The tests check the other rows: Megatron's 1.7B, 18.4B, 145.6B,
-1008B and Llama 3's 8,192-GPU row. These rows span 1.7B to 1T parameters, TP 1-8, PP 1-64 and batch
-sizes that move the bubble, so the constants are pinned by shape effects the search relies on, not
-by one configuration. ``--device cpu`` measures its own peak, half dimension, bandwidths and
-latency (scalenlp.plan.measure).
+Calibration, once (scalenlp.plan.calibrate fits and prints the constants devices.py carries):
+GPU_GEMM_HALF_DIM, GPU_ELEMENTWISE_TRAFFIC and the A100's gemm_efficiency by least squares on log
+per-GPU TFLOP/s over the six rows of Megatron-LM 2021 Table 1 the tests do not use (3.6B, 7.5B,
+39.1B, 76.1B, 310.1B, 529.6B: TP 2-8, PP 1-35), never per row; then the H100's gemm_efficiency
+alone on Llama 3's 16,384-GPU row (400 TFLOP/s), which the H200 shares. Held out for the tests:
+Megatron's 1.7B, 18.4B, 145.6B and 1008B rows and Llama 3's 8,192-GPU row (all predicted within
+6%). The fitted values are physical: a large A100 matmul at ~77% of peak, an H100 at ~61% (power
+limited), a 134-wide dimension halving efficiency, ~5 bytes moved per stored activation byte.
+``--device cpu`` measures its own peak, half dimension, bandwidths and latency instead
+(scalenlp.plan.measure).
 """
 
 from __future__ import annotations
@@ -352,11 +353,20 @@ def memory_by_stage(shape: ModelShape, work: Workload, layout: Layout, device: D
 
 # ---------------------------------------------------------------- time
 
-def _gemm_time(flops: float, dims: tuple[float, ...], peak: float, device: DeviceSpec) -> float:
+def gemm_efficiency(dims: tuple[float, ...], device: DeviceSpec) -> float:
     efficiency = device.gemm_efficiency
     for d in dims:
         efficiency *= d / (d + device.gemm_half_dim)
-    return flops / (peak * efficiency)
+    return efficiency
+
+
+def _gemm_time(flops: float, dims: tuple[float, ...], peak: float, device: DeviceSpec, element_bytes: int) -> float:
+    """Arithmetic at the shape's efficiency plus writing the result (``flops`` may cover several matmuls
+    of this shape, e.g. every attention head). Writing the result counts where it is large for its
+    arithmetic: eager attention's s×s scores, and on CPUs, where a fresh output's pages are touched
+    for the first time; for a big projection on a GPU it is noise."""
+    m, n, k = dims
+    return flops / (peak * gemm_efficiency(dims, device)) + flops / (2 * k) * element_bytes / device.hbm_bw
 
 
 def layer_matmuls(shape: ModelShape, micro: int, seq: int, tp: int) -> list[tuple[float, tuple]]:
@@ -420,7 +430,7 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     # One layer, one microbatch: matmuls forward (1) + backward (2) + recomputed forward.
     mm = layer_matmuls(shape, lay.microbatch, work.seq, lay.tp)
     causal = 0.5 if work.flash_attention else 1.0  # flash skips the masked half of the scores
-    times = [_gemm_time(f, dims, peak, device) * (causal if i in (1, 2) else 1.0) for i, (f, dims) in enumerate(mm)]
+    times = [_gemm_time(f, dims, peak, device, e) * (causal if i in (1, 2) else 1.0) for i, (f, dims) in enumerate(mm)]
     passes = 3 + (1 if lay.recompute == "full" else 0)
     matmul_s = passes * sum(times)
     if lay.recompute == "selective" and not work.flash_attention:
@@ -434,7 +444,7 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
 
     # The loss end: logits matmul (forward + backward) and the softmax over the vocabulary.
     logits_matmul_s = 3 * _gemm_time(2 * tokens * shape.hidden * shape.vocab / lay.tp,
-                                     (tokens, shape.vocab / lay.tp, shape.hidden), peak, device)
+                                     (tokens, shape.vocab / lay.tp, shape.hidden), peak, device, e)
     logits_elementwise_s = device.elementwise_traffic * tokens * shape.vocab / lay.tp * (2 * e + 4) / device.hbm_bw
 
     # Pipeline: each of the v chunks of a stage receives activations and sends gradients once per microbatch.

@@ -1,8 +1,8 @@
 """``--device cpu``: measure this machine instead of assuming a spec.
 
-- matmul rate over shapes from thin to square, fitted to the cost model's curve
-  rate = peak · Π_d d/(d + half_dim), which gives the CPU's peak and half dimension;
-- memory bandwidth (a large elementwise add) and the dispatch cost of one small op;
+- matmul rate over shapes from thin to square, fitted to the cost model's matmul time (arithmetic
+  at peak · Π_d d/(d + half_dim), plus writing the result), which gives the CPU's peak and half dimension;
+- memory bandwidth (a large elementwise add into a fresh tensor) and the dispatch cost of one small op;
 - gloo all-reduce bandwidth and per-hop latency between two local processes, and the resident
   memory such a process holds before any model (the runtime share of the memory estimate).
 
@@ -28,21 +28,22 @@ import torch
 from scalenlp.plan.devices import GPU_ELEMENTWISE_TRAFFIC, DeviceSpec
 
 # (m, n, k): thin shapes like a small model's projections, up to square ones.
-MATMUL_SHAPES = ((1024, 64, 64), (1024, 256, 64), (2048, 64, 256), (512, 512, 512), (256, 256, 256),
-                 (1024, 1024, 1024), (128, 128, 128), (2048, 4096, 64))
+MATMUL_SHAPES = ((2048, 64, 64), (2048, 256, 64), (2048, 64, 256), (512, 512, 512), (1024, 1024, 1024),
+                 (2048, 4096, 64))
 
 
-def _rate(fn, work: float, min_time: float = 0.05) -> float:
-    """Best of three timed batches of calls, in work units per second."""
+def _rate(fn, work: float, min_time: float = 0.5) -> float:
+    """Median of five timed batches of calls, in work units per second: on a shared machine the median is
+    what a long run gets, the best is a moment when nobody else was running."""
     fn()
-    best = math.inf
-    for _ in range(3):
+    times = []
+    for _ in range(5):
         reps, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < min_time / 3 or reps == 0:
+        while (elapsed := time.perf_counter() - start) < min_time / 5 or reps == 0:
             fn()
             reps += 1
-        best = min(best, elapsed / reps)
-    return work / best
+        times.append(elapsed / reps)
+    return work / sorted(times)[2]
 
 
 def matmul_rates(dtype: torch.dtype = torch.float32) -> list[tuple[tuple[int, int, int], float]]:
@@ -53,12 +54,18 @@ def matmul_rates(dtype: torch.dtype = torch.float32) -> list[tuple[tuple[int, in
     return out
 
 
-def fit_matmul_curve(rates) -> tuple[float, float]:
-    """(peak, half_dim) minimising squared log error of rate = peak · Π d/(d + half_dim)."""
+def fit_matmul_curve(rates, bandwidth: float) -> tuple[float, float]:
+    """(peak, half_dim) of the cost model's matmul time, flops / (peak · Π d/(d + half_dim)) + result
+    bytes / bandwidth, by least squares in log space on the arithmetic part of each measured time."""
+    arithmetic = []
+    for (m, n, k), rate in rates:
+        flops = 2.0 * m * n * k
+        seconds = flops / rate - 4.0 * m * n / bandwidth
+        arithmetic.append(((m, n, k), flops / max(seconds, 0.25 * flops / rate)))
     best = (math.inf, 0.0, 0.0)
     for step in range(200):
         half = 2 ** (step / 20)  # 1 .. ~1000
-        logs = [math.log(r) - sum(math.log(d / (d + half)) for d in dims) for dims, r in rates]
+        logs = [math.log(r) - sum(math.log(d / (d + half)) for d in dims) for dims, r in arithmetic]
         log_peak = sum(logs) / len(logs)
         err = sum((x - log_peak) ** 2 for x in logs)
         if err < best[0]:
@@ -67,9 +74,10 @@ def fit_matmul_curve(rates) -> tuple[float, float]:
 
 
 def memory_bandwidth() -> float:
+    """Bytes/s of a large elementwise op that allocates its output, as eager PyTorch ops do: on a CPU,
+    first touching fresh pages costs as much as streaming them, so preallocated buffers overstate it."""
     a, b = torch.ones(1 << 23), torch.ones(1 << 23)
-    out = torch.empty_like(a)
-    return _rate(lambda: torch.add(a, b, out=out), 3 * 4 * a.numel(), min_time=0.2)
+    return _rate(lambda: torch.add(a, b), 3 * 4 * a.numel(), min_time=0.3)
 
 
 def op_overhead() -> float:
@@ -131,9 +139,9 @@ def measure_cpu(processes: int = 1, overrides: dict[str, float] | None = None) -
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        peak, half = fit_matmul_curve(matmul_rates())
-        bf16_ratio = _rate_ratio()
         bandwidth = memory_bandwidth()
+        peak, half = fit_matmul_curve(matmul_rates(), bandwidth)
+        bf16_ratio = _rate_ratio()
         overhead = op_overhead()
     finally:
         torch.set_num_threads(previous)

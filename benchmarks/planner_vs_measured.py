@@ -1,0 +1,109 @@
+"""The planner's predictions beside real `scalenlp train` runs on this machine.
+
+For each model flavor and layout: measure this CPU (as `scalenlp plan --device cpu` does), predict the
+step time and rank 0's peak memory, run the `scalenlp train` line the planner prints for that layout,
+and read what the run measured (<run_dir>/metrics.jsonl: step_time_s and peak_mem_bytes, the resident
+set on CPU). The first logging window (warm-up, allocator growth) is skipped. The CPU is measured again
+right before each run, because other processes on a shared machine change what a core delivers.
+
+    python benchmarks/planner_vs_measured.py [--flavors debug,small] [--layouts single,ddp2,zero3x2,tp2,pp2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # every process gets one core, the planner measures one thread
+
+from scalenlp.plan.command import train_command  # noqa: E402
+from scalenlp.plan.cost import Layout, Workload, check_layout, model_shape, predict  # noqa: E402
+from scalenlp.plan.measure import measure_cpu  # noqa: E402
+
+SEQ, GLOBAL_BATCH = 128, 16
+LAYOUTS = {
+    "single": Layout(microbatch=16),
+    "ddp2": Layout(dp_replicate=2, microbatch=8),
+    "zero3x2": Layout(dp_shard=2, zero=3, microbatch=8),
+    "tp2": Layout(tp=2, microbatch=16),
+    "pp2": Layout(pp=2, microbatch=8),
+}
+
+
+def run_training(command: str, run_dir: Path, steps: int, log_every: int) -> list[dict]:
+    words = shlex.split(command)
+    assert words[:2] == ["scalenlp", "train"]
+    extra = {"training.steps": steps, "training.log_every": log_every, "training.eval_every": 0,
+             "checkpoint.every": 0, "checkpoint.export": "false", "training.device": "cpu"}
+    argv = [sys.executable, "-m", "scalenlp", "train", "--run-dir", str(run_dir), *words[2:]]
+    for key, value in extra.items():
+        argv += ["--set", f"{key}={value}"]
+    done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        errors = [line for line in done.stderr.splitlines() if "Error" in line or line.startswith("error")]
+        raise RuntimeError(errors[0].strip() if errors else done.stderr[-300:])
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "step_time_s" in r]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flavors", default="debug,small")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--log-every", type=int, default=4)
+    args = parser.parse_args()
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="planner_vs_measured_") as tmp:
+        for flavor in args.flavors.split(","):
+            shape = model_shape(flavor, SEQ)
+            work = Workload(seq=SEQ, global_batch=GLOBAL_BATCH, precision="fp32")
+            for name in args.layouts.split(","):
+                layout = LAYOUTS[name]
+                problems = check_layout(shape, work, layout, layout.devices, layout.devices)
+                if problems:
+                    rows.append((flavor, name, None, problems[0][1]))
+                    continue
+                device = measure_cpu(processes=layout.devices)
+                p = predict(shape, work, layout, device, gpus_per_node=layout.devices)
+                command = train_command(shape, work, layout, layout.devices, layout.devices)
+                try:
+                    records = run_training(command, Path(tmp) / f"{flavor}-{name}", args.steps, args.log_every)[1:]
+                except RuntimeError as e:
+                    rows.append((flavor, name, None, f"the training run failed: {e}"))
+                    continue
+                measured_step = sum(r["step_time_s"] for r in records) / len(records)
+                measured_mem = max(r["peak_mem_bytes"] for r in records)
+                rows.append((flavor, name, (p.step_time_s, measured_step, p.memory_per_device_bytes, measured_mem),
+                             command))
+                print(f"{flavor} {name}: predicted {p.step_time_s:.3f} s, {p.memory_per_device_bytes / 2**20:.0f} MiB; "
+                      f"measured {measured_step:.3f} s, {measured_mem / 2**20:.0f} MiB", file=sys.stderr)
+
+    print(f"\nseq {SEQ}, global batch {GLOBAL_BATCH}, fp32, one thread per process; memory = rank 0's peak "
+          "resident set\n")
+    header = (f"{'flavor':<8} {'layout':<9} {'step s pred':>11} {'step s meas':>11} {'error':>7} "
+              f"{'MiB pred':>9} {'MiB meas':>9} {'error':>7}")
+    print(header)
+    print("-" * len(header))
+    worst = 0.0
+    for flavor, name, figures, note in rows:
+        if figures is None:
+            print(f"{flavor:<8} {name:<9} not run: {note}")
+            continue
+        ps, ms, pm, mm = figures
+        worst = max(worst, abs(ps / ms - 1), abs(pm / mm - 1))
+        print(f"{flavor:<8} {name:<9} {ps:>11.3f} {ms:>11.3f} {ps / ms - 1:>+7.1%} "
+              f"{pm / 2**20:>9.0f} {mm / 2**20:>9.0f} {pm / mm - 1:>+7.1%}")
+    print(f"\nlargest error: {worst:.1%} (target: within 25%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
