@@ -2,6 +2,7 @@
 
     client ──HTTP──► Ray Serve proxy ──► Router (the same FastAPI app as one-process serving,
                                          with RayBackend) ──handle──► EngineReplica × N
+                                                                      (each may be --tp sharded)
 
 - Routing: the router calls the replicas through a Ray Serve deployment handle, whose
   power-of-two-choices router sends each request to the less loaded of two sampled replicas,
@@ -253,7 +254,7 @@ def start(args, ray_init_kwargs: dict | None = None) -> str:
     serve.start(http_options={"host": args.host, "port": args.port})
     options = {"checkpoint": str(export.resolve()), "dtype": args.dtype, "device": args.device,
                "max_batch": args.max_batch, "max_seq_len": args.max_seq_len, "compile": args.compile,
-               "max_queue": args.max_queue}
+               "max_queue": args.max_queue, "tp": args.tp}
     app = build_application(options, args.model_name or default_model_name(args.checkpoint), args.api_key,
                             args.replicas, args.max_replicas, args.replica_cpus)
     serve.run(app, name=APP_NAME, route_prefix="/")

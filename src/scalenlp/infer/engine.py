@@ -132,6 +132,9 @@ class Engine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
+        close = getattr(self.model, "close", None)  # a sharded model's other ranks
+        if close is not None:
+            close()
 
     @property
     def alive(self) -> bool:

@@ -16,6 +16,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="positions per slot, prompt + output (default: the model's context length)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel processes for one model (gloo on CPU, NCCL on GPUs)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
 
 
-def build_engine(args, max_queue: int = 64, model=None):
+def build_engine(args, max_queue: int = 64):
     """Load the checkpoint named by the engine options and start an engine on it."""
     import torch
 
@@ -41,10 +43,16 @@ def build_engine(args, max_queue: int = 64, model=None):
     device = torch.device(args.device) if args.device else pick_device()
     dtype = pick_dtype(device, args.dtype)
     tokenizer = load_tokenizer_for(export)
-    if model is None:
-        model = load_pretrained(export, device=device, dtype=dtype)
     if args.max_batch < 1:
         raise UserError(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.tp > 1:
+        if args.compile:
+            raise UserError("--compile is not supported with --tp yet; drop one of them")
+        from scalenlp.infer.sharded import start_sharded
+
+        model = start_sharded(export, args.tp, args.dtype)
+    else:
+        model = load_pretrained(export, device=device, dtype=dtype)
     return Engine(model, tokenizer, max_batch=args.max_batch, max_queue=max_queue, max_seq_len=args.max_seq_len,
                   eos_id=tokenizer.token_to_id(EOS_TOKEN), compile=args.compile).start()
 

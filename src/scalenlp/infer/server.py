@@ -28,7 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route but /health")
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
     parser.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint folder's name)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes for one model (gloo/NCCL)")
     parser.add_argument("--replicas", type=int, default=0,
                         help="serve N engine replicas behind a load-balancing router on Ray Serve")
     parser.add_argument("--max-replicas", type=int, default=None,
@@ -425,18 +424,10 @@ async def _unless_disconnected(request, work):
 
 
 def run(args) -> int:
-    from scalenlp.errors import UserError
-
-    if args.replicas and args.tp > 1:
-        raise UserError("--replicas with --tp > 1 is not supported yet; pick one")
     if args.replicas:
         from scalenlp.infer.cluster import serve_replicas
 
         return serve_replicas(args)
-    if args.tp > 1:
-        from scalenlp.infer.sharded import serve_sharded
-
-        return serve_sharded(args)
     import uvicorn
 
     from scalenlp.infer.generate import build_engine

@@ -64,12 +64,27 @@ def load_sharded(export_dir, device: torch.device, dtype: torch.dtype):
 
 
 class ShardedModel:
-    """Rank 0's handle on the sharded model: same calls as a Transformer, broadcast to every rank."""
+    """Rank 0's handle on the sharded model: same calls as a Transformer, broadcast to every rank.
+    ``close`` (called by ``Engine.stop``) releases the followers."""
 
-    def __init__(self, model):
+    def __init__(self, model, followers=()):
         self.model = model
         self.args = model.args
         self.device = next(model.parameters()).device
+        self.followers = list(followers)
+        self.closing = threading.Event()
+        if self.followers:
+            threading.Thread(target=self._watch_followers, daemon=True).start()
+
+    def _watch_followers(self) -> None:
+        # A dead rank leaves the others blocked in a collective forever: exit, so that whatever
+        # supervises this process (a Ray Serve controller, systemd, Kubernetes) restarts it.
+        while all(p.is_alive() for p in self.followers):
+            for p in self.followers:
+                p.join(1.0)
+        if not self.closing.is_set():
+            print("error: a tensor-parallel rank died; stopping", flush=True)
+            os._exit(1)
 
     def parameters(self):
         return self.model.parameters()
@@ -92,8 +107,12 @@ class ShardedModel:
                 dist.broadcast(t.contiguous(), src=0)
         return self.model(tokens, input_pos, slots, kv_len=kv_len, logits_at=logits_at)
 
-    def stop_followers(self) -> None:
+    def close(self) -> None:
+        self.closing.set()
         self._broadcast_header(STOP)
+        for p in self.followers:
+            p.join()
+        dist.destroy_process_group()
 
 
 @torch.inference_mode()
@@ -127,8 +146,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _follower_main(rank: int, world_size: int, port: int, export_dir: str,
-                   dtype_name: str) -> None:
+def _follower_main(rank: int, world_size: int, port: int, export_dir: str, dtype_name: str) -> None:
     from scalenlp.infer.engine import pick_dtype
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -140,52 +158,19 @@ def _follower_main(rank: int, world_size: int, port: int, export_dir: str,
         dist.destroy_process_group()
 
 
-def serve_sharded(args) -> int:
-    """`scalenlp serve --tp N`: spawn ranks 1..N-1 here, become rank 0, serve HTTP."""
+def start_sharded(export_dir, tp: int, dtype_name: str) -> ShardedModel:
+    """Spawn ranks 1..tp-1, become rank 0, and return the handle the engine drives."""
     import multiprocessing
 
-    import uvicorn
+    from scalenlp.infer.engine import pick_dtype
 
-    from scalenlp.errors import UserError
-    from scalenlp.infer.engine import EOS_TOKEN, Engine, load_tokenizer_for, pick_dtype, resolve_export
-    from scalenlp.infer.server import LocalBackend, create_app, default_model_name
-
-    if args.compile:
-        raise UserError("--compile is not supported with --tp yet; drop one of them")
-    export = resolve_export(args.checkpoint)
-    check_tp(export, args.tp)
-    tokenizer = load_tokenizer_for(export)
+    check_tp(export_dir, tp)
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
-    followers = [ctx.Process(target=_follower_main, args=(r, args.tp, port, str(export), args.dtype),
-                             daemon=True) for r in range(1, args.tp)]
+    followers = [ctx.Process(target=_follower_main, args=(r, tp, port, str(export_dir), dtype_name), daemon=True)
+                 for r in range(1, tp)]
     for p in followers:
         p.start()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
-    device = init_process_group(0, args.tp, port)
-    model = ShardedModel(load_sharded(export, device, pick_dtype(device, args.dtype)))
-    engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
-                    max_seq_len=args.max_seq_len, eos_id=tokenizer.token_to_id(EOS_TOKEN)).start()
-
-    def watch_followers():
-        # A dead rank leaves the others blocked in a collective: exit so that a supervisor restarts us.
-        while all(p.is_alive() for p in followers):
-            for p in followers:
-                p.join(1.0)
-        if not stopping.is_set():
-            print("error: a tensor-parallel rank died; stopping the server", flush=True)
-            os._exit(1)
-
-    stopping = threading.Event()
-    threading.Thread(target=watch_followers, daemon=True).start()
-    backend = LocalBackend(engine, args.model_name or default_model_name(args.checkpoint))
-    try:
-        uvicorn.run(create_app(backend, args.api_key), host=args.host, port=args.port, log_level="warning")
-    finally:
-        stopping.set()
-        engine.stop()
-        model.stop_followers()
-        for p in followers:
-            p.join()
-        dist.destroy_process_group()
-    return 0
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    device = init_process_group(0, tp, port)
+    return ShardedModel(load_sharded(export_dir, device, pick_dtype(device, dtype_name)), followers)
