@@ -215,3 +215,8 @@ def test_compiled_blocks_match_eager():
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in reference.named_parameters()]
     for p, q in zip(reference.parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_three_dimensional_layouts_match_single_process(single_process):
+    """dp2 x tp2 x pp2 and HSDP (2 replicas x 2 shards) x tp2, on 8 processes."""
+    _assert_parity([n for n, (world, _) in parity.LAYOUTS.items() if world == 8], single_process)

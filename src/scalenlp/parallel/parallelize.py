@@ -14,13 +14,14 @@ Order (per model, or per pipeline stage when pp > 1, see pipeline.py):
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.checkpoint_activation import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from scalenlp.config import Config, ConfigError
@@ -151,23 +152,31 @@ def clip_grad_norm_(parameters, max_norm: float, pp_mesh: DeviceMesh | None = No
     """Global L2 gradient norm over every layout, then clip to ``max_norm`` (0 = only measure).
 
     Gradients may be plain tensors or DTensors on different meshes (TP-sharded weights on
-    (dp, tp), replicated norms on dp only), so the norm is taken per sharding layout and the
-    per-layout norms combined; with pipelining each rank holds only its stages' gradients, so the
-    squared norms are summed over the pp group.
+    (dp, tp), replicated norms on dp only), and with pipelining each rank holds only its stages'.
+    Every element of a stage's gradient lives on world/pp ranks, split over the mesh dimensions it
+    is sharded on and copied over the rest; so each rank adds its local squares divided by the
+    number of copies, and one all-reduce over all ranks gives the same total on every rank (which
+    keeps replicas identical after clipping).
     """
     params = [p for p in parameters if p.grad is not None]
+    device = params[0].device if params else torch.device("cpu")
+    stage_ranks = dist.get_world_size() // (pp_mesh.size() if pp_mesh is not None else 1) \
+        if dist.is_initialized() else 1
     by_layout: dict[tuple, list[nn.Parameter]] = {}
     for p in params:
-        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else (None, None)
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else (None, ())
         by_layout.setdefault(key, []).append(p)
-    squares = []
-    for group in by_layout.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    device = params[0].device if params else torch.device("cpu")
-    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
-    if pp_mesh is not None and pp_mesh.size() > 1:
-        dist.all_reduce(total_sq, group=pp_mesh.get_group())
+    total_sq = torch.zeros((), device=device, dtype=torch.float32)
+    for (mesh, placements), group in by_layout.items():
+        # Sharded (Shard, or FSDP's strided shard under TP) dims split an element's copies; Replicate
+        # dims copy it; Partial (sequence-parallel norms) holds addends, summed here first.
+        shards = math.prod(mesh.size(d) for d, pl in enumerate(placements) if not (pl.is_replicate() or pl.is_partial()))
+        summed = [Replicate() if pl.is_partial() else pl for pl in placements]
+        local = [p.grad.redistribute(placements=summed).to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in group]
+        total_sq += torch.nn.utils.get_total_norm(local, 2.0).float() ** 2 * (shards / stage_ranks)
+    if dist.is_initialized():
+        dist.all_reduce(total_sq)
     total = total_sq.sqrt()
     if max_norm > 0:
         for group in by_layout.values():
