@@ -105,40 +105,78 @@ def decode(args) -> None:
                     compile=args.compile).start()
     n_new = args.new_tokens
 
-    def ours(prompts, max_tokens):
+    def ours(prompts, max_tokens, gaps=None):
+        """Run a continuous batch to the end; ``gaps`` collects the decode steps' durations."""
         flags = [threading.Event() for _ in prompts]
+        stamps = []
+
+        def on_event(d, f):
+            if f is flags[0]:
+                stamps.append(d.time)
+            if d.finish_reason:
+                f.set()
+
         engine.submit_many([(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
                             for p, m in zip(prompts, max_tokens)],
-                           [lambda d, f=f: d.finish_reason and f.set() for f in flags])
+                           [lambda d, f=f: on_event(d, f) for f in flags])
         for f in flags:
             f.wait()
+        if gaps is not None:
+            gaps.extend(b - a for a, b in zip(stamps[1:], stamps[2:]))  # skip prefill and the step after it
+
+    class GapStreamer:
+        """HF calls ``put`` once with the prompt, then once per decode step."""
+
+        def __init__(self, gaps):
+            self.gaps, self.stamps = gaps, []
+
+        def put(self, value):
+            self.stamps.append(time.perf_counter())
+
+        def end(self):
+            self.gaps.extend(b - a for a, b in zip(self.stamps[2:], self.stamps[3:]))
 
     @torch.inference_mode()
-    def theirs(batch, max_tokens):
+    def theirs(batch, max_tokens, gaps=None):
         hf.generate(batch, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-                    attention_mask=torch.ones_like(batch))
+                    attention_mask=torch.ones_like(batch), streamer=GapStreamer(gaps) if gaps is not None else None)
 
-    bw = read_bandwidth()
-    bound = bw / wbytes
+    # Other processes share this machine, so figures drift during a run: everything is measured
+    # interleaved (ours, HF, bandwidth) and reported two ways. "Run": tokens over wall time of whole
+    # runs (an n-token run minus a 1-token run, so prefill cancels), best of the repeats. "Step":
+    # from the median and the fastest single decode step, which a loaded machine disturbs least.
+    bandwidths = [read_bandwidth()]
     print(f"model: {n_params / 1e6:.1f}M parameters, vocab {vocab}, {dtype}, {wbytes / 1e6:.0f} MB of weights; "
-          f"torch threads {torch.get_num_threads()}; compile={args.compile}")
-    print(f"read bandwidth measured now: {bw / 1e9:.1f} GB/s -> weight-streaming bound at batch 1: {bound:.1f} tokens/s")
-    rows = []
+          f"torch threads {torch.get_num_threads()}; compile={args.compile}", flush=True)
+    rates = {}
     for batch in (1, 8):
         prompts = torch.randint(0, vocab, (batch, args.prompt_len))
         lists = prompts.tolist()
         ours(lists, [2] * batch)  # warm-up (and compile)
         theirs(prompts, 2)
-        # Decode rate from the difference of an n-token and a 1-token run: prefill cancels out.
-        t_ours = min(timed(lambda: ours(lists, [n_new] * batch)) for _ in range(args.repeats)) - \
-            min(timed(lambda: ours(lists, [1] * batch)) for _ in range(args.repeats))
-        t_hf = min(timed(lambda: theirs(prompts, n_new)) for _ in range(args.repeats)) - \
-            min(timed(lambda: theirs(prompts, 1)) for _ in range(args.repeats))
-        r_ours, r_hf = batch * (n_new - 1) / t_ours, batch * (n_new - 1) / t_hf
-        rows.append((batch, r_ours, r_hf))
-        extra = f"  ({r_ours / bound:.0%} of the weight-streaming bound)" if batch == 1 else ""
-        print(f"batch {batch}: scalenlp {r_ours:8.1f} tok/s   HF generate {r_hf:8.1f} tok/s   "
-              f"speed-up {r_ours / r_hf:.2f}x{extra}", flush=True)
+        runs = {key: [] for key in ("ours_n", "ours_1", "hf_n", "hf_1")}
+        gaps_ours, gaps_hf = [], []
+        for _ in range(args.repeats):
+            runs["ours_n"].append(timed(lambda: ours(lists, [n_new] * batch, gaps_ours)))
+            runs["ours_1"].append(timed(lambda: ours(lists, [1] * batch)))
+            runs["hf_n"].append(timed(lambda: theirs(prompts, n_new, gaps_hf)))
+            runs["hf_1"].append(timed(lambda: theirs(prompts, 1)))
+            bandwidths.append(read_bandwidth(repeats=3))
+        rates[batch] = {
+            "run": (batch * (n_new - 1) / (min(runs["ours_n"]) - min(runs["ours_1"])),
+                    batch * (n_new - 1) / (min(runs["hf_n"]) - min(runs["hf_1"]))),
+            "median step": (batch / statistics.median(gaps_ours), batch / statistics.median(gaps_hf)),
+            "best step": (batch / min(gaps_ours), batch / min(gaps_hf)),
+        }
+    bw = max(bandwidths)
+    bound = bw / wbytes
+    print(f"read bandwidth (best of {len(bandwidths)} measured during the run): {bw / 1e9:.1f} GB/s -> "
+          f"weight-streaming bound at batch 1: {bound:.1f} tokens/s")
+    for batch, by_method in rates.items():
+        for method, (r_ours, r_hf) in by_method.items():
+            extra = f"  ({r_ours / bound:.0%} of the weight-streaming bound)" if batch == 1 else ""
+            print(f"batch {batch} ({method:11s}): scalenlp {r_ours:7.1f} tok/s   HF generate {r_hf:7.1f} tok/s   "
+                  f"speed-up {r_ours / r_hf:.2f}x{extra}", flush=True)
 
     # 16 concurrent requests of mixed prompt and output lengths.
     rng = random.Random(0)

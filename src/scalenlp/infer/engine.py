@@ -117,7 +117,6 @@ class Engine:
         self._stopping = False
         self.error: BaseException | None = None
         self.steps = 0  # completed loop steps; a health check watches it move
-        self.last_step_time = time.monotonic()
 
     # ---- public API (any thread) ----
 
@@ -246,7 +245,6 @@ class Engine:
         if self._running:  # includes the requests just prefilled: they decode their second token now
             self._decode_step()
         self.steps += 1
-        self.last_step_time = time.monotonic()
 
     def _admit(self) -> list[Request]:
         free = sorted(set(range(self.max_batch)) - set(self._running))

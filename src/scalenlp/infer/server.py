@@ -51,14 +51,14 @@ class APIError(Exception):
 
 def _request_model():
     """The request schema, built on first use so that `scalenlp --help` does not import pydantic."""
-    from pydantic import BaseModel, ConfigDict, Field
+    from pydantic import BaseModel, ConfigDict
 
     class CompletionRequest(BaseModel):
         model_config = ConfigDict(extra="forbid")
 
         model: str
         prompt: str | list[str] | list[int] | list[list[int]]
-        max_tokens: int | None = Field(16)
+        max_tokens: int | None = 16
         temperature: float = 1.0
         top_p: float = 1.0
         n: int = 1
