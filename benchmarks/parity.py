@@ -34,7 +34,7 @@ from scalenlp.parallel.mesh import ParallelDims, build_mesh, dp_rank
 from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, parallelize, shard_optimizer_state
 from scalenlp.parallel.pipeline import build_pipeline
 
-# name -> (world size, [parallel] overrides)
+# name -> (world size, overrides: [parallel] keys, or "section.key" for other sections)
 LAYOUTS: dict[str, tuple[int, dict]] = {
     "ddp2": (2, dict(data_parallel="ddp")),
     "zero1x2": (2, dict(data_parallel="zero1")),
@@ -46,6 +46,9 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "pp2 1f1b": (2, dict(pp=2, pp_schedule="1f1b", pp_microbatches=4)),
     "pp2 interleaved": (2, dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_microbatches=4)),
     "pp2 zero bubble": (2, dict(pp=2, pp_schedule="zero_bubble", pp_stages_per_rank=2, pp_microbatches=4)),
+    "zero3x2+ac full": (2, {"data_parallel": "zero3", "training.activation_checkpointing": "full"}),
+    "tp2+sp+ac sel.": (2, {"tp": 2, "sequence_parallel": True, "training.activation_checkpointing": "selective"}),
+    "pp2 1f1b+ac full": (2, {"pp": 2, "pp_microbatches": 4, "training.activation_checkpointing": "full"}),
     "zero3x4": (4, dict(data_parallel="zero3")),
     "hsdp2x2": (4, dict(data_parallel="zero3", dp_replicate=2)),
     "dp2xtp2": (4, dict(data_parallel="zero3", tp=2)),
@@ -74,7 +77,8 @@ def make_config(parallel: dict, shape: Shape = PARITY) -> Config:
     cfg = Config()
     cfg.training.seq_len, cfg.training.global_batch_size = shape.seq, shape.global_batch
     for key, value in parallel.items():
-        setattr(cfg.parallel, key, value)
+        section, _, name = key.rpartition(".")
+        setattr(getattr(cfg, section or "parallel"), name, value)
     return cfg
 
 
