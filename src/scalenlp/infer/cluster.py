@@ -225,17 +225,25 @@ class Router:
         return self.fastapi_app
 
 
+def replica_options(replicas: int, max_replicas: int | None, max_batch: int, replica_cpus: float) -> dict:
+    """Ray Serve options of the replica deployment: a fixed count, or autoscaling between bounds
+    aiming at ``max_batch`` ongoing requests per replica (its slots are then full, nothing waits)."""
+    if replicas < 1:
+        raise UserError(f"--replicas must be at least 1, got {replicas}")
+    if max_replicas is not None and max_replicas < replicas:
+        raise UserError(f"--max-replicas ({max_replicas}) is below --replicas ({replicas}); raise it or drop it")
+    scaling = ({"num_replicas": replicas} if not max_replicas or max_replicas == replicas else
+               {"autoscaling_config": {"min_replicas": replicas, "max_replicas": max_replicas,
+                                       "initial_replicas": replicas, "target_ongoing_requests": max_batch}})
+    return {"max_ongoing_requests": max_batch * 2, "ray_actor_options": {"num_cpus": replica_cpus}, **scaling}
+
+
 def build_application(engine_options: dict, model_name: str, api_key: str | None, replicas: int,
                       max_replicas: int | None, replica_cpus: float):
     """The Ray Serve application: Router -> EngineReplica deployment."""
     _, serve = _import_ray()
-    max_batch = engine_options["max_batch"]
-    scaling = ({"num_replicas": replicas} if not max_replicas or max_replicas <= replicas else
-               {"autoscaling_config": {"min_replicas": replicas, "max_replicas": max_replicas,
-                                       "initial_replicas": replicas, "target_ongoing_requests": max_batch}})
-    replica = serve.deployment(EngineReplica, name="EngineReplica", max_ongoing_requests=max_batch * 2,
-                               ray_actor_options={"num_cpus": replica_cpus}, health_check_period_s=2,
-                               **scaling)
+    replica = serve.deployment(EngineReplica, name="EngineReplica", health_check_period_s=2,
+                               **replica_options(replicas, max_replicas, engine_options["max_batch"], replica_cpus))
     router = serve.deployment(serve.ingress()(Router), name="Router", max_ongoing_requests=10_000,
                               ray_actor_options={"num_cpus": 0})
     options = {**engine_options, "threads": max(1, int(replica_cpus))}
