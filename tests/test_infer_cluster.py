@@ -30,7 +30,7 @@ def cluster(tmp_path_factory):
 
     from scalenlp.infer import cluster
 
-    export = make_export(tmp_path_factory.mktemp("ray"), max_seq_len=512)
+    export = make_export(tmp_path_factory.mktemp("ray"), max_seq_len=2048)
     args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=4, max_seq_len=None,
                               compile=False, max_queue=64, model_name="m", api_key=None, replicas=2,
                               max_replicas=None, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
@@ -77,14 +77,15 @@ def test_two_replicas_share_concurrent_load(cluster):
     assert [r.json()["choices"][0]["text"] for r in results] == expected * 2
 
 
-def replica_actors():
+def replica_actors() -> dict:
+    """Replica id -> actor handle (Serve names a replica's actor ...#EngineReplica#<replica id>)."""
     names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]]
-    return [ray.get_actor(a["name"], namespace=a["namespace"]) for a in names]
+    return {a["name"].rsplit("#", 1)[-1]: ray.get_actor(a["name"], namespace=a["namespace"]) for a in names}
 
 
 def test_replica_killed_under_load_fails_no_request(cluster):
     url, export = cluster
-    max_tokens = 400
+    max_tokens = 1500  # long enough that every stream is still running when the replica dies
     streams = {i: [] for i in range(len(PROMPTS))}
     first_chunk = [threading.Event() for _ in PROMPTS]
     statuses = {}
@@ -105,9 +106,11 @@ def test_replica_killed_under_load_fails_no_request(cluster):
         t.start()
     for e in first_chunk:
         e.wait()
-    victims = replica_actors()
-    assert len(victims) == 2
-    ray.kill(victims[0], no_restart=True)  # while every stream is in flight
+    replicas = replica_actors()
+    assert len(replicas) == 2
+    victim = streams[0][0]["system_fingerprint"]  # the replica streaming request 0, mid-stream
+    ray.kill(replicas[victim], no_restart=True)
+    assert streams[0][-1]["choices"][0]["finish_reason"] is None  # it was killed mid-stream indeed
     for t in threads:
         t.join()
     assert all(s == 200 for s in statuses.values()), statuses
