@@ -78,11 +78,14 @@ def test_stop_and_logprobs(client):
     lp = out.choices[0].logprobs
     assert len(lp.token_logprobs) == 5 and all(x <= 0 for x in lp.token_logprobs)
     assert all(len(t) == 2 for t in lp.top_logprobs)
+    streamed = list(client.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0, logprobs=2,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    assert sum(len(c.choices[0].logprobs.token_logprobs) for c in streamed) == 5  # one per token, none held back
     text = out.choices[0].text
-    if len(text) > 2:
-        cut = client.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0, stop=text[1:3],
-                                        extra_body={"ignore_eos": True})
-        assert cut.choices[0].text == text[:text.index(text[1:3])] and cut.choices[0].finish_reason == "stop"
+    assert len(text) > 2
+    cut = client.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0, stop=text[1:3],
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == text[:text.index(text[1:3])] and cut.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("body,status,param", [

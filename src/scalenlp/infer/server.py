@@ -230,7 +230,7 @@ class LocalBackend:
             if i // req.n not in counted:
                 counted.add(i // req.n)
                 prompt_tokens += prompt_len
-            if not delta.text and delta.finish_reason is None:
+            if not delta.text and delta.finish_reason is None and req.logprobs is None:
                 continue  # text held back (an unfinished character or a possible stop string)
             logprobs = None
             if req.logprobs is not None:
