@@ -190,3 +190,20 @@ def test_packed_bf16_weights_match_plain_bf16(tmp_path):
         assert ids_of(engine, ["the quick brown"], GREEDY)[0] == tokens[n:]
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("budget,expected_prefills", [(16, [1, 1, 1, 1]), (64, [4])])
+def test_token_budget_limits_prefill(export, budget, expected_prefills):
+    e = start_engine(export, max_batch=4, token_budget=budget)
+    prefills = []
+    e.model.register_forward_pre_hook(lambda m, args: prefills.append(args[0].shape[0]) if args[0].shape[1] > 1
+                                      else None)
+    try:
+        ids = [list(range(40 + i * 10, 50 + i * 10)) for i in range(4)]  # 10 tokens each: two exceed 16
+        done = [threading.Event() for _ in ids]
+        e.submit_many([(x, GREEDY) for x in ids], [lambda d, i=i: d.finish_reason and done[i].set() for i in range(4)])
+        for d in done:
+            assert d.wait(120)
+        assert prefills == expected_prefills
+    finally:
+        e.stop()
