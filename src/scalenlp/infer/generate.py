@@ -64,25 +64,25 @@ def run(args) -> int:
     from scalenlp.infer.engine import RequestError
     from scalenlp.infer.sampling import SamplingParams
 
-    engine = build_engine(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop)
+    engine = build_engine(args)
     events: queue.Queue = queue.Queue()
     try:
-        engine.submit(engine.encode(args.prompt), params, events.put)
-    except RequestError as e:
-        raise UserError(str(e)) from None
-    sys.stdout.write(args.prompt)
-    try:
-        while True:
+        try:
+            engine.submit(engine.encode(args.prompt), params, events.put)
+        except RequestError as e:
+            raise UserError(str(e)) from None
+        sys.stdout.write(args.prompt)
+        finish = None
+        while finish is None:
             delta = events.get()
             sys.stdout.write(delta.text)
             sys.stdout.flush()
-            if delta.finish_reason is not None:
-                break
-    finally:
+            finish = delta.finish_reason
         sys.stdout.write("\n")
+    finally:
         engine.stop()
-    if delta.finish_reason == "abort":
+    if finish == "abort":
         raise UserError(f"generation failed: {engine.error!r}")
     return 0
