@@ -90,6 +90,7 @@ def formula(mode: str, psi: int, n: int) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU measurement (gloo) wherever it runs
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)

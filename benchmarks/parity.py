@@ -147,6 +147,8 @@ def train(parallel: dict, world: int, steps: int, shape: Shape = PARITY) -> dict
 
 
 def _worker(rank: int, world: int, port: int, layouts: dict[str, dict], steps: int, shape: Shape, out: str) -> None:
+    # A CPU harness (gloo, one thread per process) wherever it runs: several ranks cannot share one GPU.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -103,9 +103,11 @@ class PipelineRunner:
 
     def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
-        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        # Stages check received tensors against the layout inferred at the first step, strides
+        # included, so sliced batches (tokens[:, :-1]) are made contiguous.
+        kwargs = {"target": targets.contiguous(), "losses": losses} if self.has_last else {}
         if self.has_first:
-            run(inputs, **kwargs)
+            run(inputs.contiguous(), **kwargs)
         else:
             run(**kwargs)
         loss = torch.stack(losses).mean().detach().float() if self.has_last else torch.zeros((), device=self.device)
