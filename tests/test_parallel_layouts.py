@@ -197,7 +197,7 @@ def test_two_process_layouts_match_single_process(single_process):
 
 
 def test_four_process_layouts_match_single_process(single_process):
-    """zero3 x4, hsdp 2x2, dp2 x tp2 (FSDP and DDP), dp2 x pp2, tp2 x pp2."""
+    """zero3 x4, hsdp 2x2, dp2 x tp2 (FSDP and DDP), dp2 x pp2, tp2 x pp2 (with and without sequence parallel)."""
     _assert_parity([n for n, (world, _) in parity.LAYOUTS.items() if world == 4], single_process)
 
 
