@@ -238,3 +238,25 @@ def test_cpu_device_is_measured():
     assert spec.peak_flops_fp32 > 1e8 and spec.hbm_bw > 1e8
     assert spec.intra_node_bw > 1e6 and 0 < spec.latency_s < 0.1
     assert spec.runtime_bytes > 50e6 and spec.memory_bytes > 0
+    assert spec.fsdp_unit_overhead_s >= 0 and spec.tp_linear_overhead_s >= 0
+
+
+def test_host_overheads_count_per_fsdp_unit_and_tp_linear():
+    shape, work = model_shape("debug", 128), Workload(seq=128, global_batch=16, precision="fp32")
+    device = dataclasses.replace(_frictionless(), peak_flops_fp32=math.inf, fsdp_unit_overhead_s=1.0,
+                                 tp_linear_overhead_s=10.0)
+    zero3 = predict(shape, work, Layout(dp_shard=2, zero=3, microbatch=4), device, 2)
+    assert zero3.time_breakdown_s["framework"] == pytest.approx(2 * (shape.layers + 1))  # 2 microbatches
+    tp = predict(shape, work, Layout(tp=2, microbatch=16), device, 2)
+    assert tp.time_breakdown_s["framework"] == pytest.approx(10.0 * (7 * shape.layers + 2))  # SwiGLU: 7 per block
+    assert "framework" not in predict(shape, work, Layout(dp_replicate=2, microbatch=8), device, 2).time_breakdown_s
+
+
+def test_layouts_the_trainer_refuses_are_refused():
+    from scalenlp.plan.cost import check_layout
+
+    work = Workload(seq=128, global_batch=16)
+    tied = check_layout(model_shape("small", 128), work, Layout(pp=2, dp_replicate=1, microbatch=8), 2, 8)
+    assert [kind for kind, _ in tied] == ["tied embeddings cannot be pipelined"]
+    zero1_tp = check_layout(model_shape("debug", 128), work, Layout(dp_shard=2, zero=1, tp=2, microbatch=8), 4, 8)
+    assert [kind for kind, _ in zero1_tp] == ["zero1 with tp or pp"]

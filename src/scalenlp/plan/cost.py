@@ -64,6 +64,9 @@ OPTIMIZER_TRAFFIC = 28
 # Kernels (or dispatched ops) per transformer layer for forward + backward; matters where dispatch is not hidden.
 OPS_PER_LAYER = 60
 
+# Linears of a block: q, k, v, o, and up, down (+ gate with SwiGLU).
+LINEARS_PER_LAYER = {False: 6, True: 7}
+
 ELEMENT_BYTES = {"bf16": 2, "fp32": 4}
 # (weights, gradients, optimizer) bytes per parameter. "mixed": Rajbhandari et al.'s mixed-precision Adam,
 # K = 12 (Megatron, DeepSpeed). "fp32": weights, gradients and Adam moments in fp32 with bf16 only in the
@@ -470,7 +473,12 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
         slot = dict(matmul=layers * matmul_s + (logits_matmul_s if last else 0.0),
                     elementwise=layers * elementwise_s + (logits_elementwise_s if last else 0.0),
                     tensor_parallel=layers * tp_s, pipeline_p2p=p2p_s)
-        compute = slot["matmul"] + slot["elementwise"] + slot["tensor_parallel"]
+        if lay.tp > 1 or (lay.zero >= 2 and lay.dp_shard > 1):
+            units = layers + (stage in (0, lay.pp - 1))  # FSDP: a unit per block, and the root's
+            linears = layers * LINEARS_PER_LAYER[shape.swiglu] + (stage == 0) + last  # + embedding, output
+            slot["framework"] = ((units * device.fsdp_unit_overhead_s if lay.zero >= 2 and lay.dp_shard > 1 else 0.0)
+                                 + (linears * device.tp_linear_overhead_s if lay.tp > 1 else 0.0))
+        compute = slot["matmul"] + slot["elementwise"] + slot["tensor_parallel"] + slot.get("framework", 0.0)
         backward = compute * 2 / passes
         params = stage_params(shape, lay, stage, layers)
         grads = g_bytes * params

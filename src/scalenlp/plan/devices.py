@@ -39,6 +39,9 @@ class DeviceSpec:
     elementwise_traffic: float  # HBM bytes moved by memory-bound kernels per stored activation byte (calibrated)
     runtime_bytes: float  # memory the runtime holds before the model: CUDA context, NCCL, allocator slack
     op_overhead_s: float = 0.0  # launch/dispatch cost per kernel that the device does not hide
+    # Host-side cost of PyTorch's wrappers per microbatch, where the device does not hide it (measured on CPU):
+    fsdp_unit_overhead_s: float = 0.0  # per FSDP unit (hooks, gathers' latency, DTensor optimizer)
+    tp_linear_overhead_s: float = 0.0  # per tensor-parallel linear (DTensor dispatch and redistribution)
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_flops_bf16 if precision == "bf16" else self.peak_flops_fp32

@@ -3,8 +3,9 @@
 - matmul rate over shapes from thin to square, fitted to the cost model's matmul time (arithmetic
   at peak · Π_d d/(d + half_dim), plus writing the result), which gives the CPU's peak and half dimension;
 - memory bandwidth (a large elementwise add into a fresh tensor) and the dispatch cost of one small op;
-- gloo all-reduce bandwidth and per-hop latency between two local processes, and the resident
-  memory such a process holds before any model (the runtime share of the memory estimate).
+- gloo all-reduce bandwidth and per-hop latency between two local processes, the resident memory
+  such a process holds before any model (the runtime share of the memory estimate), and what FSDP
+  and tensor parallelism's wrappers add per unit and per linear (framework_overheads).
 
 Each process of a CPU run gets its share of the cores: torchrun gives each of several processes one
 thread (OMP_NUM_THREADS=1), a single process keeps torch's default, so the matmul and bandwidth
@@ -91,8 +92,64 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _gloo_worker(rank: int, world: int, port: int) -> None:
-    """One of the measuring processes (``python -m scalenlp.plan.measure RANK WORLD PORT``); rank 0 prints JSON."""
+def _step_time(model: torch.nn.Module, x: torch.Tensor) -> float:
+    """Median seconds of forward + backward + AdamW step of a micro model (same call count on every rank)."""
+    import torch.distributed as dist
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times = []
+    for i in range(25):
+        dist.barrier()
+        start = time.perf_counter()
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if i >= 5:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def framework_overheads(world: int) -> tuple[float, float]:
+    """(seconds per FSDP unit, seconds per tensor-parallel linear) that PyTorch's wrappers add to a training
+    step on this machine, from a micro model of four linears run plain, fully sharded and tensor-parallel:
+    hooks, DTensor dispatch and sharding propagation, the optimizer over DTensors, collectives' latency."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    layers = 4
+
+    def micro():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(32, 32) for _ in range(layers)])
+
+    x = torch.randn(8, 32)
+    plain = _step_time(micro(), x)
+    sharded = micro()
+    for layer in sharded:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    fsdp = _step_time(sharded, x)
+    split = parallelize_module(micro(), mesh, {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+                                              for i in range(layers)})
+    tp = _step_time(split, x)
+    return max(0.0, (fsdp - plain) / (layers + 1)), max(0.0, (tp - plain) / layers)
+
+
+def compute_figures() -> dict[str, float]:
+    """Matmul curve, memory bandwidth, bf16/fp32 ratio and dispatch cost of this process's share of the CPU."""
+    bandwidth = memory_bandwidth()
+    peak, half = fit_matmul_curve(matmul_rates(), bandwidth)
+    return dict(peak_flops_fp32=peak, peak_flops_bf16=peak * _rate_ratio(), gemm_half_dim=half, hbm_bw=bandwidth,
+                op_overhead_s=op_overhead())
+
+
+def _worker(rank: int, world: int, port: int, with_compute: int) -> None:
+    """One of the measuring processes (``python -m scalenlp.plan.measure RANK WORLD PORT WITH_COMPUTE``); rank 0
+    prints JSON. With WITH_COMPUTE every rank measures compute at the same time, so that each sees the share
+    of the machine a rank of a ``world``-process run gets."""
     import torch.distributed as dist
 
     import scalenlp.train.trainer  # noqa: F401  the training process's own imports count towards its runtime memory
@@ -100,59 +157,62 @@ def _gloo_worker(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        result = dict(rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # before any tensor of ours
+        if with_compute:
+            dist.barrier()
+            result.update(compute_figures())
         small, large = torch.ones(1), torch.ones(1 << 22)  # 4 bytes; 16 MiB
-        timings = {}
+        result["nbytes"] = large.numel() * 4
         for name, tensor, reps in (("small", small, 50), ("large", large, 5)):
             dist.all_reduce(tensor)
             dist.barrier()
             start = time.perf_counter()
             for _ in range(reps):
                 dist.all_reduce(tensor)
-            timings[name] = (time.perf_counter() - start) / reps
+            result[name] = (time.perf_counter() - start) / reps
+        result["fsdp_unit"], result["tp_linear"] = framework_overheads(world)
         if rank == 0:
-            print(json.dumps(dict(timings, nbytes=large.numel() * 4,
-                                  rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
+            print(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
-def gloo_allreduce() -> tuple[float, float, float]:
-    """(bus bandwidth bytes/s, latency per hop s, resident bytes of a process with scalenlp's training
-    imports and a gloo group, before any model), measured between two local processes."""
-    world, port = 2, _free_port()
+def distributed_figures(world: int, with_compute: bool) -> dict[str, float]:
+    """What ``world`` local gloo processes measure: all-reduce bus bandwidth (bytes/s) and latency per hop (s),
+    the resident bytes of a process with scalenlp's training imports and a process group before any
+    model, the wrappers' overheads (framework_overheads), and with_compute, each rank's compute figures."""
+    port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "scalenlp.plan.measure", str(r), str(world), str(port)],
-                              stdout=subprocess.PIPE, env=env, text=True) for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, "-m", "scalenlp.plan.measure", str(r), str(world), str(port),
+                               str(int(with_compute))], stdout=subprocess.PIPE, env=env, text=True)
+             for r in range(world)]
     outputs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("the gloo measurement processes failed; see their messages above")
     result = json.loads(outputs[0].strip().splitlines()[-1])
     hops = 2 * (world - 1)
-    latency = result["small"] / hops
     bus_bw = hops / world * result["nbytes"] / max(result["large"] - result["small"], 1e-9)
-    return bus_bw, latency, result["rss"]
+    figures = dict(latency_s=result["small"] / hops, intra_node_bw=bus_bw, nic_bw=bus_bw,
+                   runtime_bytes=result["rss"], fsdp_unit_overhead_s=result["fsdp_unit"],
+                   tp_linear_overhead_s=result["tp_linear"])
+    if with_compute:
+        figures.update({k: result[k] for k in ("peak_flops_fp32", "peak_flops_bf16", "gemm_half_dim", "hbm_bw",
+                                               "op_overhead_s")})
+    return figures
 
 
 def measure_cpu(processes: int = 1, overrides: dict[str, float] | None = None) -> DeviceSpec:
-    """A DeviceSpec for one of ``processes`` training processes sharing this machine."""
+    """A DeviceSpec for one of ``processes`` training processes sharing this machine: with several, compute is
+    measured by that many processes at once (torchrun gives each one thread); alone, by this process with
+    torch's thread count."""
     threads = 1 if processes > 1 else torch.get_num_threads()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        bandwidth = memory_bandwidth()
-        peak, half = fit_matmul_curve(matmul_rates(), bandwidth)
-        bf16_ratio = _rate_ratio()
-        overhead = op_overhead()
-    finally:
-        torch.set_num_threads(previous)
-    bus_bw, latency, rss = gloo_allreduce()
+    figures = distributed_figures(max(2, processes), with_compute=processes > 1)
+    if processes == 1:
+        figures.update(compute_figures())
     total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    spec = DeviceSpec(
-        name=f"cpu ({threads} thread{'s' if threads > 1 else ''} per process, measured)",
-        peak_flops_bf16=peak * bf16_ratio, peak_flops_fp32=peak, memory_bytes=total_ram / processes,
-        hbm_bw=bandwidth, intra_node_bw=bus_bw, nic_bw=bus_bw, latency_s=latency, gemm_efficiency=1.0,
-        gemm_half_dim=half, elementwise_traffic=GPU_ELEMENTWISE_TRAFFIC, runtime_bytes=rss,
-        op_overhead_s=overhead)
+    spec = DeviceSpec(name=f"cpu ({threads} thread{'s' if threads > 1 else ''} per process, measured)",
+                      memory_bytes=total_ram / processes, gemm_efficiency=1.0,
+                      elementwise_traffic=GPU_ELEMENTWISE_TRAFFIC, **figures)
     return dataclasses.replace(spec, **(overrides or {}))
 
 
@@ -164,4 +224,4 @@ def _rate_ratio() -> float:
 
 
 if __name__ == "__main__":
-    _gloo_worker(*(int(a) for a in sys.argv[1:4]))
+    _worker(*(int(a) for a in sys.argv[1:5]))

@@ -1,7 +1,8 @@
 """Layout search: every combination of degrees that divides the device count, each checked, priced and ranked.
 
-Pruning that loses nothing: sequence parallelism is always on with TP (it replaces each all-reduce by an
-all-gather and a reduce-scatter of the same volume and only saves memory), and recomputation is tried
+Pruning that loses nothing: sequence parallelism is on with TP wherever tp divides the sequence (it
+replaces each all-reduce by an all-gather and a reduce-scatter of the same volume and only saves memory
+and memory traffic), and recomputation is tried
 none -> selective -> full, keeping the first that fits (each step only saves memory and costs time).
 """
 
@@ -72,7 +73,7 @@ def candidates(shape: ModelShape, work: Workload, devices: int, gpus_per_node: i
                             continue
                         if "stages_per_rank" in fixed and v != fixed["stages_per_rank"]:
                             continue
-                        sp = fixed.get("sequence_parallel", tp > 1)
+                        sp = fixed.get("sequence_parallel", tp > 1 and work.seq % tp == 0)
                         yield [Layout(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, microbatch=micro,
                                       zero=zero, recompute=r, schedule=schedule, stages_per_rank=v,
                                       sequence_parallel=sp)
