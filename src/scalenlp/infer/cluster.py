@@ -56,12 +56,9 @@ class EngineReplica:
         torch.set_num_threads(max(1, int(engine_options.pop("threads", 1))))
         self.engine = build_engine(argparse.Namespace(**engine_options), max_queue=engine_options["max_queue"])
         self.backend = LocalBackend(self.engine, model_name)
-        try:
-            from ray import serve
+        from ray import serve
 
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # noqa: BLE001 - outside Serve (tests of the class itself)
-            self.replica_id = f"pid{os.getpid()}"
+        self.replica_id = serve.get_replica_context().replica_id.unique_id  # answered as system_fingerprint
 
     def _request(self, body: dict):
         from scalenlp.infer.server import _request_model, check_request
@@ -92,9 +89,6 @@ class EngineReplica:
 
     async def health(self) -> tuple[bool, str]:
         return await self.backend.health()
-
-    def load(self) -> dict:
-        return {"replica": self.replica_id, "running": self.engine.num_running, "waiting": self.engine.num_waiting}
 
 
 def _raise_if_error(out: dict) -> None:
@@ -271,7 +265,8 @@ def start(args, ray_init_kwargs: dict | None = None) -> str:
 
 def serve_replicas(args) -> int:
     ray, serve = _import_ray()
-    cpus = None if args.ray_address else max(os.cpu_count() or 1, int(args.replicas * args.replica_cpus) + 1)
+    most = max(args.replicas, args.max_replicas or 0)
+    cpus = None if args.ray_address else max(os.cpu_count() or 1, int(most * args.replica_cpus) + 1)
     url = start(args, {"num_cpus": cpus} if cpus else {})
     print(f"serving {args.replicas} replica(s) at {url} (Ctrl-C to stop)", flush=True)
     try:

@@ -10,6 +10,7 @@ backend in ``cluster.py`` forwards to replicas. A backend has ``complete``, ``st
 
 import argparse
 import asyncio
+import functools
 import hmac
 import json
 import time
@@ -49,6 +50,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+@functools.cache
 def _request_model():
     """The request schema, built on first use so that `scalenlp --help` does not import pydantic."""
     from pydantic import BaseModel, ConfigDict
