@@ -22,7 +22,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
-    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--prompt", required=True, action="append",
+                        help="text to continue; repeat for several prompts, generated one after another")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
@@ -69,18 +70,23 @@ def run(args) -> int:
     engine = build_engine(args)
     events: queue.Queue = queue.Queue()
     try:
-        try:
-            engine.submit(engine.encode(args.prompt), params, events.put)
-        except RequestError as e:
-            raise UserError(str(e)) from None
-        sys.stdout.write(args.prompt)
-        finish = None
-        while finish is None:
-            delta = events.get()
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
-            finish = delta.finish_reason
-        sys.stdout.write("\n")
+        for i, prompt in enumerate(args.prompt):
+            try:
+                engine.submit(engine.encode(prompt), params, events.put)
+            except RequestError as e:
+                raise UserError(str(e)) from None
+            if len(args.prompt) > 1:
+                sys.stdout.write(("\n" if i else "") + f"--- sample {i + 1} of {len(args.prompt)} ---\n")
+            sys.stdout.write(prompt)
+            finish = None
+            while finish is None:
+                delta = events.get()
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                finish = delta.finish_reason
+            sys.stdout.write("\n")
+            if finish == "abort":
+                break
     finally:
         engine.stop()
     if finish == "abort":
