@@ -127,6 +127,14 @@ def train_command(shape, work, layout, devices: int, gpus_per_node: int) -> str:
     return shlex.join(words)
 
 
+def _si(x: float) -> str:
+    """1.23G, 456M, 7.8k: a count or a rate at a readable scale."""
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
 def _gib(x: float) -> str:
     return f"{x / 2**30:,.2f}"
 
@@ -136,8 +144,8 @@ def _describe(p, device, rank: int | None) -> list[str]:
     head = f"#{rank} " if rank is not None else ""
     return [
         f"{head}{p.layout.describe()}",
-        f"    {p.tokens_per_sec:,.0f} tokens/s | step {p.step_time_s:.4g} s | {p.tflops_per_device:.1f} TFLOP/s per "
-        f"device | MFU {p.mfu:.1%} | bubble {p.bubble_fraction:.1%}",
+        f"    {p.tokens_per_sec:,.0f} tokens/s | step {p.step_time_s:.4g} s | {_si(p.tflops_per_device * 1e12)}FLOP/s "
+        f"per device | MFU {p.mfu:.1%} | bubble {p.bubble_fraction:.1%}",
         f"    memory per device {_gib(p.memory_per_device_bytes)} of {_gib(device.memory_bytes)} GiB: params "
         f"{_gib(m['params'])}, grads {_gib(m['grads'])}, optimizer {_gib(m['optimizer'])}, activations "
         f"{_gib(m['activations'])}, buffers {_gib(m['buffers'])}, runtime {_gib(m['runtime'])}",
@@ -188,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({**header, **p.to_dict()}, indent=2))
         else:
-            print(f"{args.model} ({shape.total_params / 1e9:.3g}B parameters) on {args.devices} x {device.name}")
+            print(f"{args.model} ({shape.total_params / 1e6:,.1f}M parameters) on {args.devices} x {device.name}")
             print("\n".join(_describe(p, device, None)))
         return 0
 
@@ -203,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
                           "feasible": len(result.ranked), "rejected": dict(result.rejected),
                           "smallest_device_count_that_fits": smallest}, indent=2))
         return 0 if result.ranked else 1
-    print(f"{args.model} ({shape.total_params / 1e9:.3g}B parameters) on {args.devices} x {device.name}, "
+    print(f"{args.model} ({shape.total_params / 1e6:,.1f}M parameters) on {args.devices} x {device.name}, "
           f"seq {args.seq}, global batch {args.global_batch}, {precision}: "
           f"{len(result.ranked)} layouts fit, {sum(result.rejected.values())} rejected")
     for reason, count in result.rejected.most_common():
