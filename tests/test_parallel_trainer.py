@@ -32,6 +32,17 @@ def test_pipeline_and_2d_layouts_train_like_one_process(tmp_path, corpus):
         assert len(evals) == 2, name
 
 
+def test_tensor_parallel_gpt2_family_trains_like_one_process(tmp_path, corpus):
+    # GPT-2 options leave some parameters plain tensors under TP (the learned position table,
+    # LayerNorms): the optimizer must keep them apart from the DTensors.
+    sets = [*TINY, f"data.path={corpus}", "training.steps=3", "model.flavor=debug-gpt2", "checkpoint.export=false"]
+    run_train(tmp_path / "single", *sets)
+    run_train(tmp_path / "tp2", *sets, "parallel.tp=2", nproc=2)
+    for a, b in zip(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "tp2"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
 @pytest.mark.parametrize("sets, nproc, expected", [
     (["parallel.pp=4"], 4, "4 pipeline stages but the model has only 2 layers"),
     (["parallel.tp=4"], 4, "parallel.tp=4 does not divide the model's n_kv_heads=2"),

@@ -14,12 +14,17 @@ from scalenlp.parallel.parallelize import shard_optimizer_state
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices (linear and embedding weights) only: decaying norms' gains and biases pulls them
-    towards zero, which hurts rather than regularises."""
-    decay, no_decay = [], []
+    towards zero, which hurts rather than regularises.
+
+    Groups are also split by device mesh: under tensor parallelism some parameters are DTensors and
+    others (a learned position table, norms without sequence parallelism) plain tensors, and the
+    foreach update of one group cannot mix the two."""
+    groups: dict[tuple, list] = {}
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            groups.setdefault((p.dim() >= 2, getattr(p, "device_mesh", None)), []).append(p)
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0}
+            for (decay, _), params in groups.items()]
 
 
 def build_optimizer(model: nn.Module, t: TrainingConfig, dims: ParallelDims | None = None, mesh=None,
