@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -109,7 +110,11 @@ def dp_mesh(mesh: DeviceMesh, flat: bool) -> DeviceMesh:
     ZeRO-1; for FSDP, "dp_shard" alone or (dp_replicate, dp_shard) when replicas exist (HSDP)."""
     if flat:
         try:
-            return mesh["dp"]
+            with warnings.catch_warnings():
+                # PyTorch advises keeping the object _flatten returned instead of slicing it from the
+                # root again; the root is the one mesh every caller holds, so the slice is the lookup.
+                warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+                return mesh["dp"]
         except KeyError:
             return mesh["dp_replicate", "dp_shard"]._flatten("dp")
     if mesh["dp_replicate"].size() > 1:

@@ -28,7 +28,7 @@ from scalenlp.models.flavors import FLAVORS, build_model, model_args
 from scalenlp.models.io import save_pretrained
 from scalenlp.parallel.mesh import ParallelDims, build_mesh, device_type, dp_rank, init_distributed
 from scalenlp.parallel.data_parallel import skip_gradient_sync
-from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, parallelize
+from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, parallelize
 from scalenlp.parallel.pipeline import build_pipeline
 from scalenlp.train.checkpoint import Checkpointer, load_full_model
 from scalenlp.train.metrics import MetricsWriter, peak_flops, peak_memory_bytes
@@ -115,8 +115,7 @@ class Trainer:
         self.dims = validate_run(cfg, self.world)
         self.device = pick_device(cfg)
         self.mesh = build_mesh(self.dims)
-        self.dp_group = None if self.mesh is None or self.dims.dp == 1 else \
-            self.mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+        self.dp_group = None if self.mesh is None or self.dims.dp == 1 else dp_mesh(self.mesh, flat=True).get_group()
         self.is_main = self.rank == 0
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.rank)
         if self.is_main:
