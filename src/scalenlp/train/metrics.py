@@ -14,14 +14,10 @@ from pathlib import Path
 
 import torch
 
-# Dense (no sparsity) peak TFLOP/s from the vendors' datasheets: (bf16, fp32 via TF32 off).
-GPU_PEAK_TFLOPS = {
-    "H200": (989.0, 66.9),
-    "H100": (989.0, 66.9),
-    "A100": (312.0, 19.5),
-    "L40S": (362.0, 91.6),
-    "A10": (125.0, 31.2),
-}
+from scalenlp.plan.devices import DEVICES
+
+# CUDA device names -> the planner's datasheet entries (one table of peaks for the whole project).
+GPU_NAMES = {"H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb"}
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:
@@ -44,9 +40,10 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """(peak FLOP/s, where the figure comes from)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, (bf16, fp32) in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return (bf16 if dtype == torch.bfloat16 else fp32) * 1e12, f"datasheet {key} {dtype}"
+        for marker, key in GPU_NAMES.items():
+            if marker in name:
+                precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+                return DEVICES[key].peak_flops(precision), f"datasheet {key} dense {precision}"
     flops = measure_matmul_flops(device, dtype, size=2048 if device.type == "cuda" else 1024)
     return flops, f"measured {str(dtype).removeprefix('torch.')} matmul on {device.type}"
 
