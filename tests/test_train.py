@@ -73,6 +73,18 @@ def test_ddp_two_processes_match_single_process(tmp_path, corpus):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
 
 
+def test_plain_torchrun_launch_is_the_same_job(tmp_path, corpus):
+    sets = [*TINY, f"data.path={corpus}", "training.steps=3", "checkpoint.export=false"]
+    run_train(tmp_path / "ours", *sets, nproc=2)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "scalenlp", "train", "--run-dir", str(tmp_path / "torchrun")]
+    for s in sets:
+        torchrun += ["--set", s]
+    proc = subprocess.run(torchrun, capture_output=True, text=True, env=cli_env(), timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(tmp_path / "torchrun") == losses(tmp_path / "ours")
+
+
 def test_run_writes_metrics_checkpoints_and_a_loadable_export(tmp_path, corpus):
     run = tmp_path / "run"
     run_train(run, *TINY, f"data.path={corpus}", "training.steps=6", "checkpoint.every=2", "checkpoint.keep=2",
