@@ -128,3 +128,20 @@ def test_export_round_trip_and_damage(tmp_path, flavor):
         load_pretrained(tmp_path / "export")
     with pytest.raises(UserError, match="not an exported model"):
         load_pretrained(tmp_path)
+
+
+def test_shipped_configs_load_and_validate():
+    from pathlib import Path
+
+    from scalenlp.parallel.mesh import ParallelDims
+    from scalenlp.parallel.parallelize import check_layout
+    from scalenlp.train.trainer import resolve_model_args
+
+    files = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
+    assert files
+    for file in files:
+        cfg = load_config(file)
+        p = cfg.parallel
+        dp_shard = 2 if p.dp_shard == -1 else p.dp_shard  # "the rest of the world": try two data-parallel shards
+        world = p.dp_replicate * dp_shard * p.tp * p.pp
+        check_layout(resolve_model_args(cfg, cfg.tokenizer.vocab_size), ParallelDims.from_config(cfg.parallel, world), cfg)
