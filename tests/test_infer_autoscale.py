@@ -1,0 +1,62 @@
+"""Replicas autoscale on queue length: one replica under sustained load grows to the upper bound,
+and no request fails while it does."""
+
+import argparse
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from infer_helpers import make_export
+
+from scalenlp.infer.sharded import free_port
+
+torch.set_num_threads(1)
+ray = pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
+
+HANG_GUARD_S = 600  # Serve decides every few seconds and waits upscale_delay_s (30 s) before adding a replica
+
+
+def replica_count() -> int:
+    return sum("EngineReplica" in a["name"] for a in ray.util.list_named_actors(all_namespaces=True))
+
+
+def test_load_above_the_target_adds_replicas_up_to_the_bound(tmp_path):
+    from ray import serve
+
+    from scalenlp.infer import cluster
+
+    export = make_export(tmp_path, max_seq_len=2048)
+    args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=2, max_seq_len=None,
+                              compile=False, max_queue=64, model_name="m", api_key=None, replicas=1,
+                              max_replicas=2, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
+                              ray_address=None)
+    url = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
+                               "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
+    try:
+        assert replica_count() == 1
+        stop, failures, done = threading.Event(), [], []
+
+        def client():  # keeps one request in flight until told to stop: 6 clients, target 2 per replica
+            while not stop.is_set():
+                body = {"model": "m", "prompt": "hello", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+                r = httpx.post(url + "/v1/completions", json=body, timeout=HANG_GUARD_S)
+                (done if r.status_code == 200 else failures).append(r.status_code)
+
+        clients = [threading.Thread(target=client) for _ in range(6)]
+        for t in clients:
+            t.start()
+        deadline = time.monotonic() + HANG_GUARD_S
+        while replica_count() < 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        grew = replica_count()
+        time.sleep(5)  # requests keep flowing across the new replica's arrival
+        stop.set()
+        for t in clients:
+            t.join()
+        assert grew == 2 and replica_count() == 2  # and never past the upper bound
+        assert not failures and len(done) >= 6
+    finally:
+        serve.shutdown()
+        ray.shutdown()
