@@ -24,8 +24,10 @@ from typing import Callable
 
 import torch
 
+from scalenlp.data.tokenizer import EOS
 from scalenlp.infer.packing import can_pack, pack_linears
 from scalenlp.infer.sampling import SamplingBatch, SamplingParams, sample
+from scalenlp.parallel.mesh import device_type
 
 
 class QueueFull(RuntimeError):
@@ -84,7 +86,7 @@ def pick_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
 
 
 def pick_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device_type())
 
 
 class Engine:
@@ -362,15 +364,14 @@ def resolve_export(path: str) -> "Path":
 
 
 def load_tokenizer_for(export_dir):
-    from tokenizers import Tokenizer
-
+    from scalenlp.data.tokenizer import load_tokenizer
     from scalenlp.errors import UserError
     from scalenlp.models.io import TOKENIZER
 
     file = export_dir / TOKENIZER
     if not file.is_file():
         raise UserError(f"{export_dir} has no {TOKENIZER}; export the model together with its tokenizer")
-    return Tokenizer.from_file(str(file))
+    return load_tokenizer(file)
 
 
-EOS_TOKEN = "<|endoftext|>"
+EOS_TOKEN = EOS

@@ -74,6 +74,12 @@ def init_distributed(timeout_s: int) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def barrier() -> None:
+    """Wait for every rank; nothing to wait for in a single process."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def build_mesh(dims: ParallelDims) -> DeviceMesh | None:
     """The one mesh of this run with every dimension named, including those of size 1, so that code
     can always ask for mesh["tp"] or mesh["dp_replicate", "dp_shard"]. None without a process group."""

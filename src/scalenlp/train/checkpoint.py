@@ -25,15 +25,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from scalenlp.errors import UserError
+from scalenlp.parallel.mesh import barrier
 from scalenlp.parallel.data_parallel import local_optimizer, restore_hyperparameters
 
 STATE_FILE = "train_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _dcp_call(fn, state: dict, path: Path, no_dist: bool) -> None:
@@ -108,11 +104,11 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        _barrier()
+        barrier()
         model_sd, optim_sd = _state_dicts(parts, optimizers)
         _dcp_call(dcp.save, {"model": model_sd, "optim": optim_sd}, tmp, no_dist=not dist.is_initialized())
         torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")
-        _barrier()
+        barrier()
         if self.rank == 0:
             state = {**train_state, "step": step, "manifest": _manifest(tmp)}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
@@ -121,7 +117,7 @@ class Checkpointer:
             os.replace(tmp, final)
             for _, old in self.complete()[:-self.keep]:
                 shutil.rmtree(old)
-        _barrier()
+        barrier()
         return final
 
     def load(self, path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:

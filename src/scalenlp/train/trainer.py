@@ -26,7 +26,7 @@ from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.flavors import FLAVORS, build_model, model_args
 from scalenlp.models.io import save_pretrained
-from scalenlp.parallel.mesh import ParallelDims, build_mesh, device_type, dp_rank, init_distributed
+from scalenlp.parallel.mesh import ParallelDims, barrier, build_mesh, device_type, dp_rank, init_distributed
 from scalenlp.parallel.data_parallel import skip_gradient_sync
 from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, parallelize
 from scalenlp.parallel.pipeline import build_pipeline
@@ -127,12 +127,12 @@ class Trainer:
                 self.log(f"checkpoint.resume=true but {self.run_dir / 'checkpoints'} has no complete checkpoint; "
                          f"starting from step 0")
             save_config(cfg, self.run_dir / "config.toml")
-        self._barrier()
+        barrier()
 
         # Data: one process per node tokenizes (the cache makes later runs instant), all memory-map.
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             prepare_data(cfg, self.run_dir, log=self.log)
-        self._barrier()
+        barrier()
         self.data = open_data(cfg, self.run_dir)
         t = cfg.training
         self.micro_batch, self.accum = batch_shape(cfg, self.dims)
@@ -168,10 +168,6 @@ class Trainer:
     def log(self, msg: str) -> None:
         if self.rank == 0:
             tqdm.write(msg, file=sys.stderr)
-
-    def _barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
 
     def _train_state(self) -> dict:
         t = self.cfg.training
@@ -256,7 +252,7 @@ class Trainer:
             out = save_pretrained(model, self.run_dir / "export", self.data.tokenizer_json,
                                   {"config.toml": (self.run_dir / "config.toml").read_text()})
             self.log(f"exported final weights: {out}")
-        self._barrier()
+        barrier()
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
