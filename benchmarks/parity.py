@@ -4,8 +4,10 @@
 
 Each layout trains the same model (the debug flavor with 4 layers, float32) on the same global
 batches from the same initial weights, through scalenlp.parallel (parallelize / build_pipeline /
-shard_optimizer_state / skip_gradient_sync / clip_grad_norm_) with AdamW; the table shows the
-largest relative difference of the per-step loss and gradient norm from the single-process run.
+shard_optimizer_state / skip_gradient_sync / loss_context / clip_grad_norm_) with AdamW and the
+trainer's cross_entropy (vocabulary-parallel under TP unless the layout sets loss_parallel=False,
+as "tp2 full logits" does); the table shows the largest relative difference of the per-step loss
+and gradient norm from the single-process run.
 Layouts of one world size share one launch of processes (gloo, one thread each).
 """
 
@@ -25,14 +27,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 from scalenlp.config import Config
 from scalenlp.models.flavors import build_model, model_args
 from scalenlp.parallel.data_parallel import skip_gradient_sync
 from scalenlp.parallel.mesh import ParallelDims, build_mesh, dp_rank
-from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, parallelize, shard_optimizer_state
+from scalenlp.parallel.parallelize import (check_layout, clip_grad_norm_, dp_mesh, loss_context, parallelize,
+                                           shard_optimizer_state)
 from scalenlp.parallel.pipeline import build_pipeline
+from scalenlp.train.trainer import cross_entropy
 
 # name -> (world size, overrides: [parallel] keys, or "section.key" for other sections)
 LAYOUTS: dict[str, tuple[int, dict]] = {
@@ -41,6 +44,7 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "zero2x2": (2, dict(data_parallel="zero2")),
     "zero3x2": (2, dict(data_parallel="zero3")),
     "tp2": (2, dict(tp=2)),
+    "tp2 full logits": (2, dict(tp=2, loss_parallel=False)),
     "tp2+sp": (2, dict(tp=2, sequence_parallel=True)),
     "pp2 gpipe": (2, dict(pp=2, pp_schedule="gpipe", pp_microbatches=4)),
     "pp2 1f1b": (2, dict(pp=2, pp_schedule="1f1b", pp_microbatches=4)),
@@ -92,10 +96,6 @@ def batches(steps: int, shape: Shape, vocab: int, seed: int = 0) -> torch.Tensor
     return (start + stride * torch.arange(shape.seq + 1)) % vocab
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 def train(parallel: dict, world: int, steps: int, shape: Shape = PARITY) -> dict[str, list[float]]:
     """Train ``steps`` steps under the layout on this process's share; per-step losses, gradient
     norms and wall-clock seconds."""
@@ -108,7 +108,7 @@ def train(parallel: dict, world: int, steps: int, shape: Shape = PARITY) -> dict
     model = build_model(margs)
     pp_mesh = mesh["pp"] if mesh is not None else None
     if dims.pp > 1:
-        runner, parts = build_pipeline(model, dims, mesh, cfg, loss_fn)
+        runner, parts = build_pipeline(model, dims, mesh, cfg, cross_entropy)
     else:
         parts = [parallelize(model, dims, mesh, cfg)]
     optimizers = [shard_optimizer_state([q for q in part.parameters()], torch.optim.AdamW, dims, mesh,
@@ -130,8 +130,8 @@ def train(parallel: dict, world: int, steps: int, shape: Shape = PARITY) -> dict
             for i in range(n_micro):
                 sl = slice(i * shape.micro_batch, (i + 1) * shape.micro_batch)
                 sync = i == n_micro - 1
-                with contextlib.nullcontext() if sync else skip_gradient_sync(parts):
-                    micro_loss = loss_fn(parts[0](inputs[sl]), targets[sl]) / n_micro
+                with contextlib.nullcontext() if sync else skip_gradient_sync(parts), loss_context(dims, cfg):
+                    micro_loss = cross_entropy(parts[0](inputs[sl]), targets[sl]) / n_micro
                     micro_loss.backward()
                 loss += micro_loss.detach()
         norm = clip_grad_norm_([q for part in parts for q in part.parameters()], 1.0, pp_mesh)

@@ -78,6 +78,53 @@ def test_tensor_parallel_model_matches_unsharded_forward_and_backward():
     _spawn(_tp_matches_unsharded, 2)
 
 
+def _loss_parallel_matches_gathered_logits(rank, world):
+    from torch.distributed.tensor import DTensor, Shard
+    from scalenlp.parallel.mesh import build_mesh
+    from scalenlp.parallel.parallelize import loss_context, parallelize
+    from scalenlp.train.trainer import cross_entropy
+
+    vocab = 96
+    tokens = torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(1))
+    for sequence_parallel in (False, True):
+        runs = {}
+        for vocab_parallel in (True, False):
+            cfg = parity.make_config(dict(tp=2, sequence_parallel=sequence_parallel, loss_parallel=vocab_parallel))
+            dims = ParallelDims.from_config(cfg.parallel, world)
+            torch.manual_seed(0)
+            model = parallelize(build_model(model_args("debug", vocab_size=vocab, max_seq_len=16)), dims,
+                                build_mesh(dims), cfg)
+            with loss_context(dims, cfg):
+                logits = model(tokens[:, :-1])
+                loss = cross_entropy(logits, tokens[:, 1:])
+                loss.backward()
+            if vocab_parallel:  # the vocabulary-parallel path is taken: no rank holds full logits
+                assert isinstance(logits, DTensor) and logits.placements == (Shard(2),)
+                assert logits.to_local().shape == (2, 16, vocab // world)
+            else:
+                assert not isinstance(logits, DTensor) and logits.shape == (2, 16, vocab)
+            grads = {n: q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
+                     for n, q in model.named_parameters()}
+            runs[vocab_parallel] = (loss.detach(), grads)
+        (loss, grads), (gathered_loss, gathered_grads) = runs[True], runs[False]
+        torch.testing.assert_close(loss, gathered_loss, rtol=1e-5, atol=0)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, gathered_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_loss_parallel_keeps_logits_sharded_on_the_vocabulary():
+    """Under tp2 (with and without sequence parallelism) the output projection returns V/tp columns
+    per rank, and the vocabulary-parallel loss and every gradient match the gathered-logits path."""
+    _spawn(_loss_parallel_matches_gathered_logits, 2)
+
+
+def test_loss_parallel_trains_like_gathered_logits():
+    """Ten tp2 training steps: losses and gradient norms with parallel.loss_parallel on and off agree."""
+    results = parity.run_layouts(["tp2", "tp2 full logits"], steps=10)
+    assert results["tp2"]["loss"] == pytest.approx(results["tp2 full logits"]["loss"], rel=1e-5)
+    assert results["tp2"]["grad_norm"] == pytest.approx(results["tp2 full logits"]["grad_norm"], rel=1e-5)
+
+
 # -- FSDP shard sizes -------------------------------------------------------------------------------
 
 def _fsdp_shards(rank, world):

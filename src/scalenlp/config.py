@@ -91,6 +91,9 @@ class ParallelConfig:
     pp_microbatches: int = opt(0, "microbatches per step for pipelining; 0 = pp degree")
     pp_stages_per_rank: int = opt(1, "pipeline stages per rank (interleaved schedules use > 1)")
     sequence_parallel: bool = opt(False, "shard norms/dropout activations along the sequence in TP regions")
+    loss_parallel: bool = opt(True, "with tp > 1, keep the logits sharded on the vocabulary and compute the "
+                                    "cross-entropy across tp ranks (no rank holds full-vocabulary logits); "
+                                    "false gathers them first. No effect when tp = 1")
     offload: bool = opt(False, "offload parameters and optimizer state to CPU (GPU only)")
     ddp_bucket_mb: int = opt(25, "DDP gradient bucket size in MiB")
 

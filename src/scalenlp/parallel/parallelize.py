@@ -13,6 +13,7 @@ Order (per model, or per pipeline stage when pp > 1, see pipeline.py):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -29,7 +30,7 @@ from scalenlp.config import Config, ConfigError
 from scalenlp.models.decoder import ModelArgs
 from scalenlp.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, zero1_optimizer
 from scalenlp.parallel.mesh import ParallelDims
-from scalenlp.parallel.tensor_parallel import apply_tp
+from scalenlp.parallel.tensor_parallel import apply_tp, vocab_parallel_loss
 
 # Selective checkpointing keeps the outputs of the expensive ops (matmuls, attention) and recomputes
 # the cheap memory-bound rest (norms, activations, RoPE, residual adds) in backward.
@@ -127,7 +128,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, c
     (a DDP wrapper for ddp/zero1 without tp/pp, the model itself, sharded in place, otherwise)."""
     p, t = cfg.parallel, cfg.training
     if mesh is not None and dims.tp > 1:
-        apply_tp(model, mesh["tp"], p.sequence_parallel)
+        apply_tp(model, mesh["tp"], p.sequence_parallel, shard_logits=p.loss_parallel)
     apply_ac(model, t.activation_checkpointing)
     if t.compile:
         apply_compile(model)
@@ -139,6 +140,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, c
         return apply_replicate(model, dp_mesh(mesh, flat=True), bf16=t.mixed_precision == "bf16")
     return apply_fsdp(model, dp_mesh(mesh, flat=False), reshard_after_forward=p.data_parallel == "zero3",
                       bf16=t.mixed_precision == "bf16", offload=p.offload)
+
+
+def loss_context(dims: ParallelDims, cfg: Config) -> contextlib.AbstractContextManager:
+    """The context that the loss of a model ``parallelize`` returned, and its backward, must run in:
+    with tp > 1 and parallel.loss_parallel its logits are vocabulary-sharded DTensors, and
+    cross-entropy over them is only right under ``loss_parallel``."""
+    return vocab_parallel_loss(cfg.parallel.loss_parallel and dims.tp > 1)
 
 
 def shard_optimizer_state(param_groups: list, optimizer_class: type[torch.optim.Optimizer], dims: ParallelDims,

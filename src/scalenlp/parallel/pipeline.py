@@ -14,7 +14,9 @@ in every layout; TP, activation checkpointing, compile and DP are applied to eac
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 from collections.abc import Callable
 
 import torch
@@ -27,7 +29,7 @@ from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
 
 from scalenlp.config import Config
 from scalenlp.parallel.mesh import ParallelDims
-from scalenlp.parallel.parallelize import parallelize
+from scalenlp.parallel.parallelize import loss_context, parallelize
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zero_bubble": ScheduleInterleavedZeroBubble}
@@ -87,9 +89,11 @@ def stage_module(model: nn.Module, layer_ids: list[int], first: bool, last: bool
 class PipelineRunner:
     """One optimizer step's worth of forward + backward through the pipeline schedule."""
 
-    def __init__(self, schedule, pp_mesh: DeviceMesh, has_first: bool, has_last: bool, device: torch.device):
+    def __init__(self, schedule, pp_mesh: DeviceMesh, has_first: bool, has_last: bool, device: torch.device,
+                 loss_context: Callable[[], contextlib.AbstractContextManager]):
         self.schedule, self.pp_mesh, self.device = schedule, pp_mesh, device
         self.has_first, self.has_last = has_first, has_last
+        self.loss_context = loss_context
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward + backward of the local batch as the configured microbatches; gradients are left
@@ -106,10 +110,13 @@ class PipelineRunner:
         # Stages check received tensors against the layout inferred at the first step, strides
         # included, so sliced batches (tokens[:, :-1]) are made contiguous.
         kwargs = {"target": targets.contiguous(), "losses": losses} if self.has_last else {}
-        if self.has_first:
-            run(inputs.contiguous(), **kwargs)
-        else:
-            run(**kwargs)
+        # The schedule runs the last stage's loss and its backward inside step(), so the whole step
+        # runs in the loss context (vocabulary-parallel cross-entropy under TP).
+        with self.loss_context():
+            if self.has_first:
+                run(inputs.contiguous(), **kwargs)
+            else:
+                run(**kwargs)
         loss = torch.stack(losses).mean().detach().float() if self.has_last else torch.zeros((), device=self.device)
         # The last stage lives on the last pp rank (stage s is on rank s mod pp).
         dist.broadcast(loss, group=self.pp_mesh.get_group(), group_src=self.pp_mesh.size() - 1)
@@ -120,7 +127,8 @@ def build_pipeline(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: 
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                    ) -> tuple[PipelineRunner, list[nn.Module]]:
     """Split ``model`` into this rank's stages, parallelize each (TP/AC/compile/DP), and wrap them in
-    the configured schedule. ``loss_fn(logits, targets)`` must be a mean over its microbatch.
+    the configured schedule. ``loss_fn(logits, targets)`` must be a mean over its microbatch; with
+    tp > 1 and parallel.loss_parallel its logits are vocabulary-sharded (see ``loss_context``).
     Returns the runner and the model parts (for the optimizer, gradient clipping and checkpoints)."""
     p = cfg.parallel
     pp_mesh = mesh["pp"]
@@ -142,5 +150,5 @@ def build_pipeline(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: 
     else:
         schedule = schedule_class(stages, microbatches, loss_fn=loss_fn)
     runner = PipelineRunner(schedule, pp_mesh, has_first=pp_rank == 0, has_last=pp_rank == dims.pp - 1,
-                            device=device)
+                            device=device, loss_context=functools.partial(loss_context, dims, cfg))
     return runner, parts

@@ -7,8 +7,12 @@ all-gather + one reduce-scatter) for attention and one for the MLP:
 - wo and w2 are row-parallel: partial sums over the local heads / hidden units, reduced once.
 
 The embedding is vocabulary-parallel (each rank holds vocab/tp rows; the lookup is masked and
-summed across ranks) and the output projection is column-parallel over the vocabulary, then
-gathered: the vocabulary matrices are the largest in small models, so sharding them pays most.
+summed across ranks) and the output projection is column-parallel over the vocabulary: the
+vocabulary matrices are the largest in small models, so sharding them pays most. For training
+(``shard_logits=True``) its logits stay sharded on the vocabulary and cross-entropy runs under
+PyTorch's ``loss_parallel`` (each rank's log-softmax over its V/tp columns; only per-token
+scalars, the max, the sum of exponentials and the target's logit, cross ranks), so no rank holds
+the full (B, T, V) logits or their gradient. Inference samples from full logits, so it gathers them (``shard_logits=False``).
 
 Sequence parallelism (Korthikanti et al., 2022) shards the activations between blocks along the
 sequence: norms and dropout run on T/tp tokens, the all-reduce becomes reduce-scatter + all-gather
@@ -17,11 +21,13 @@ sequence: norms and dropout run on T/tp tokens, the all-reduce becomes reduce-sc
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleOutput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+                                               SequenceParallel, loss_parallel, parallelize_module)
 
 
 class RelayoutHiddenInput(ParallelStyle):
@@ -62,8 +68,10 @@ def block_plan(sequence_parallel: bool, has_w3: bool) -> dict[str, ParallelStyle
     return {name: style for name, style in plan.items() if style is not None}
 
 
-def outer_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Plan for the embeddings, final norm and output projection that this model (or stage) holds."""
+def outer_plan(model: nn.Module, sequence_parallel: bool, shard_logits: bool = False) -> dict[str, ParallelStyle]:
+    """Plan for the embeddings, final norm and output projection that this model (or stage) holds.
+    With ``shard_logits`` the output projection returns its logits as a DTensor sharded on the
+    vocabulary (the last dim), for a loss computed under ``vocab_parallel_loss``; else full logits."""
     plan: dict[str, ParallelStyle] = {}
     learned_positions = getattr(model, "pos_embeddings", None) is not None
     if model.tok_embeddings is not None:
@@ -78,16 +86,18 @@ def outer_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
         plan["norm"] = SequenceParallel()
     if model.output is not None:
         plan["output"] = ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
-                                         output_layouts=Replicate())
+                                         output_layouts=Shard(-1) if shard_logits else Replicate(),
+                                         use_local_output=not shard_logits)
     return plan
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard ``model`` (a Transformer or a pipeline stage of one) in place over ``tp_mesh``."""
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, shard_logits: bool = False) -> None:
+    """Shard ``model`` (a Transformer or a pipeline stage of one) in place over ``tp_mesh``; its logits
+    are vocabulary-sharded DTensors with ``shard_logits``, full tensors on every rank without."""
     blocks = list(model.layers.values())
     for block in blocks:
         parallelize_module(block, tp_mesh, block_plan(sequence_parallel, block.feed_forward.w3 is not None))
-    parallelize_module(model, tp_mesh, outer_plan(model, sequence_parallel))
+    parallelize_module(model, tp_mesh, outer_plan(model, sequence_parallel, shard_logits))
     if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         # Both styles shard the (vocab, dim) matrix by rows (Shard(0)), so one DTensor serves both again.
         model.output.weight = model.tok_embeddings.weight
@@ -99,3 +109,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
         if model.norm is None:
             parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
                 output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
+
+
+def vocab_parallel_loss(enabled: bool) -> contextlib.AbstractContextManager:
+    """The context that cross-entropy over vocabulary-sharded logits, and its backward, must run in
+    (``torch.distributed.tensor.parallel.loss_parallel``); nothing when ``enabled`` is false."""
+    return loss_parallel() if enabled else contextlib.nullcontext()

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from scalenlp.config import Config, ConfigError, save_config
@@ -28,7 +29,7 @@ from scalenlp.models.flavors import FLAVORS, build_model, model_args
 from scalenlp.models.io import save_pretrained
 from scalenlp.parallel.mesh import ParallelDims, barrier, build_mesh, device_type, dp_rank, init_distributed
 from scalenlp.parallel.data_parallel import skip_gradient_sync
-from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, parallelize
+from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, loss_context, parallelize
 from scalenlp.parallel.pipeline import build_pipeline
 from scalenlp.train.checkpoint import Checkpointer, load_full_model
 from scalenlp.train.metrics import MetricsWriter, peak_flops, peak_memory_bytes
@@ -95,9 +96,12 @@ def autocast(device: torch.device, mixed_precision: str):
     return contextlib.nullcontext()
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss of one (micro-)batch, in fp32 even under bf16 autocast."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token loss of one (micro-)batch, in fp32 even under bf16 autocast. Vocabulary-sharded
+    logits (tensor parallelism with parallel.loss_parallel) need ``loss_context``; their loss, the
+    same on every tp rank, comes back as a plain tensor."""
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def _mean_over(value: torch.Tensor, group) -> float:
@@ -200,9 +204,10 @@ class Trainer:
             for i, (x, y) in enumerate(zip(inputs.split(self.micro_batch), targets.split(self.micro_batch))):
                 # Gradients are reduced across data-parallel ranks only after the last micro-batch.
                 with contextlib.nullcontext() if i == self.accum - 1 else skip_gradient_sync(self.model_parts):
-                    with autocast(self.device, self.cfg.training.mixed_precision):
-                        loss = cross_entropy(self.model_parts[0](x), y) / self.accum
-                    loss.backward()
+                    with loss_context(self.dims, self.cfg):
+                        with autocast(self.device, self.cfg.training.mixed_precision):
+                            loss = cross_entropy(self.model_parts[0](x), y) / self.accum
+                        loss.backward()
                 loss_sum += loss.detach()
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.cfg.training.grad_clip,
@@ -232,8 +237,8 @@ class Trainer:
                 if self.pipeline is not None:
                     total += self.pipeline.eval(batch[:, :-1], batch[:, 1:]) * batch[:, 1:].numel()
                 else:
-                    logits = self.model_parts[0](batch[:, :-1])
-                    total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").float()
+                    with loss_context(self.dims, self.cfg):
+                        total += cross_entropy(self.model_parts[0](batch[:, :-1]), batch[:, 1:], reduction="sum")
         for part in self.model_parts:
             part.train()
         return _mean_over(total / (len(mine) * t.seq_len), self.dp_group)
