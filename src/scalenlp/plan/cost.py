@@ -35,8 +35,11 @@ ZeRO-1 reduce gradients once per step, overlapped with the last microbatch's bac
 gathers the updated weights); FSDP's ZeRO-2/3 gather weights for each microbatch (ZeRO-3 for
 forward and again for backward: with the reduce-scatter, 1.5× the bytes of DDP), hidden behind that
 microbatch's compute as far as it lasts. Pipeline stages send activations forward and gradients
-back, exposed. The pipeline runs m + (p − 1)/v microbatch slots of its slowest stage, so the bubble
-is (p − 1)/(v·m) of the ideal time. The optimizer streams its state once per step.
+back, exposed. Layers are split across stages as scalenlp train splits them (balanced against the
+output projection). The pipeline runs m microbatch slots of its slowest rank, plus one pass of the
+first microbatch (forward) and the last (backward) through every other rank, 1/v of a slot at a
+time when interleaved: for equal stages the bubble is (p − 1)/(v·m) of the ideal time. The
+optimizer streams its state once per step.
 
 Calibration, once (scalenlp.plan.calibrate fits and prints the constants devices.py carries):
 GPU_GEMM_HALF_DIM, GPU_ELEMENTWISE_TRAFFIC and the A100's gemm_efficiency by least squares on log
@@ -282,19 +285,23 @@ def activation_bytes_per_layer(shape: ModelShape, micro: int, seq: int, tp: int,
     return outside + (qkv + attn_out + scores + mlp) / tp
 
 
-def layers_per_stage(layers: int, pp: int) -> list[int]:
-    """Even split; leftover layers go to middle stages first, since the ends also hold embedding and loss."""
-    counts = [layers // pp] * pp
-    order = list(range(1, pp - 1)) + [pp - 1, 0] if pp > 2 else list(range(pp))[::-1]
-    for i in order[: layers % pp]:
-        counts[i] += 1
-    return counts
+@functools.lru_cache(maxsize=256)
+def _split(layers: int, layer_cost: float, head_cost: float, stages: int) -> tuple[int, ...]:
+    from scalenlp.parallel.pipeline import split_layers  # torch.distributed.pipelining: only when pipelining
+
+    return tuple(len(run) for run in split_layers([layer_cost] * layers, head_cost, stages))
 
 
-def _critical_stages(pp: int) -> list[int]:
-    """Stages that can be the largest or slowest: the first (embedding, most microbatches in flight), the
-    second (the first to get a leftover layer) and the last (the loss); the others are never worse."""
-    return sorted({0, min(1, pp - 1), pp - 1})
+def layers_per_rank(shape: ModelShape, seq: int, pp: int, stages_per_rank: int = 1) -> list[int]:
+    """Layers each pipeline rank holds, split as ``scalenlp train`` splits them (parallel.pipeline.split_layers,
+    balancing matmul parameters + attention per layer against the output projection on the last stage), and
+    summed over a rank's stages r, r + pp, ... under an interleaved schedule."""
+    if pp == 1:
+        return [shape.layers]
+    linear = shape.hidden * (shape.hidden + 2 * shape.kv_dim) + shape.hidden ** 2 \
+        + (3 if shape.swiglu else 2) * shape.hidden * shape.ffn
+    counts = _split(shape.layers, linear + 2 * shape.hidden * seq, shape.vocab * shape.hidden, pp * stages_per_rank)
+    return [sum(counts[rank::pp]) for rank in range(pp)]
 
 
 def stage_params(shape: ModelShape, layout: Layout, stage: int, layers: int) -> float:
@@ -329,9 +336,8 @@ def memory_by_stage(shape: ModelShape, work: Workload, layout: Layout, device: D
     full_layer = activation_bytes_per_layer(shape, layout.microbatch, work.seq, layout.tp, layout.sequence_parallel,
                                             "none", work.precision, work.flash_attention)
     out = []
-    counts = layers_per_stage(shape.layers, layout.pp)
-    for stage in _critical_stages(layout.pp):
-        layers = counts[stage]
+    counts = layers_per_rank(shape, work.seq, layout.pp, layout.stages_per_rank)
+    for stage, layers in enumerate(counts):
         params = stage_params(shape, layout, stage, layers)
         weights, grads, optimizer = model_state_bytes(params, layout.zero, layout.dp_shard, work.states)
         in_flight = _in_flight(layout, stage, microbatches)
@@ -466,10 +472,9 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     dp_bw = _group_bw(lay.tp, lay.dp, gpus_per_node, device)
     lat = device.latency_s
     reduce_every_microbatch = lay.zero >= 2 and lay.pp == 1
-    stage_layers = layers_per_stage(shape.layers, lay.pp)
-    per_stage = []  # (one microbatch slot, once-per-step tail) for each stage that can be the slowest
-    for stage in _critical_stages(lay.pp):
-        layers, last = stage_layers[stage], stage == lay.pp - 1
+    per_stage = []  # (one microbatch slot, once-per-step tail) of each pipeline rank
+    for stage, layers in enumerate(layers_per_rank(shape, work.seq, lay.pp, v)):
+        last = stage == lay.pp - 1
         slot = dict(matmul=layers * matmul_s + (logits_matmul_s if last else 0.0),
                     elementwise=layers * elementwise_s + (logits_elementwise_s if last else 0.0),
                     tensor_parallel=layers * tp_s, pipeline_p2p=p2p_s)
@@ -498,11 +503,14 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
                     optimizer=optimizer_params * (OPTIMIZER_TRAFFIC + g_bytes) / device.hbm_bw)
         per_stage.append((slot, tail))
 
-    slot = max((s for s, _ in per_stage), key=lambda s: sum(s.values()))
+    # The slowest rank sets the pace of the m microbatches; the first microbatch's forward and the last one's
+    # backward also pass through every other rank once (a 1/v chunk at a time when interleaved). For equal
+    # stages this is the (p − 1)/(v·m) bubble; a light first stage (embeddings) shortens it.
+    slot_times = [sum(s.values()) for s, _ in per_stage]
+    slot = per_stage[slot_times.index(max(slot_times))][0]
     tail = max((t for _, t in per_stage), key=lambda t: sum(t.values()))
-    bubble_slots = (lay.pp - 1) / v
     breakdown = {k: microbatches * x for k, x in slot.items()}
-    breakdown["bubble"] = bubble_slots * sum(slot.values())
+    breakdown["bubble"] = (sum(slot_times) - max(slot_times)) / v
     breakdown.update(tail)
     step_s = sum(breakdown.values())
 
@@ -514,7 +522,8 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
         model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops, step_time_s=step_s,
         tokens_per_sec=work.global_batch * work.seq / step_s,
         tflops_per_device=hardware_flops / step_s / n / 1e12, mfu=model_flops / step_s / n / peak,
-        bubble_fraction=bubble_slots / microbatches, time_breakdown_s=breakdown)
+        bubble_fraction=breakdown["bubble"] / (microbatches * max(slot_times)) if max(slot_times) else 0.0,
+        time_breakdown_s=breakdown)
 
 
 # ---------------------------------------------------------------- what cannot work

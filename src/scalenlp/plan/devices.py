@@ -18,10 +18,10 @@ from scalenlp.errors import UserError
 GiB = 2**30
 
 # Fitted once by scalenlp.plan.calibrate (python -m scalenlp.plan.calibrate prints them); see its docstring.
-GPU_GEMM_HALF_DIM = 133.9
-GPU_ELEMENTWISE_TRAFFIC = 4.79
-A100_GEMM_EFFICIENCY = 0.767
-H100_GEMM_EFFICIENCY = 0.613  # below the A100's: a 700 W H100 clocks down under sustained matmul load
+GPU_GEMM_HALF_DIM = 132.5
+GPU_ELEMENTWISE_TRAFFIC = 4.78
+A100_GEMM_EFFICIENCY = 0.765
+H100_GEMM_EFFICIENCY = 0.611  # below the A100's: a 700 W H100 clocks down under sustained matmul load
 
 
 @dataclass(frozen=True)
