@@ -13,6 +13,10 @@ at the end of forward (measured), which is where the formula's 4Ψ is paid.
 
 Activations are measured with the PyTorch profiler's CPU allocator events: bytes allocated and
 still alive at the end of forward (what backward needs), for none / selective / full checkpointing.
+
+The vocabulary-parallel loss (parallel.loss_parallel) is measured at tp=2 on a model with a large
+vocabulary, where the (B, T, V) logits dominate: the peak bytes allocated on one rank during
+forward + loss + backward, with the logits gathered on every rank and kept sharded on the vocabulary.
 """
 
 from __future__ import annotations
@@ -33,13 +37,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.parity import free_port, make_config  # noqa: E402
 from scalenlp.models.flavors import build_model, model_args  # noqa: E402
 from scalenlp.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
-from scalenlp.parallel.parallelize import apply_ac, parallelize, shard_optimizer_state  # noqa: E402
+from scalenlp.parallel.parallelize import apply_ac, loss_context, parallelize, shard_optimizer_state  # noqa: E402
+from scalenlp.train.trainer import cross_entropy  # noqa: E402
 from scalenlp.parallel.data_parallel import local_optimizer  # noqa: E402
 
 MODES = ("ddp", "zero1", "zero2", "zero3")
 # Big enough that per-tensor rounding of shards is noise, small enough for 4 processes on 2 cores.
 MODEL = dict(vocab_size=2048, dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=512, max_seq_len=64)
 SEQ, BATCH = 32, 4
+# For the loss: (B, T, V) fp32 logits of 16 MiB dwarf the blocks' activations.
+VOCAB_HEAVY = MODEL | dict(vocab_size=32768)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -89,15 +96,70 @@ def formula(mode: str, psi: int, n: int) -> dict:
     return {k: v / n if k in sharded else v for k, v in base.items()}
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def all_model_states(world: int) -> dict:
+    return {mode: model_states(mode, world) for mode in MODES}
+
+
+def peak_bytes(fn) -> int:
+    """The highest level the CPU allocator reaches while ``fn()`` runs, above its level at the start.
+    The profiler stores the allocator's running total with every allocation it records."""
+    from torch._C._profiler import _EventType
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    allocations, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            allocations.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.total_allocated))
+    allocations.sort()
+    start = allocations[0][2] - allocations[0][1]
+    return max(total for _, _, total in allocations) - start
+
+
+def loss_peaks(world: int) -> dict:
+    """Peak bytes of one tp=``world`` training step's forward + loss + backward, with the logits
+    gathered ("off") and vocabulary-parallel ("on"), as the trainer computes them."""
+    results = {}
+    for vocab_parallel in (False, True):
+        cfg = make_config({"tp": world, "loss_parallel": vocab_parallel})
+        dims = ParallelDims.from_config(cfg.parallel, world)
+        torch.manual_seed(0)
+        model = parallelize(build_model(model_args("debug", **VOCAB_HEAVY)), dims, build_mesh(dims), cfg)
+        tokens = torch.randint(0, VOCAB_HEAVY["vocab_size"], (BATCH, SEQ + 1))
+
+        def step():
+            with loss_context(dims, cfg):
+                cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        step()  # warm-up
+
+        def measured_step():  # starts, like a training step, without gradients
+            model.zero_grad(set_to_none=True)
+            return peak_bytes(step)
+        # gloo frees its buffers on its own threads, later when the CPU is busy: the least of a
+        # few peaks is what the step itself needs.
+        results["on" if vocab_parallel else "off"] = min(measured_step() for _ in range(3))
+    return results
+
+
+def _worker(rank: int, world: int, port: int, measure, out: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU measurement (gloo) wherever it runs
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {mode: model_states(mode, world) for mode in MODES}
+    results = measure(world)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def spawn(measure, world: int) -> dict:
+    """``measure(world)`` on ``world`` processes; rank 0's result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "memory.json")
+        mp.spawn(_worker, args=(world, free_port(), measure, out), nprocs=world)
+        return json.loads(Path(out).read_text())
 
 
 def activation_bytes(mode: str) -> int:
@@ -119,10 +181,7 @@ def main() -> int:
     torch.set_num_threads(1)
     rows = []
     for world in (2, 4):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "memory.json")
-            mp.spawn(_worker, args=(world, free_port(), out), nprocs=world)
-            rows += [(world, mode, r) for mode, r in json.loads(Path(out).read_text()).items()]
+        rows += [(world, mode, r) for mode, r in spawn(all_model_states, world).items()]
     psi = rows[0][2]["psi"]
     mib = 2 ** 20
     print(f"model states per rank at rest, fp32 AdamW, Ψ = {psi:,} parameters (MiB, measured / formula)")
@@ -149,6 +208,15 @@ def main() -> int:
         b = activation_bytes(mode)
         base = base or b
         print(f"  checkpointing={mode:<10} {b / mib:8.2f}   ({b / base:.0%} of none)")
+
+    tp = 2
+    peaks = spawn(loss_peaks, tp)
+    logits = BATCH * SEQ * VOCAB_HEAVY["vocab_size"] * 4
+    print(f"\nvocabulary-parallel loss, tp={tp}, vocab {VOCAB_HEAVY['vocab_size']:,}, batch {BATCH} x {SEQ} tokens: "
+          f"peak MiB per rank during forward + loss + backward (above the weights)")
+    print(f"  loss_parallel=false {peaks['off'] / mib:8.2f}   (full fp32 logits: {logits / mib:.2f} MiB on every rank)")
+    print(f"  loss_parallel=true  {peaks['on'] / mib:8.2f}   (logits {logits / tp / mib:.2f} MiB per rank; "
+          f"saves {(peaks['off'] - peaks['on']) / mib:.2f} MiB, {1 - peaks['on'] / peaks['off']:.0%})")
     return 0
 
 
