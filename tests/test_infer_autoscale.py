@@ -2,6 +2,7 @@
 and no request fails while it does."""
 
 import argparse
+import os
 import threading
 import time
 
@@ -10,9 +11,11 @@ import pytest
 import torch
 from infer_helpers import make_export
 
+from scalenlp.infer.cluster import LOCAL_RAY_ENV
 from scalenlp.infer.sharded import free_port
 
 torch.set_num_threads(1)
+os.environ.update(LOCAL_RAY_ENV)  # the local Ray instance stays on loopback (read on import)
 ray = pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
 
 HANG_GUARD_S = 600  # Serve decides every few seconds and waits upscale_delay_s (30 s) before adding a replica
@@ -23,8 +26,6 @@ def replica_count() -> int:
 
 
 def test_load_above_the_target_adds_replicas_up_to_the_bound(tmp_path):
-    from ray import serve
-
     from scalenlp.infer import cluster
 
     export = make_export(tmp_path, max_seq_len=2048)
@@ -32,8 +33,8 @@ def test_load_above_the_target_adds_replicas_up_to_the_bound(tmp_path):
                               compile=False, max_queue=64, model_name="m", api_key=None, replicas=1,
                               max_replicas=2, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
                               ray_address=None)
-    url = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
-                               "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
+    url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
+                                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
     try:
         assert replica_count() == 1
         stop, failures, done = threading.Event(), [], []
@@ -58,5 +59,4 @@ def test_load_above_the_target_adds_replicas_up_to_the_bound(tmp_path):
         assert grew == 2 and replica_count() == 2  # and never past the upper bound
         assert not failures and len(done) >= 6
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        cluster.stop(owns_serve)

@@ -3,6 +3,7 @@ no request (streams resume on another replica with the same text); no Ray -> how
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -13,12 +14,14 @@ import torch
 from infer_helpers import make_export
 
 from scalenlp.errors import UserError
+from scalenlp.infer.cluster import LOCAL_RAY_ENV
 from scalenlp.infer.engine import EOS_TOKEN, Engine, load_tokenizer_for
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained
 
 torch.set_num_threads(1)
+os.environ.update(LOCAL_RAY_ENV)  # the local Ray instance stays on loopback (read on import)
 ray = pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
 PROMPTS = ["the quick brown fox", "hello", "continuous batching lets requests join", "a model that",
            "hello world, this is", "x y z", "the lazy dog", "says little"]
@@ -26,8 +29,6 @@ PROMPTS = ["the quick brown fox", "hello", "continuous batching lets requests jo
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from ray import serve
-
     from scalenlp.infer import cluster
 
     export = make_export(tmp_path_factory.mktemp("ray"), max_seq_len=2048)
@@ -35,11 +36,10 @@ def cluster(tmp_path_factory):
                               compile=False, max_queue=64, model_name="m", api_key=None, replicas=2,
                               max_replicas=None, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
                               ray_address=None)
-    url = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
-                               "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
+    url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
+                                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
     yield url, export
-    serve.shutdown()
-    ray.shutdown()
+    cluster.stop(owns_serve)
 
 
 def expected_texts(export, max_tokens):

@@ -15,6 +15,8 @@
   midway resumes after the characters the client already has.
 - Autoscaling: with ``--max-replicas``, the replica count moves between the bounds to keep about
   ``max_batch`` ongoing requests per replica.
+- Joining a cluster (``--ray-address``): the cluster is not ours; stopping takes our application
+  down and leaves the cluster, and a Serve instance that ran there before us, running.
 Ray is an optional extra (``pip install scalenlp[cluster]``).
 """
 
@@ -23,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import signal
+import sys
 import time
 from typing import AsyncIterator
 
@@ -30,6 +34,11 @@ from scalenlp.errors import UserError
 
 RETRIES = 5
 APP_NAME = "scalenlp"
+# Ray turns 127.0.0.1 into the machine's outward address, and binds its control plane there, unless
+# told it forms no multi-machine cluster (the switch is named for macOS/Windows, and honoured on Linux
+# too). The Ray instance `scalenlp serve` starts for itself serves one machine, so it stays on loopback.
+# Ray reads it when first imported.
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def _import_ray():
@@ -244,15 +253,33 @@ def build_application(engine_options: dict, model_name: str, api_key: str | None
     return router.bind(replica.bind(options, model_name), model_name, api_key)
 
 
-def start(args, ray_init_kwargs: dict | None = None) -> str:
-    """Start (or join) Ray, deploy, and return the HTTP address."""
+def _init_ray(ray, address: str | None, init_kwargs: dict) -> None:
+    try:
+        ray.init(address=address, ignore_reinit_error=True, **init_kwargs)
+    except ConnectionError as e:
+        if address is None:
+            raise
+        raise UserError(f"cannot join the Ray cluster at {address} ({e}); check that it runs there, and for a "
+                        "cluster with token authentication set RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN "
+                        "(or ~/.ray/auth_token)") from None
+
+
+def start(args, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
+    """Start (or join) Ray and deploy. Returns the HTTP address, and whether the Serve instance is
+    ours to shut down when we stop (not when it already ran on a joined cluster)."""
     ray, serve = _import_ray()
     from scalenlp.infer.engine import resolve_export
     from scalenlp.infer.server import default_model_name
 
     export = resolve_export(args.checkpoint)  # fail here, not inside a replica
     if not ray.is_initialized():
-        ray.init(address=args.ray_address, ignore_reinit_error=True, **(ray_init_kwargs or {}))
+        _init_ray(ray, args.ray_address, ray_init_kwargs or {})
+    before = serve.status()
+    if APP_NAME in before.applications:
+        raise UserError(f"the Ray cluster at {args.ray_address or 'this machine'} already serves an application "
+                        f"named {APP_NAME!r} (another `scalenlp serve`, or one that did not stop cleanly); stop it, "
+                        f"or remove it with ray.serve.delete({APP_NAME!r}), and try again")
+    owns_serve = not args.ray_address or not before.proxies
     serve.start(http_options={"host": args.host, "port": args.port})
     options = {"checkpoint": str(export.resolve()), "dtype": args.dtype, "device": args.device,
                "max_batch": args.max_batch, "max_seq_len": args.max_seq_len, "compile": args.compile,
@@ -260,18 +287,32 @@ def start(args, ray_init_kwargs: dict | None = None) -> str:
     app = build_application(options, args.model_name or default_model_name(args.checkpoint), args.api_key,
                             args.replicas, args.max_replicas, args.replica_cpus)
     serve.run(app, name=APP_NAME, route_prefix="/")
-    return f"http://{args.host}:{args.port}"
+    return f"http://{args.host}:{args.port}", owns_serve
+
+
+def stop(owns_serve: bool) -> None:
+    """Take our application down and disconnect from Ray (which stops a Ray instance we started)."""
+    ray, serve = _import_ray()
+    if owns_serve:
+        serve.shutdown()
+    else:  # other applications may be using it
+        serve.delete(APP_NAME)
+    ray.shutdown()
 
 
 def serve_replicas(args) -> int:
-    ray, serve = _import_ray()
+    if not args.ray_address:
+        for name, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(name, value)
     most = max(args.replicas, args.max_replicas or 0)
     cpus = None if args.ray_address else max(os.cpu_count() or 1, int(most * args.replica_cpus) + 1)
-    url = start(args, {"num_cpus": cpus} if cpus else {})
+    url, owns_serve = start(args, {"num_cpus": cpus} if cpus else {})
+    # SIGTERM (a service manager's stop) takes the application down as Ctrl-C does; Ray's own handler
+    # would end the process without it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"serving {args.replicas} replica(s) at {url} (Ctrl-C to stop)", flush=True)
     try:
         while True:
             time.sleep(3600)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop(owns_serve)
