@@ -20,11 +20,12 @@ SENTENCES = [
 ] * 4
 
 
-def train_tokenizer(path: Path, vocab_size: int = 320) -> Path:
+def train_tokenizer(path: Path, vocab_size: int = 320, special: str | None = EOS) -> Path:
+    """A byte-level BPE whose one special token (id 0) is ``special``."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[special] if special else [],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(SENTENCES, trainer)
     tok.save(str(path))
@@ -32,11 +33,11 @@ def train_tokenizer(path: Path, vocab_size: int = 320) -> Path:
 
 
 def make_export(root: Path, flavor: str = "debug", seed: int = 0, logit_scale: float = 8.0,
-                max_seq_len: int = 128) -> Path:
+                max_seq_len: int = 128, special: str | None = EOS) -> Path:
     """An export folder of a random tiny model. ``logit_scale`` spreads the output logits so that
     greedy choices are not decided by float rounding noise."""
     root.mkdir(parents=True, exist_ok=True)
-    tok_path = train_tokenizer(root / "tok.json")
+    tok_path = train_tokenizer(root / "tok.json", special=special)
     vocab = Tokenizer.from_file(str(tok_path)).get_vocab_size()
     torch.manual_seed(seed)
     model = build_model(model_args(flavor, vocab_size=vocab, max_seq_len=max_seq_len))

@@ -7,7 +7,8 @@ import pytest
 import torch
 from infer_helpers import make_export
 
-from scalenlp.infer.engine import EOS_TOKEN, Engine, QueueFull, RequestError, load_tokenizer_for
+from scalenlp.data.tokenizer import find_eos_token_id
+from scalenlp.infer.engine import Engine, QueueFull, RequestError, load_tokenizer_for
 from scalenlp.infer.sampling import SamplingBatch, SamplingParams, sample, uniform_from
 from scalenlp.models.io import load_pretrained
 
@@ -22,7 +23,7 @@ def export(request, tmp_path_factory):
 
 def start_engine(export, **kw):
     tok = load_tokenizer_for(export)
-    return Engine(load_pretrained(export), tok, eos_id=tok.token_to_id(EOS_TOKEN), **kw).start()
+    return Engine(load_pretrained(export), tok, eos_id=find_eos_token_id(tok), **kw).start()
 
 
 @pytest.fixture

@@ -1,12 +1,19 @@
 """`scalenlp generate`: streams the continuation of a prompt; user mistakes end as one error line."""
 
+import argparse
+import json
+import queue
+
+import pytest
 import torch
 from infer_helpers import make_export
 
 from scalenlp.cli import main
-from scalenlp.infer.engine import EOS_TOKEN, Engine, load_tokenizer_for
+from scalenlp.data.tokenizer import find_eos_token_id
+from scalenlp.infer.engine import Engine, load_tokenizer_for
+from scalenlp.infer.generate import build_engine
 from scalenlp.infer.sampling import SamplingParams
-from scalenlp.models.io import load_pretrained
+from scalenlp.models.io import load_pretrained, save_pretrained
 
 torch.set_num_threads(1)
 
@@ -14,7 +21,7 @@ torch.set_num_threads(1)
 def test_generate_streams_the_greedy_text(tmp_path, capsys):
     export = make_export(tmp_path)
     tok = load_tokenizer_for(export)
-    engine = Engine(load_pretrained(export), tok, eos_id=tok.token_to_id(EOS_TOKEN)).start()
+    engine = Engine(load_pretrained(export), tok, eos_id=find_eos_token_id(tok)).start()
     expected = engine.generate(["the quick"], SamplingParams(max_tokens=8, temperature=0))[0]
     engine.stop()
     # The run folder (export/ inside) is accepted as well as the export folder.
@@ -29,3 +36,41 @@ def test_generate_user_errors(tmp_path, capsys):
     export = make_export(tmp_path)
     assert main(["generate", "--checkpoint", str(export), "--prompt", "x", "--max-tokens", "5000"]) == 2
     assert "maximum context length" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("special, config, stops", [
+    ("</s>", None, True),  # Llama-family name
+    ("<|endoftext|>", None, True),
+    ("<eos>", {"eos_token": {"content": "<eos>"}}, True),  # named only in the folder's tokenizer_config.json
+    ("<pad>", None, False),  # no end-of-text token at all: generation runs to max_tokens
+])
+def test_generation_ends_at_the_tokenizers_end_of_text(tmp_path, special, config, stops):
+    export = make_export(tmp_path, special=special)
+    tok = load_tokenizer_for(export)
+    special_id = tok.token_to_id(special)
+    prompt = tok.encode("the quick").ids
+    model = load_pretrained(export)
+    with torch.no_grad():  # make the special token the greedy choice: its output row doubles the first choice's
+        first = model(torch.tensor([prompt]))[0, -1].argmax()
+        model.output.weight[special_id] = 2 * model.output.weight[first]
+    save_pretrained(model, export, tokenizer_file=tmp_path / "tok.json")
+    if config:
+        (export / "tokenizer_config.json").write_text(json.dumps(config))
+    args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=2, max_seq_len=None,
+                              compile=False, tp=1)
+    engine = build_engine(args)
+    events = queue.Queue()
+    try:
+        engine.submit(prompt, SamplingParams(max_tokens=6, temperature=0), events.put)
+        deltas = [events.get()]
+        while deltas[-1].finish_reason is None:
+            deltas.append(events.get())
+    finally:
+        engine.stop()
+    tokens = [t for d in deltas for t in d.token_ids]
+    if stops:
+        assert engine.eos_id == special_id
+        assert (tokens, deltas[-1].finish_reason) == ([special_id], "stop")
+    else:
+        assert engine.eos_id is None
+        assert (len(tokens), deltas[-1].finish_reason) == (6, "length") and tokens[0] == special_id

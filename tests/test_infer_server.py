@@ -10,7 +10,8 @@ import pytest
 import torch
 from infer_helpers import ServerThread, make_export
 
-from scalenlp.infer.engine import EOS_TOKEN, Engine, load_tokenizer_for
+from scalenlp.data.tokenizer import find_eos_token_id
+from scalenlp.infer.engine import Engine, load_tokenizer_for
 from scalenlp.infer.server import LocalBackend, create_app
 from scalenlp.models.io import load_pretrained
 
@@ -22,7 +23,7 @@ KEY = "sk-test"
 def served(tmp_path_factory):
     export = make_export(tmp_path_factory.mktemp("srv"))
     tok = load_tokenizer_for(export)
-    engine = Engine(load_pretrained(export), tok, max_batch=2, max_queue=4, eos_id=tok.token_to_id(EOS_TOKEN)).start()
+    engine = Engine(load_pretrained(export), tok, max_batch=2, max_queue=4, eos_id=find_eos_token_id(tok)).start()
     server = ServerThread(create_app(LocalBackend(engine, "tiny"), api_key=KEY))
     yield server, engine
     server.stop()

@@ -10,7 +10,8 @@ import pytest
 import torch
 from infer_helpers import make_export
 
-from scalenlp.infer.engine import EOS_TOKEN, Engine, load_tokenizer_for
+from scalenlp.data.tokenizer import find_eos_token_id
+from scalenlp.infer.engine import Engine, load_tokenizer_for
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained
@@ -34,7 +35,7 @@ def wait_healthy(url, proc):
 def test_tp2_greedy_identical_to_tp1(tmp_path, flavor):
     export = make_export(tmp_path, flavor)
     tok = load_tokenizer_for(export)
-    engine = Engine(load_pretrained(export), tok, max_batch=4, eos_id=tok.token_to_id(EOS_TOKEN)).start()
+    engine = Engine(load_pretrained(export), tok, max_batch=4, eos_id=find_eos_token_id(tok)).start()
     try:
         expected = engine.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     finally:

@@ -62,8 +62,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise UserError(f"cannot load tokenizer {p}: {e}") from None
 
 
-def eos_token_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int:
-    """The id of the document-end token: a known EOS name, else the eos_token in the folder's config files."""
+def find_eos_token_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int | None:
+    """The id of the document-end token: a known EOS name, else the eos_token in the folder's config
+    files; None when the tokenizer has none."""
     for name in EOS_CANDIDATES:
         token_id = tokenizer.token_to_id(name)
         if token_id is not None:
@@ -80,5 +81,13 @@ def eos_token_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int:
             eos = eos.get("content")
         if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
             return tokenizer.token_to_id(eos)
-    raise UserError(f"tokenizer {path or ''} has no end-of-document token ({', '.join(EOS_CANDIDATES)} or an "
-                    f"eos_token in tokenizer_config.json / special_tokens_map.json); add one to the tokenizer")
+    return None
+
+
+def eos_token_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int:
+    """``find_eos_token_id``, for callers that cannot do without one (documents must be separated)."""
+    token_id = find_eos_token_id(tokenizer, path)
+    if token_id is None:
+        raise UserError(f"tokenizer {path or ''} has no end-of-document token ({', '.join(EOS_CANDIDATES)} or an "
+                        f"eos_token in tokenizer_config.json / special_tokens_map.json); add one to the tokenizer")
+    return token_id

@@ -24,7 +24,6 @@ from typing import Callable
 
 import torch
 
-from scalenlp.data.tokenizer import EOS
 from scalenlp.infer.packing import can_pack, pack_linears
 from scalenlp.infer.sampling import SamplingBatch, SamplingParams, sample
 from scalenlp.parallel.mesh import device_type
@@ -373,5 +372,3 @@ def load_tokenizer_for(export_dir):
         raise UserError(f"{export_dir} has no {TOKENIZER}; export the model together with its tokenizer")
     return load_tokenizer(file)
 
-
-EOS_TOKEN = EOS

@@ -36,8 +36,9 @@ def build_engine(args, max_queue: int = 64):
     """Load the checkpoint named by the engine options and start an engine on it."""
     import torch
 
+    from scalenlp.data.tokenizer import find_eos_token_id
     from scalenlp.errors import UserError
-    from scalenlp.infer.engine import EOS_TOKEN, Engine, load_tokenizer_for, pick_device, pick_dtype, resolve_export
+    from scalenlp.infer.engine import Engine, load_tokenizer_for, pick_device, pick_dtype, resolve_export
     from scalenlp.models.io import load_pretrained
 
     export = resolve_export(args.checkpoint)
@@ -55,7 +56,8 @@ def build_engine(args, max_queue: int = 64):
     else:
         model = load_pretrained(export, device=device, dtype=dtype)
     return Engine(model, tokenizer, max_batch=args.max_batch, max_queue=max_queue, max_seq_len=args.max_seq_len,
-                  eos_id=tokenizer.token_to_id(EOS_TOKEN), compile=args.compile).start()
+                  eos_id=find_eos_token_id(tokenizer, export),  # none: every request runs to max_tokens
+                  compile=args.compile).start()
 
 
 def run(args) -> int:
