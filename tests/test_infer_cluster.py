@@ -13,9 +13,10 @@ import pytest
 import torch
 from infer_helpers import make_export
 
+from scalenlp.data.tokenizer import find_eos_token_id
 from scalenlp.errors import UserError
 from scalenlp.infer.cluster import LOCAL_RAY_ENV
-from scalenlp.infer.engine import EOS_TOKEN, Engine, load_tokenizer_for
+from scalenlp.infer.engine import Engine, load_tokenizer_for
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained
@@ -44,7 +45,7 @@ def cluster(tmp_path_factory):
 
 def expected_texts(export, max_tokens):
     tok = load_tokenizer_for(export)
-    engine = Engine(load_pretrained(export), tok, max_batch=4, eos_id=tok.token_to_id(EOS_TOKEN)).start()
+    engine = Engine(load_pretrained(export), tok, max_batch=4, eos_id=find_eos_token_id(tok)).start()
     try:
         return engine.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     finally:
@@ -75,6 +76,50 @@ def test_two_replicas_share_concurrent_load(cluster):
     assert len(served_by) == 2, served_by
     expected = expected_texts(export, 48)
     assert [r.json()["choices"][0]["text"] for r in results] == expected * 2
+
+
+def replica_samples(url) -> dict[tuple[str, str], float]:
+    """(sample name, replica) -> value, for the replica-labelled samples of the router's /metrics that
+    carry no other label (histogram buckets and per-finish-reason counts left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(url + "/metrics")
+    assert r.status_code == 200
+    return {(s.name, s.labels["replica"]): s.value for family in text_string_to_metric_families(r.text)
+            for s in family.samples if set(s.labels) == {"replica"}}
+
+
+def test_router_metrics_show_each_replicas_engine(cluster):
+    url, _ = cluster
+    before = replica_samples(url)
+    max_tokens = 16
+    bodies = [{"model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+              for p in PROMPTS]
+    results = post_all(url, bodies)
+    assert all(r.status_code == 200 for r in results), [r.text for r in results if r.status_code != 200]
+    served = [r.json()["system_fingerprint"] for r in results]
+
+    def delta(samples, name, replica):
+        return samples.get((name, replica), 0) - before.get((name, replica), 0)
+
+    def settled(samples):
+        tokens = sum(delta(samples, "scalenlp_generation_tokens_total", rep) for rep in set(served))
+        busy = sum(v for (name, _), v in samples.items() if name in ("scalenlp_requests_running",
+                                                                     "scalenlp_requests_waiting"))
+        return tokens >= len(bodies) * max_tokens and busy == 0
+
+    # Replicas report every METRICS_PERIOD_S: wait for the reports taken after these requests ended.
+    after = replica_samples(url)
+    while not settled(after):
+        time.sleep(0.5)
+        after = replica_samples(url)
+    assert {rep for _, rep in after} == set(replica_actors())  # every live replica, and only those
+    for rep in set(served):
+        n = served.count(rep)
+        assert delta(after, "scalenlp_generation_tokens_total", rep) == n * max_tokens
+        assert delta(after, "scalenlp_time_to_first_token_seconds_count", rep) == n
+        assert delta(after, "scalenlp_inter_token_latency_seconds_count", rep) == n * (max_tokens - 1)
+        assert ("scalenlp_requests_running", rep) in after and ("scalenlp_requests_waiting", rep) in after
 
 
 def replica_actors() -> dict:

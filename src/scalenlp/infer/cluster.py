@@ -13,6 +13,9 @@
   at the router with RayActorError and are sent again to another replica. A request gets a seed
   at the router when it has none, so a retry regenerates the same text; a stream that breaks
   midway resumes after the characters the client already has.
+- Metrics: each replica sends its engine metrics to the router every ``METRICS_PERIOD_S`` (Serve
+  gives the router no way to call a replica of its choosing, so they push); the router's
+  ``/metrics`` shows them next to its own, labelled by replica.
 - Autoscaling: with ``--max-replicas``, the replica count moves between the bounds to keep about
   ``max_batch`` ongoing requests per replica.
 - Joining a cluster (``--ray-address``): the cluster is not ours; stopping takes our application
@@ -27,6 +30,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from typing import AsyncIterator
 
@@ -34,6 +38,9 @@ from scalenlp.errors import UserError
 
 RETRIES = 5
 APP_NAME = "scalenlp"
+ROUTER_NAME = "Router"  # the ingress deployment
+METRICS_PERIOD_S = 1.0
+METRICS_STALE_S = 5 * METRICS_PERIOD_S  # a replica silent this long is gone (dead, or scaled down)
 # Ray turns 127.0.0.1 into the machine's outward address, and binds its control plane there, unless
 # told it forms no multi-machine cluster (the switch is named for macOS/Windows, and honoured on Linux
 # too). The Ray instance `scalenlp serve` starts for itself serves one machine, so it stays on loopback.
@@ -68,6 +75,18 @@ class EngineReplica:
         from ray import serve
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id  # answered as system_fingerprint
+        threading.Thread(target=self._report_metrics, name="scalenlp-metrics", daemon=True).start()
+
+    def _report_metrics(self) -> None:
+        from ray import serve
+
+        router = serve.get_deployment_handle(ROUTER_NAME, app_name=APP_NAME)
+        while True:
+            try:
+                router.report_metrics.remote(self.replica_id, list(self.backend.registry.collect())).result()
+            except Exception:  # noqa: BLE001 - the router is starting or being replaced; the next report reaches it
+                pass
+            time.sleep(METRICS_PERIOD_S)
 
     def _request(self, body: dict):
         from scalenlp.infer.server import _request_model, check_request
@@ -109,6 +128,37 @@ def _raise_if_error(out: dict) -> None:
         raise APIError(status, err["message"], err["type"], err["param"], err["code"])
 
 
+class ReplicaMetrics:
+    """A Prometheus collector of the engine metrics that the live replicas last reported.
+
+    Each replica's series keep their own ``replica`` label rather than being summed: a sum over the
+    live replicas would drop when one dies, which Prometheus reads as a counter reset, while a
+    labelled series just ends. Totals are one query away: ``sum without (replica) (...)``."""
+
+    def __init__(self):
+        self.reports: dict[str, tuple[float, list]] = {}  # replica id -> (when, metric families)
+
+    def report(self, replica_id: str, families: list) -> None:
+        self.reports[replica_id] = (time.monotonic(), families)
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+
+        now = time.monotonic()
+        merged: dict[str, Metric] = {}
+        for replica_id, (when, families) in sorted(self.reports.items()):
+            if now - when > METRICS_STALE_S:
+                self.reports.pop(replica_id, None)
+                continue
+            for family in families:
+                into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type,
+                                                             family.unit))
+                for sample in family.samples:
+                    into.add_sample(sample.name, {**sample.labels, "replica": replica_id}, sample.value,
+                                    sample.timestamp, sample.exemplar)
+        return list(merged.values())
+
+
 class RayBackend:
     """The server's backend when the engines are Ray Serve replicas: forwards, and retries on replica death."""
 
@@ -124,6 +174,8 @@ class RayBackend:
                                registry=self.registry)
         self.latency = Histogram("scalenlp_router_e2e_request_latency_seconds", "arrival to response",
                                  registry=self.registry)
+        self.replica_metrics = ReplicaMetrics()
+        self.registry.register(self.replica_metrics)
 
     def _body(self, req) -> dict:
         body = req.model_dump(exclude_none=True)
@@ -222,10 +274,15 @@ class Router:
     def __init__(self, replicas, model_name: str, api_key: str | None):
         from scalenlp.infer.server import create_app
 
-        self.fastapi_app = create_app(RayBackend(replicas, model_name), api_key)
+        self.backend = RayBackend(replicas, model_name)
+        self.fastapi_app = create_app(self.backend, api_key)
 
     def __serve_build_asgi_app__(self):
         return self.fastapi_app
+
+    def report_metrics(self, replica_id: str, families: list) -> None:
+        """Called by each replica every METRICS_PERIOD_S (the app runs one router, which gets them all)."""
+        self.backend.replica_metrics.report(replica_id, families)
 
 
 def replica_options(replicas: int, max_replicas: int | None, max_batch: int, replica_cpus: float) -> dict:
@@ -247,8 +304,8 @@ def build_application(engine_options: dict, model_name: str, api_key: str | None
     _, serve = _import_ray()
     replica = serve.deployment(EngineReplica, name="EngineReplica", health_check_period_s=2,
                                **replica_options(replicas, max_replicas, engine_options["max_batch"], replica_cpus))
-    router = serve.deployment(serve.ingress()(Router), name="Router", max_ongoing_requests=10_000,
-                              ray_actor_options={"num_cpus": 0})
+    router = serve.deployment(serve.ingress()(Router), name=ROUTER_NAME, num_replicas=1,  # gets every metrics report
+                              max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
     options = {**engine_options, "threads": max(1, int(replica_cpus))}
     return router.bind(replica.bind(options, model_name), model_name, api_key)
 
