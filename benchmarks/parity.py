@@ -60,6 +60,8 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "tp2xpp2": (4, dict(tp=2, pp=2, pp_microbatches=4)),
     "tp2+sp xpp2": (4, dict(tp=2, sequence_parallel=True, pp=2, pp_microbatches=4)),
     "ddp2xtp2": (4, dict(data_parallel="ddp", tp=2)),
+    "zero1 dp2xtp2": (4, dict(data_parallel="zero1", tp=2)),
+    "zero1 dp2xpp2": (4, dict(data_parallel="zero1", pp=2, pp_microbatches=2)),
     "dp2xtp2xpp2": (8, dict(data_parallel="zero3", tp=2, pp=2, pp_microbatches=2)),
     "hsdp2x2xtp2": (8, dict(data_parallel="zero3", dp_replicate=2, tp=2)),
 }

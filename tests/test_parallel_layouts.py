@@ -146,6 +146,35 @@ def test_zero3_holds_one_shard_of_every_parameter():
     _spawn(_fsdp_shards, 2)
 
 
+def _zero1_shards_state_under_tp(rank, world):
+    from torch.distributed.tensor import DTensor
+    from scalenlp.parallel.data_parallel import local_optimizer
+    from scalenlp.parallel.mesh import build_mesh
+    from scalenlp.parallel.parallelize import dp_mesh, parallelize, shard_optimizer_state
+
+    cfg = parity.make_config(dict(data_parallel="zero1", tp=2))
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    mesh = build_mesh(dims)
+    torch.manual_seed(0)
+    model = parallelize(build_model(model_args("debug", vocab_size=96, max_seq_len=16)), dims, mesh, cfg)
+    optimizer = shard_optimizer_state(list(model.parameters()), torch.optim.AdamW, dims, mesh, "zero1", lr=1e-3)
+    F.cross_entropy(model(torch.randint(0, 96, (2, 16))).full_tensor().flatten(0, 1),
+                    torch.randint(0, 96, (32,))).backward()
+    optimizer.step()
+
+    def local_numel(tensors):
+        return sum((t.to_local() if isinstance(t, DTensor) else t).numel() for t in tensors)
+    mine = local_numel(s["exp_avg"] for s in local_optimizer(optimizer).state.values())
+    shares = [None] * dims.dp
+    dist.all_gather_object(shares, mine, group=dp_mesh(mesh, flat=True).get_group())
+    # Each data-parallel rank keeps the Adam state of its share of this tp rank's weights, once.
+    assert sum(shares) == local_numel(model.parameters()) and max(shares) < local_numel(model.parameters())
+
+
+def test_zero1_shards_optimizer_state_under_tensor_parallelism():
+    _spawn(_zero1_shards_state_under_tp, 4)
+
+
 # -- pipeline split ---------------------------------------------------------------------------------
 
 def test_split_layers_is_contiguous_balanced_and_charges_the_head_to_the_last_stage():
@@ -202,7 +231,6 @@ def _cfg(**parallel) -> Config:
     (dict(pp=2, pp_stages_per_rank=2, pp_schedule="interleaved_1f1b"), 2, "only 2 layers"),
     (dict(pp=2, pp_microbatches=3), 2, "pp_microbatches=3 does not divide the per-rank batch 8"),
     (dict(pp=2, pp_stages_per_rank=2, pp_schedule="1f1b"), 2, "needs an interleaved schedule"),
-    (dict(data_parallel="zero1", tp=2), 4, "zero1"),
     (dict(offload=True), 2, "offload"),
 ])
 def test_impossible_layouts_are_one_config_error(parallel, world, message):
@@ -244,7 +272,8 @@ def test_two_process_layouts_match_single_process(single_process):
 
 
 def test_four_process_layouts_match_single_process(single_process):
-    """zero3 x4, hsdp 2x2, dp2 x tp2 (FSDP and DDP), dp2 x pp2, tp2 x pp2 (with and without sequence parallel)."""
+    """zero3 x4, hsdp 2x2, dp2 x tp2 (FSDP, DDP and ZeRO-1), dp2 x pp2 (DDP and ZeRO-1), tp2 x pp2 (with and
+    without sequence parallel)."""
     _assert_parity([n for n, (world, _) in parity.LAYOUTS.items() if world == 4], single_process)
 
 

@@ -17,6 +17,7 @@ LAYOUTS = {
     "pp2": (2, ["parallel.pp=2", "parallel.pp_microbatches=2"]),
     "zero3x4": (4, ["parallel.data_parallel=zero3"]),
     "dp2xtp2": (4, ["parallel.data_parallel=zero3", "parallel.tp=2"]),
+    "zero1 dp2xtp2": (4, ["parallel.data_parallel=zero1", "parallel.tp=2"]),
 }
 
 
@@ -26,7 +27,7 @@ def corpus(tmp_path_factory):
 
 
 @pytest.mark.parametrize("saved, resumed", [("zero3x4", "dp2xtp2"), ("pp2", "single"), ("ddp2", "zero3x2"),
-                                            ("zero1x2", "pp2")])
+                                            ("zero1x2", "pp2"), ("zero1 dp2xtp2", "single")])
 def test_resume_under_another_layout_continues_the_loss_curve(tmp_path, corpus, saved, resumed):
     sets = [*TINY, f"data.path={corpus}", "training.steps=6", "checkpoint.every=3", "checkpoint.keep=3",
             "checkpoint.export=false"]

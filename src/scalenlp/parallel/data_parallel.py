@@ -4,7 +4,8 @@ What each stage of ZeRO (Rajbhandari et al., 2020) shards across the N data-para
 which PyTorch piece does it (fp32 Adam: 4 bytes/param weights, 4 grads, 8 optimizer state):
 - ddp:   nothing (4Ψ + 4Ψ + 8Ψ per rank)              -> DistributedDataParallel (FSDP2's
                                                           ``replicate`` with TP or PP)
-- zero1: optimizer state (4Ψ + 4Ψ + 8Ψ/N)              -> DDP + ZeroRedundancyOptimizer
+- zero1: optimizer state (4Ψ + 4Ψ + 8Ψ/N)              -> DDP (``replicate`` with TP or PP)
+                                                          + ZeroRedundancyOptimizer
 - zero2: + gradients (4Ψ + 4Ψ/N + 8Ψ/N)                -> FSDP2, parameters kept gathered after forward
 - zero3: + parameters (4Ψ/N + 4Ψ/N + 8Ψ/N)             -> FSDP2, each block regathered per use
 With dp_replicate > 1 the FSDP variants become HSDP: sharded within a dp_shard group, replicated
@@ -17,9 +18,11 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -69,6 +72,19 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
     return model
 
 
+class ShardedStateOptimizer(ZeroRedundancyOptimizer):
+    """ZeroRedundancyOptimizer whose parameters may also be DTensors (tensor-parallel shards, or the
+    weights FSDP2's ``replicate`` manages under TP or PP), which c10d's broadcast does not take.
+    Every rank of a data-parallel group holds the same local shard of each parameter (same tp
+    coordinate, same pipeline stage), so the owner's local tensor is the whole update to send."""
+
+    def _broadcast_params_from_rank(self, rank: int) -> list:
+        owner = dist.get_global_rank(self.process_group, rank)
+        return [dist.broadcast(p.data.to_local() if isinstance(p, DTensor) else p.data, src=owner,
+                               group=self.process_group, async_op=True)
+                for group in self._partition_parameters()[rank] for p in group["params"]]
+
+
 def zero1_optimizer(params: Iterable, optimizer_class: type[torch.optim.Optimizer], dp_mesh: DeviceMesh,
                     **defaults) -> ZeroRedundancyOptimizer:
     """``optimizer_class`` whose state is partitioned over the data-parallel ranks: each rank updates
@@ -77,14 +93,14 @@ def zero1_optimizer(params: Iterable, optimizer_class: type[torch.optim.Optimize
     if params and isinstance(params[0], dict):
         # ZeroRedundancyOptimizer takes the first group at construction and the rest with add_param_group.
         first, *rest = params
-        optimizer = ZeroRedundancyOptimizer(first["params"], optimizer_class=optimizer_class,
-                                            process_group=dp_mesh.get_group(),
-                                            **(defaults | {k: v for k, v in first.items() if k != "params"}))
+        optimizer = ShardedStateOptimizer(first["params"], optimizer_class=optimizer_class,
+                                          process_group=dp_mesh.get_group(),
+                                          **(defaults | {k: v for k, v in first.items() if k != "params"}))
         for group in rest:
             optimizer.add_param_group(group)
         return optimizer
-    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=dp_mesh.get_group(),
-                                   **defaults)
+    return ShardedStateOptimizer(params, optimizer_class=optimizer_class, process_group=dp_mesh.get_group(),
+                                 **defaults)
 
 
 @contextlib.contextmanager

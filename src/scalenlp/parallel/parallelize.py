@@ -53,10 +53,6 @@ def check_layout(model_args: ModelArgs, dims: ParallelDims, cfg: Config) -> None
     if p.sequence_parallel and dims.tp > 1 and t.seq_len % dims.tp:
         raise ConfigError(f"sequence parallelism splits the sequence over tp ranks: training.seq_len={t.seq_len} "
                           f"is not divisible by parallel.tp={dims.tp}")
-    if p.data_parallel == "zero1" and dims.dp > 1 and (dims.tp > 1 or dims.pp > 1):
-        # ZeroRedundancyOptimizer broadcasts plain tensors; tp/pp weights are DTensors or FSDP-managed.
-        raise ConfigError("parallel.data_parallel=\"zero1\" works with data parallelism alone; with tp or pp use "
-                          "parallel.data_parallel=\"zero2\" (gradients and optimizer state sharded)")
     if p.offload and (p.data_parallel not in ("zero2", "zero3") or not torch.cuda.is_available()):
         raise ConfigError("parallel.offload=true needs a GPU and parallel.data_parallel=\"zero2\" or \"zero3\"; "
                           "set parallel.offload=false")
