@@ -21,9 +21,9 @@ def export(request, tmp_path_factory):
     return make_export(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def start_engine(export, **kw):
+def start_engine(export, dtype=torch.float32, **kw):
     tok = load_tokenizer_for(export)
-    return Engine(load_pretrained(export), tok, eos_id=find_eos_token_id(tok), **kw).start()
+    return Engine(load_pretrained(export, dtype=dtype), tok, eos_id=find_eos_token_id(tok), **kw).start()
 
 
 @pytest.fixture
@@ -159,15 +159,16 @@ def test_counter_based_uniforms_are_uniform():
     assert torch.histc(u.float(), bins=10, min=0, max=1).min() > 1800
 
 
-def test_compiled_decode_step_matches_eager(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_decode_step_matches_eager(tmp_path, dtype):
     export = make_export(tmp_path, "debug")
     prompts = ["hello", "the quick brown", "a"]
-    eager = start_engine(export, max_batch=4)
+    eager = start_engine(export, max_batch=4, dtype=dtype)  # bf16 on CPU: oneDNN-packed weights
     try:
         expected = [ids_of(eager, [p], GREEDY)[0] for p in prompts]
     finally:
         eager.stop()
-    compiled = start_engine(export, max_batch=4, compile=True)
+    compiled = start_engine(export, max_batch=4, compile=True, dtype=dtype)
     try:
         assert ids_of(compiled, prompts, GREEDY) == expected
     finally:

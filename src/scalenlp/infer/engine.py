@@ -108,9 +108,14 @@ class Engine:
         ref = next(model.parameters())
         self.device = ref.device
         model.setup_kv_cache(max_batch, self.max_seq_len, cache_dtype or ref.dtype)
-        if pack_weights and can_pack(model):  # after the cache, which reads the weights' shapes
-            pack_linears(model)
-        self._decode = torch.compile(model, dynamic=True) if compile else model
+        if compile:
+            # Inductor's freezing folds the weights into constants and lays them out for the device's
+            # kernels itself (on CPU, oneDNN's blocked bf16 layout); it cannot lower pre-packed weights.
+            self._decode = torch.compile(model, dynamic=True, options={"freezing": True})
+        else:
+            if pack_weights and can_pack(model):  # after the cache, which reads the weights' shapes
+                pack_linears(model)
+            self._decode = model
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}
         self._wake = threading.Condition()
