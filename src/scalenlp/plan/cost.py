@@ -560,9 +560,6 @@ def check_layout(shape: ModelShape, work: Workload, layout: Layout, devices: int
         bad("bad value", "sequence parallelism needs tp > 1")
     if lay.sequence_parallel and work.seq % lay.tp:
         bad("tp does not divide the sequence", f"sequence parallelism needs tp={lay.tp} to divide seq={work.seq}")
-    if lay.zero == 1 and lay.dp > 1 and (lay.tp > 1 or lay.pp > 1):
-        bad("zero1 with tp or pp", "zero1 (torch's ZeroRedundancyOptimizer) works with data parallelism alone; "
-                                   "use zero=2 with tp or pp")
     if lay.pp > 1 and shape.tied:
         bad("tied embeddings cannot be pipelined", "the first and last pipeline stage would share the tied "
                                                    "embedding; use pp=1 or an untied model")
