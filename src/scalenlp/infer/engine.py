@@ -111,7 +111,12 @@ class Engine:
         if compile:
             # Inductor's freezing folds the weights into constants and lays them out for the device's
             # kernels itself (on CPU, oneDNN's blocked bf16 layout); it cannot lower pre-packed weights.
-            self._decode = torch.compile(model, dynamic=True, options={"freezing": True})
+            # It must be the global setting: passed as a compile option, the weights are not prepacked.
+            # It applies to graphs compiled without autograd only, so training graphs are unaffected.
+            import torch._inductor.config
+
+            torch._inductor.config.freezing = True
+            self._decode = torch.compile(model, dynamic=True)
         else:
             if pack_weights and can_pack(model):  # after the cache, which reads the weights' shapes
                 pack_linears(model)

@@ -83,12 +83,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).type_as(x)
 
 
+@dataclass
+class CacheIndex:
+    """Where one forward writes and reads the KV caches. Every layer uses the same positions, so the
+    index tensors and the mask are built once per forward, not once per layer."""
+
+    rows: torch.Tensor  # (B, 1) cache rows written
+    input_pos: torch.Tensor  # (B, T) positions written
+    slots: torch.Tensor | None  # (B,) cache rows read, or None for the leading rows 0..B-1
+    kv_len: int  # leading cache positions read
+    mask: torch.Tensor  # (B, 1, T, kv_len): each query sees the keys up to its own position
+
+    @classmethod
+    def build(cls, input_pos: torch.Tensor, slots: torch.Tensor | None, kv_len: int) -> "CacheIndex":
+        """input_pos: (B, T) positions; slots: (B,) cache rows or None for 0..B-1. kv_len: a bound on
+        every position in ``input_pos`` (exclusive), known to the caller without a device sync; only
+        that many leading cache positions are read, which is what makes decode cost grow with the
+        sequence instead of with the cache size."""
+        B, device = input_pos.shape[0], input_pos.device
+        rows = (torch.arange(B, device=device) if slots is None else slots)[:, None]
+        mask = torch.arange(kv_len, device=device)[None, None, :] <= input_pos[:, :, None]
+        return cls(rows, input_pos, slots, kv_len, mask[:, None])
+
+
 class KVCache(nn.Module):
     """Static per-slot key/value buffers (gpt-fast style): one row per sequence slot.
 
     ``update`` writes the new keys/values at each row's own positions, so rows may be at different
-    lengths (continuous batching), and returns the rows named by ``slots`` with a mask that lets
-    each query see the keys at positions up to its own.
+    lengths (continuous batching), and returns the rows the index reads.
     """
 
     def __init__(self, slots: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
@@ -98,23 +120,15 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None,
-               kv_len: int | None = None):
-        """input_pos: (B, T) positions; k, v: (B, H_kv, T, D); slots: (B,) cache rows or None for 0..B-1.
-        kv_len: a bound on every position in ``input_pos`` (exclusive), known to the caller without a
-        device sync; only that many leading cache positions are read, which is what makes decode
-        cost grow with the sequence instead of with the cache size."""
-        B = k.shape[0]
-        kv_len = self.k.shape[2] if kv_len is None else kv_len
+    def update(self, index: CacheIndex, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: (B, H_kv, T, D). Returns the keys and values of the rows read, (B, H_kv, kv_len, D)."""
         # Advanced indices split by a slice put the indexed dims first: (B, T, H_kv, D).
-        rows = (torch.arange(B, device=k.device) if slots is None else slots)[:, None]
-        self.k[rows, :, input_pos] = k.transpose(1, 2).to(self.k.dtype)
-        self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)
-        key_pos = torch.arange(kv_len, device=k.device)
-        mask = key_pos[None, None, :] <= input_pos[:, :, None]
-        if slots is None:  # leading rows: a view, no gather copy of the cache
-            return self.k[:B, :, :kv_len], self.v[:B, :, :kv_len], mask[:, None]
-        return self.k[slots, :, :kv_len], self.v[slots, :, :kv_len], mask[:, None]
+        self.k[index.rows, :, index.input_pos] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[index.rows, :, index.input_pos] = v.transpose(1, 2).to(self.v.dtype)
+        if index.slots is None:  # leading rows: a view, no gather copy of the cache
+            B = k.shape[0]
+            return self.k[:B, :, :index.kv_len], self.v[:B, :, :index.kv_len]
+        return self.k[index.slots, :, :index.kv_len], self.v[index.slots, :, :index.kv_len]
 
 
 class Attention(nn.Module):
@@ -128,7 +142,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.bias)
         self.cache: KVCache | None = None
 
-    def forward(self, x, rope, input_pos=None, slots=None, kv_len=None):
+    def forward(self, x, rope, cache_index: CacheIndex | None = None):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)
@@ -138,8 +152,9 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
         if self.cache is not None:
-            k, v, mask = self.cache.update(input_pos, k, v, slots, kv_len)
-            out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=gqa)
+            k, v = self.cache.update(cache_index, k, v)
+            out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=cache_index.mask,
+                                                 enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa,
                                                  dropout_p=self.dropout if self.training else 0.0)
@@ -169,8 +184,8 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(args)
         self.drop = nn.Dropout(args.dropout)
 
-    def forward(self, x, rope, input_pos=None, slots=None, kv_len=None):
-        h = x + self.drop(self.attention(self.attention_norm(x), rope, input_pos, slots, kv_len))
+    def forward(self, x, rope, cache_index: CacheIndex | None = None):
+        h = x + self.drop(self.attention(self.attention_norm(x), rope, cache_index))
         return h + self.drop(self.feed_forward(self.ffn_norm(h)))
 
 
@@ -231,7 +246,7 @@ class Transformer(nn.Module):
                 slots: torch.Tensor | None = None, kv_len: int | None = None,
                 logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (B, T) ids, or (B, T, dim) hidden states on a pipeline stage without embeddings.
-        input_pos: (B, T) positions, required with a KV cache. kv_len: see ``KVCache.update``.
+        input_pos: (B, T) positions, required with a KV cache. slots, kv_len: see ``CacheIndex.build``.
         logits_at: (B,) one position per row whose logits are wanted, giving (B, 1, vocab); a prefill
         then skips the output projection (the largest matmul) for every other position.
         Returns logits or hidden states."""
@@ -247,8 +262,13 @@ class Transformer(nn.Module):
         rope = None
         if self.args.position == "rope":
             rope = (self.rope_cos[input_pos].unsqueeze(2).to(h.dtype), self.rope_sin[input_pos].unsqueeze(2).to(h.dtype))
-        for block in self.layers.values():
-            h = block(h, rope, input_pos, slots, kv_len)
+        cache_index = None
+        blocks = list(self.layers.values())
+        if blocks and blocks[0].attention.cache is not None:
+            kv_len = blocks[0].attention.cache.k.shape[2] if kv_len is None else kv_len
+            cache_index = CacheIndex.build(input_pos, slots, kv_len)
+        for block in blocks:
+            h = block(h, rope, cache_index)
         if logits_at is not None:
             h = h[torch.arange(B, device=h.device), logits_at].unsqueeze(1)
         if self.norm is not None:
