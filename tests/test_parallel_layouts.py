@@ -26,14 +26,14 @@ from benchmarks import parity  # noqa: E402  (the parity harness is shared with 
 torch.set_num_threads(1)
 
 
-def _spawn(fn, world: int, *args) -> None:
-    mp.spawn(_init_and_run, args=(world, parity.free_port(), fn, args), nprocs=world)
+def _spawn(fn, world: int, *args, backend: str = "gloo") -> None:
+    mp.spawn(_init_and_run, args=(world, parity.free_port(), fn, args, backend), nprocs=world)
 
 
-def _init_and_run(rank, world, port, fn, args):
+def _init_and_run(rank, world, port, fn, args, backend):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     finally:
@@ -144,6 +144,34 @@ def _fsdp_shards(rank, world):
 
 def test_zero3_holds_one_shard_of_every_parameter():
     _spawn(_fsdp_shards, 2)
+
+
+def _offload_trains_like_resident(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from scalenlp.parallel.data_parallel import apply_fsdp
+
+    mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("dp_shard",))
+    tokens = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    losses = {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = apply_fsdp(build_model(model_args("debug", vocab_size=96, max_seq_len=16), "cuda"), mesh,
+                           reshard_after_forward=True, bf16=False, offload=offload)
+        assert {p.to_local().device.type for p in model.parameters()} == {"cpu" if offload else "cuda"}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # steps on the CPU shards when offloaded
+        losses[offload] = []
+        for _ in range(3):
+            loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[offload].append(loss.item())
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="parallel.offload moves FSDP shards off a GPU: needs CUDA")
+def test_offload_keeps_shards_on_the_cpu_and_trains_like_gpu_resident_shards():
+    _spawn(_offload_trains_like_resident, 1, backend="nccl")
 
 
 def _zero1_shards_state_under_tp(rank, world):
