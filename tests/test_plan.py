@@ -86,6 +86,20 @@ def test_zero3_moves_one_and_a_half_times_the_bytes_of_ddp():
         1.5 * ddp.time_breakdown_s["grad_sync_exposed"])
 
 
+def test_data_parallel_traffic_hides_behind_compute_only_where_the_device_overlaps_them():
+    shape, work = model_shape("gpt2-124m", 1024), Workload(seq=1024, global_batch=8)
+    gpu = get_device("a100-80gb")
+    cpu_like = dataclasses.replace(gpu, overlaps_communication=False)  # gloo: the same cores compute and send
+    for layout in (Layout(dp_replicate=8, microbatch=1), Layout(dp_shard=8, zero=3, microbatch=1)):
+        hidden, exposed = predict(shape, work, layout, gpu), predict(shape, work, layout, cpu_like)
+        # The same layout's communication alone: compute and memory traffic take no time.
+        alone = predict(shape, work, layout, dataclasses.replace(cpu_like, peak_flops_bf16=math.inf, hbm_bw=math.inf))
+        key = "grad_sync_exposed" if layout.zero == 0 else "data_parallel_exposed"
+        assert hidden.time_breakdown_s[key] == 0.0  # an A100's compute outlasts this traffic
+        assert exposed.time_breakdown_s[key] == pytest.approx(alone.time_breakdown_s[key])
+        assert exposed.step_time_s == pytest.approx(hidden.step_time_s + alone.time_breakdown_s[key])
+
+
 def test_tensor_parallel_moves_8bsh_per_layer_per_microbatch():
     shape, device = model_shape("llama-8b", 4096), _frictionless()
     work = Workload(seq=4096, global_batch=4)

@@ -34,7 +34,9 @@ reduce-scatter of the same volume), two more with full recomputation, not overla
 ZeRO-1 reduce gradients once per step, overlapped with the last microbatch's backward (ZeRO-1 then
 gathers the updated weights); FSDP's ZeRO-2/3 gather weights for each microbatch (ZeRO-3 for
 forward and again for backward: with the reduce-scatter, 1.5× the bytes of DDP), hidden behind that
-microbatch's compute as far as it lasts. Pipeline stages send activations forward and gradients
+microbatch's compute as far as it lasts, and copy parameters and gradients through their flat
+collective buffers at memory bandwidth. On a CPU (overlaps_communication false) gloo's threads share
+the cores with compute, so no data-parallel traffic is hidden. Pipeline stages send activations forward and gradients
 back, exposed. Layers are split across stages as scalenlp train splits them (balanced against the
 output projection). The pipeline runs m microbatch slots of its slowest rank, plus one pass of the
 first microbatch (forward) and the last (backward) through every other rank, 1/v of a slot at a
@@ -472,6 +474,9 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     dp_bw = _group_bw(lay.tp, lay.dp, gpus_per_node, device)
     lat = device.latency_s
     reduce_every_microbatch = lay.zero >= 2 and lay.pp == 1
+
+    def exposed(communication: float, compute_beside: float) -> float:
+        return max(0.0, communication - compute_beside) if device.overlaps_communication else communication
     per_stage = []  # (one microbatch slot, once-per-step tail) of each pipeline rank
     for stage, layers in enumerate(layers_per_rank(shape, work.seq, lay.pp, v)):
         last = stage == lay.pp - 1
@@ -492,10 +497,16 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
             reduce = (_ring_time("reduce_scatter", grads, lay.dp_shard, shard_bw, lat)
                       + _ring_time("all_reduce", grads / lay.dp_shard, lay.dp_replicate, repl_bw, lat))
             hidden = gathers + (reduce if reduce_every_microbatch else 0.0)
-            slot["data_parallel_exposed"] = max(0.0, hidden - compute)
-            step_sync = 0.0 if reduce_every_microbatch else max(0.0, reduce - backward)
+            slot["data_parallel_exposed"] = exposed(hidden, compute)
+            step_sync = 0.0 if reduce_every_microbatch else exposed(reduce, backward)
+            if lay.dp_shard > 1:
+                # FSDP copies each gathered shard in and the full parameters out of the gather buffer, and
+                # the full gradients into the reduce-scatter buffer (read + write each).
+                copies = (lay.zero - 1) * (e * params / lay.dp_shard + 2 * e * params) \
+                    + (2 * grads if reduce_every_microbatch else 0.0)
+                slot["fsdp_copies"] = copies / device.hbm_bw
         else:
-            step_sync = max(0.0, _ring_time("all_reduce", grads, lay.dp, dp_bw, lat) - backward)
+            step_sync = exposed(_ring_time("all_reduce", grads, lay.dp, dp_bw, lat), backward)
             if lay.zero == 1:
                 step_sync += _ring_time("all_gather", w_bytes * params, lay.dp, dp_bw, lat)
         optimizer_params = params / (lay.dp_shard if lay.zero else 1)

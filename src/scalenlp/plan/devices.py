@@ -42,6 +42,9 @@ class DeviceSpec:
     # Host-side cost of PyTorch's wrappers per microbatch, where the device does not hide it (measured on CPU):
     fsdp_unit_overhead_s: float = 0.0  # per FSDP unit (hooks, gathers' latency, DTensor optimizer)
     tp_linear_overhead_s: float = 0.0  # per tensor-parallel linear (DTensor dispatch and redistribution)
+    # Whether collectives run beside compute (a GPU: NCCL on its own SMs and copy engines). On a CPU gloo's
+    # threads take the same cores the matmuls use, so data-parallel traffic adds to the step instead of hiding.
+    overlaps_communication: bool = True
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_flops_bf16 if precision == "bf16" else self.peak_flops_fp32

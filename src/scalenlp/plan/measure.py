@@ -212,7 +212,7 @@ def measure_cpu(processes: int = 1, overrides: dict[str, float] | None = None) -
     total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     spec = DeviceSpec(name=f"cpu ({threads} thread{'s' if threads > 1 else ''} per process, measured)",
                       memory_bytes=total_ram / processes, gemm_efficiency=1.0,
-                      elementwise_traffic=GPU_ELEMENTWISE_TRAFFIC, **figures)
+                      elementwise_traffic=GPU_ELEMENTWISE_TRAFFIC, overlaps_communication=False, **figures)
     return dataclasses.replace(spec, **(overrides or {}))
 
 
