@@ -15,7 +15,7 @@ from infer_helpers import make_export
 
 from scalenlp.data.tokenizer import find_eos_token_id
 from scalenlp.errors import UserError
-from scalenlp.infer.cluster import LOCAL_RAY_ENV
+from scalenlp.infer.cluster import LOCAL_RAY_ENV, METRICS_PERIOD_S
 from scalenlp.infer.engine import Engine, load_tokenizer_for
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.sharded import free_port
@@ -89,9 +89,21 @@ def replica_samples(url) -> dict[tuple[str, str], float]:
             for s in family.samples if set(s.labels) == {"replica"}}
 
 
+def settled_samples(url) -> dict[tuple[str, str], float]:
+    """The replica samples once every live replica has reported and two reports in a row agree: the
+    baseline then counts everything earlier tests generated, however late their last report came."""
+    previous = None
+    while True:
+        samples = replica_samples(url)
+        if samples == previous and {rep for _, rep in samples} == set(replica_actors()):
+            return samples
+        previous = samples
+        time.sleep(1.5 * METRICS_PERIOD_S)
+
+
 def test_router_metrics_show_each_replicas_engine(cluster):
     url, _ = cluster
-    before = replica_samples(url)
+    before = settled_samples(url)
     max_tokens = 16
     bodies = [{"model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
               for p in PROMPTS]
