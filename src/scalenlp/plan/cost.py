@@ -30,7 +30,8 @@ Communication, ring algorithms (n ranks, β bus bandwidth, α per hop): all-redu
 its ranks share a node, else the NICs of its ranks on one node (mesh order pp, dp_replicate,
 dp_shard, tp, innermost last). Per layer per microbatch TP moves 8bsh(t−1)/t elements (two
 all-reduces forward, two backward; sequence parallelism replaces each by an all-gather plus a
-reduce-scatter of the same volume), two more with full recomputation, not overlapped. DDP and
+reduce-scatter of the same volume), two more with full recomputation, not overlapped; the
+vocabulary-parallel embedding, output projection and loss add their own at the two ends. DDP and
 ZeRO-1 reduce gradients once per step, overlapped with the last microbatch's backward (ZeRO-1 then
 gathers the updated weights); FSDP's ZeRO-2/3 gather weights for each microbatch (ZeRO-3 for
 forward and again for backward: with the reduce-scatter, 1.5× the bytes of DDP), hidden behind that
@@ -451,7 +452,13 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     elementwise_s = device.elementwise_traffic * stored * passes / 3 / device.hbm_bw + OPS_PER_LAYER * device.op_overhead_s
     tp_bw = _group_bw(1, lay.tp, gpus_per_node, device)
     collectives = 4 + (2 if lay.recompute == "full" else 0)
-    tp_s = collectives * _ring_time("all_reduce", e * tokens * shape.hidden, lay.tp, tp_bw, device.latency_s)
+    hidden_reduce = _ring_time("all_reduce", e * tokens * shape.hidden, lay.tp, tp_bw, device.latency_s)
+    tp_s = collectives * hidden_reduce
+    # The ends, once per microbatch: the vocabulary-parallel embedding reduces its output (forward); the
+    # output projection reduces its input's gradient (backward), and the vocabulary-parallel loss three
+    # fp32 values per token (max logit, sum of exponentials, target logit).
+    tp_first_s = hidden_reduce
+    tp_last_s = hidden_reduce + 3 * _ring_time("all_reduce", 4 * tokens, lay.tp, tp_bw, device.latency_s)
 
     # The loss end: logits matmul (forward + backward) and the softmax over the vocabulary.
     logits_matmul_s = 3 * _gemm_time(2 * tokens * shape.hidden * shape.vocab / lay.tp,
@@ -482,7 +489,8 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
         last = stage == lay.pp - 1
         slot = dict(matmul=layers * matmul_s + (logits_matmul_s if last else 0.0),
                     elementwise=layers * elementwise_s + (logits_elementwise_s if last else 0.0),
-                    tensor_parallel=layers * tp_s, pipeline_p2p=p2p_s)
+                    tensor_parallel=layers * tp_s + (tp_first_s if stage == 0 else 0.0) + (tp_last_s if last else 0.0),
+                    pipeline_p2p=p2p_s)
         if lay.tp > 1 or (lay.zero >= 2 and lay.dp_shard > 1):
             units = layers + (stage in (0, lay.pp - 1))  # FSDP: a unit per block, and the root's
             linears = layers * LINEARS_PER_LAYER[shape.swiglu] + (stage == 0) + last  # + embedding, output
