@@ -3,9 +3,11 @@
 For each model flavor and layout: measure this CPU (as `scalenlp plan --device cpu` does), predict the
 step time and rank 0's peak memory, run the `scalenlp train` line the planner prints for that layout,
 and read what the run measured (<run_dir>/metrics.jsonl: step_time_s and peak_mem_bytes, the resident
-set on CPU). The first logging window (warm-up, allocator growth) is skipped. The CPU is measured right
-before and right after each run and the two predictions averaged: on a shared machine what a core
-delivers drifts with everyone else's load, and the run sits between the two measurements.
+set on CPU). A run lasts at least --min-seconds by the prediction (fast layouts take more steps); the
+measured step time is the median over its logging windows, the first (warm-up, allocator growth)
+skipped. The CPU is measured right before and right after each run and the two predictions averaged:
+on a shared machine what a core delivers drifts with everyone else's load, and the run sits between
+the two measurements.
 
     python benchmarks/planner_vs_measured.py [--flavors debug,small] [--layouts single,ddp2,zero3x2,tp2,pp2]
 """
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,6 +63,8 @@ def main() -> int:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--log-every", type=int, default=4)
+    parser.add_argument("--min-seconds", type=float, default=8.0,
+                        help="run at least this long (by the prediction): more steps for fast layouts")
     args = parser.parse_args()
 
     rows = []
@@ -75,8 +81,12 @@ def main() -> int:
                 measured = measure_cpu(processes=layout.devices)
                 before = predict(shape, work, layout, measured, layout.devices)
                 command = train_command(shape, work, layout, layout.devices, layout.devices)
+                # Short steps get more of them, so that every run measures about as long (the noise of a shared
+                # machine averages out over time, not over a step count).
+                windows = max(args.steps, math.ceil(args.min_seconds / before.step_time_s)) // args.log_every
                 try:
-                    records = run_training(command, Path(tmp) / f"{flavor}-{name}", args.steps, args.log_every)[1:]
+                    records = run_training(command, Path(tmp) / f"{flavor}-{name}", windows * args.log_every,
+                                           args.log_every)[1:]
                 except RuntimeError as e:
                     rows.append((flavor, name, None, f"the training run failed: {e}"))
                     continue
@@ -84,7 +94,7 @@ def main() -> int:
                 predicted_step = (before.step_time_s + after.step_time_s) / 2
                 # Rank 0 writes the metrics: with a pipeline, the first stage's memory, not the largest stage's.
                 predicted_mem = sum(memory_by_stage(shape, work, layout, measured)[0].values())
-                measured_step = sum(r["step_time_s"] for r in records) / len(records)
+                measured_step = statistics.median(r["step_time_s"] for r in records)
                 measured_mem = max(r["peak_mem_bytes"] for r in records)
                 rows.append((flavor, name, (predicted_step, (before.step_time_s, after.step_time_s), measured_step,
                                             predicted_mem, measured_mem), command))
