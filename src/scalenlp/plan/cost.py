@@ -36,10 +36,10 @@ ZeRO-1 reduce gradients once per step, overlapped with the last microbatch's bac
 gathers the updated weights); FSDP's ZeRO-2/3 gather weights for each microbatch (ZeRO-3 for
 forward and again for backward: with the reduce-scatter, 1.5× the bytes of DDP), hidden behind that
 microbatch's compute as far as it lasts, and copy parameters and gradients through their flat
-collective buffers at memory bandwidth. On a CPU (overlaps_communication false) gloo's threads share
-the cores with compute, so no data-parallel traffic is hidden. Pipeline stages send activations forward and gradients
-back, exposed. Layers are split across stages as scalenlp train splits them (balanced against the
-output projection). The pipeline runs m microbatch slots of its slowest rank, plus one pass of the
+collective buffers at memory bandwidth. On a CPU (overlaps_communication false) gloo's threads
+share the cores with compute, so no data-parallel traffic is hidden. Pipeline stages send
+activations forward and gradients back, exposed. Layers are split across stages as scalenlp train
+splits them (balanced against the output projection). The pipeline runs m microbatch slots of its slowest rank, plus one pass of the
 first microbatch (forward) and the last (backward) through every other rank, 1/v of a slot at a
 time when interleaved: for equal stages the bubble is (p − 1)/(v·m) of the ideal time. The
 optimizer streams its state once per step.
@@ -484,6 +484,7 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
 
     def exposed(communication: float, compute_beside: float) -> float:
         return max(0.0, communication - compute_beside) if device.overlaps_communication else communication
+
     per_stage = []  # (one microbatch slot, once-per-step tail) of each pipeline rank
     for stage, layers in enumerate(layers_per_rank(shape, work.seq, lay.pp, v)):
         last = stage == lay.pp - 1
