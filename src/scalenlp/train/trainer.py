@@ -265,6 +265,7 @@ class Trainer:
         self.log(f"model {cfg.model.flavor}: {self.n_params / 1e6:.2f}M parameters, "
                  f"{self.flops_per_token / 1e6:.1f} MFLOPs/token | layout "
                  + " ".join(f"{n}={s}" for n, s in self.dims.names_and_sizes())
+                 + (f" ({cfg.parallel.data_parallel})" if self.dims.dp > 1 else "")
                  + f" on {self.world} x {self.device.type} | batch {t.global_batch_size} x {t.seq_len} tokens "
                  f"({self.accum} micro-batch(es) of {self.micro_batch}/rank) | peak {self.peak_flops / 1e12:.3f} "
                  f"TFLOP/s per process ({self.peak_source})")
