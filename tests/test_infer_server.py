@@ -138,8 +138,15 @@ def test_metrics(served, client):
     assert float(generated[0].split()[-1]) >= 3
 
 
-def test_queue_full_is_429_and_others_still_served(served, client):
+def test_queue_full_is_429_and_others_still_served(served, client, monkeypatch):
     server, engine = served
+    fast = engine._decode
+
+    def slow_decode(*args, **kwargs):  # so that no accepted request finishes while the burst arrives
+        time.sleep(0.01)
+        return fast(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_decode", slow_decode)
     long = {"model": "tiny", "prompt": "hi", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
     results = []
 
@@ -147,12 +154,14 @@ def test_queue_full_is_429_and_others_still_served(served, client):
         results.append(httpx.post(server.url + "/v1/completions", json=long, timeout=120,
                                   headers={"Authorization": f"Bearer {KEY}"}).status_code)
 
-    threads = [threading.Thread(target=post) for _ in range(12)]  # 2 slots + 4 queue places
+    threads = [threading.Thread(target=post) for _ in range(12)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert results.count(429) >= 1 and results.count(200) >= 6
+    # The 4 queue places are always accepted; the 2 slots only if the engine admits before the burst fills the
+    # queue (under load it may not), so 4 to 6 of the 12 succeed and every other one is a 429, never an error.
+    assert sorted(set(results)) == [200, 429] and results.count(200) >= 4
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices  # still serving
 
 
