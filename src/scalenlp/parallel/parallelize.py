@@ -17,6 +17,7 @@ import contextlib
 import functools
 import math
 import warnings
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -66,9 +67,6 @@ def check_layout(model_args: ModelArgs, dims: ParallelDims, cfg: Config) -> None
         raise ConfigError(f"parallel.pp={dims.pp} x pp_stages_per_rank={p.pp_stages_per_rank} = {stages} pipeline "
                           f"stages but the model has only {model_args.n_layers} layers; use at most "
                           f"{model_args.n_layers} stages")
-    if model_args.tie_embeddings:
-        raise ConfigError("tied input/output embeddings cannot be split across pipeline stages (first and last "
-                          "stage would share a weight); use parallel.pp=1 or a flavor without tie_embeddings")
     if t.global_batch_size % dims.dp:
         raise ConfigError(f"training.global_batch_size={t.global_batch_size} is not divisible by the "
                           f"data-parallel degree {dims.dp}")
@@ -157,8 +155,11 @@ def shard_optimizer_state(param_groups: list, optimizer_class: type[torch.optim.
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, pp_mesh: DeviceMesh | None = None,
+                    counted_elsewhere: Iterable[nn.Parameter] = ()) -> torch.Tensor:
     """Global L2 gradient norm over every layout, then clip to ``max_norm`` (0 = only measure).
+    ``counted_elsewhere`` are clipped but left out of the norm: parameters whose gradient another
+    rank counts (the last pipeline stage's copy of a tied embedding, see pipeline.py).
 
     Gradients may be plain tensors or DTensors on different meshes (TP-sharded weights on
     (dp, tp), replicated norms on dp only), and with pipelining each rank holds only its stages'.
@@ -175,6 +176,7 @@ def clip_grad_norm_(parameters, max_norm: float, pp_mesh: DeviceMesh | None = No
     for p in params:
         key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else (None, ())
         by_layout.setdefault(key, []).append(p)
+    uncounted = {id(p) for p in counted_elsewhere}
     total_sq = torch.zeros((), device=device, dtype=torch.float32)
     for (mesh, placements), group in by_layout.items():
         # Sharded (Shard, or FSDP's strided shard under TP) dims split an element's copies; Replicate
@@ -182,8 +184,9 @@ def clip_grad_norm_(parameters, max_norm: float, pp_mesh: DeviceMesh | None = No
         shards = math.prod(mesh.size(d) for d, pl in enumerate(placements) if not (pl.is_replicate() or pl.is_partial()))
         summed = [Replicate() if pl.is_partial() else pl for pl in placements]
         local = [p.grad.redistribute(placements=summed).to_local() if isinstance(p.grad, DTensor) else p.grad
-                 for p in group]
-        total_sq += torch.nn.utils.get_total_norm(local, 2.0).float() ** 2 * (shards / stage_ranks)
+                 for p in group if id(p) not in uncounted]
+        if local:
+            total_sq += torch.nn.utils.get_total_norm(local, 2.0).float() ** 2 * (shards / stage_ranks)
     if dist.is_initialized():
         dist.all_reduce(total_sq)
     total = total_sq.sqrt()

@@ -10,6 +10,13 @@ With pp_stages_per_rank = v > 1 (interleaved schedules) rank r holds stages r, r
 the pipeline's warm-up and cool-down bubble shrinks by v for v times more point-to-point sends.
 Each stage is a pruned copy of the full model, so parameter names (and checkpoints) are the same
 in every layout; TP, activation checkpointing, compile and DP are applied to each stage.
+
+Tied input/output embeddings (GPT-2 style) are split as Megatron-LM splits them: the first stage's
+``tok_embeddings.weight`` and the last stage's ``output.weight`` start as copies of the one tied
+weight, on different ranks. After each step's backward (schedule and data-parallel reduction done)
+the two copies' gradients are summed between the first- and last-stage ranks that share every
+other mesh coordinate, so both hold the gradient one process would compute, take the same
+optimizer step and stay bit-identical. The gradient norm counts the weight once (``second_copies``).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                                     ScheduleInterleavedZeroBubble)
@@ -86,19 +94,86 @@ def stage_module(model: nn.Module, layer_ids: list[int], first: bool, last: bool
     return part
 
 
+def tied_copy_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The group of this rank's first-stage and last-stage ranks with the same dp / tp coordinates
+    (the holders of a tied embedding's two copies); None on a rank of neither. For pp = 2 that is
+    the pp group itself; otherwise every rank creates every pair's group, in the same order."""
+    pp_mesh = mesh["pp"]
+    if pp_mesh.size() == 2:
+        return pp_mesh.get_group()
+    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), 0)
+    pairs = [list(pair) for pair in zip(ranks[0].flatten().tolist(), ranks[-1].flatten().tolist())]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group
+
+
+def _shard_layout(weight: torch.Tensor) -> tuple:
+    """Where a weight's local shard sits in the full matrix: mesh, placements, coordinate, shape."""
+    if not isinstance(weight, DTensor):
+        return None, None, None, None, tuple(weight.shape)
+    mesh = weight.device_mesh
+    return mesh.mesh_dim_names, tuple(mesh.shape), repr(weight.placements), mesh.get_coordinate(), \
+        tuple(weight.to_local().shape)
+
+
+def check_tied_copies_line_up(weight: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """The embedding (vocabulary-parallel under TP: Shard(0)) and the output projection (column-parallel
+    over the vocabulary: Shard(0) too), both sharded alike by data parallelism, must hold the same
+    rows on the two ranks of ``group``, or summing their local gradients would mix rows."""
+    layouts = [None, None]
+    dist.all_gather_object(layouts, _shard_layout(weight), group=group)
+    if layouts[0] != layouts[1]:
+        raise RuntimeError(f"the copies of the tied embedding are sharded differently on the first and the last "
+                           f"pipeline stage: {layouts[0]} vs {layouts[1]}")
+
+
 class PipelineRunner:
     """One optimizer step's worth of forward + backward through the pipeline schedule."""
 
-    def __init__(self, schedule, pp_mesh: DeviceMesh, has_first: bool, has_last: bool, device: torch.device,
-                 loss_context: Callable[[], contextlib.AbstractContextManager]):
-        self.schedule, self.pp_mesh, self.device = schedule, pp_mesh, device
+    def __init__(self, schedule, pp_mesh: DeviceMesh, parts: list[nn.Module], has_first: bool, has_last: bool,
+                 device: torch.device, loss_context: Callable[[], contextlib.AbstractContextManager],
+                 tied_group: dist.ProcessGroup | None = None):
+        self.schedule, self.pp_mesh, self.parts, self.device = schedule, pp_mesh, parts, device
         self.has_first, self.has_last = has_first, has_last
         self.loss_context = loss_context
+        self.tied_group = tied_group  # set on the two holders of a tied embedding's copies
+        if tied_group is not None:
+            check_tied_copies_line_up(self.tied_copy(), tied_group)
+
+    def tied_copy(self) -> nn.Parameter:
+        """This rank's copy of the tied embedding. Looked up on each use: FSDP swaps the module's
+        parameter between its sharded and gathered forms, and the sharded one holds the gradient."""
+        return self.parts[0].tok_embeddings.weight if self.has_first else self.parts[-1].output.weight
+
+    def second_copies(self) -> list[nn.Parameter]:
+        """Parameters to clip but leave out of the gradient norm, because the same gradient is counted
+        on another rank: the last stage's copy of a tied embedding (the first stage's counts)."""
+        return [self.tied_copy()] if self.tied_group is not None and not self.has_first else []
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward + backward of the local batch as the configured microbatches; gradients are left
-        in the stage parameters (averaged over microbatches). Returns the mean loss on every pp rank."""
-        return self._run(self.schedule.step, inputs, targets)
+        in the stage parameters (averaged over microbatches, reduced over data-parallel ranks, and
+        summed over a tied embedding's two copies). Returns the mean loss on every pp rank."""
+        loss = self._run(self.schedule.step, inputs, targets)
+        if self.tied_group is not None:
+            self._sum_tied_grads()
+        return loss
+
+    @torch.no_grad()
+    def _sum_tied_grads(self) -> None:
+        # One process accumulates the embedding's and the output projection's gradients into the one
+        # tied weight; here each copy has its half, so both take the sum. The local shards line up
+        # (check_tied_copies_line_up), so summing local tensors sums the same rows once both gradients
+        # are laid out like their weights: under TP the lookup's backward leaves the embedding's
+        # gradient replicated, the output projection's comes back sharded. Under no_grad a DTensor's
+        # to_local() is its own storage, so the sum lands in the gradient.
+        weight = self.tied_copy()
+        grad = weight.grad
+        if isinstance(grad, DTensor):
+            if grad.placements != weight.placements:
+                grad = weight.grad = grad.redistribute(placements=weight.placements)
+            grad = grad.to_local()
+        dist.all_reduce(grad, group=self.tied_group)
 
     @torch.no_grad()
     def eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -149,6 +224,11 @@ def build_pipeline(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: 
         schedule = schedule_class(stages[0], microbatches, loss_fn=loss_fn)
     else:
         schedule = schedule_class(stages, microbatches, loss_fn=loss_fn)
-    runner = PipelineRunner(schedule, pp_mesh, has_first=pp_rank == 0, has_last=pp_rank == dims.pp - 1,
-                            device=device, loss_context=functools.partial(loss_context, dims, cfg))
+    # Every rank creates the tied copies' groups, holders or not; stage 0 sits on pp rank 0 and the
+    # last stage on pp rank pp - 1 under every schedule, interleaved included.
+    tied_group = tied_copy_group(mesh) if model.args.tie_embeddings else None
+    has_first, has_last = pp_rank == 0, pp_rank == dims.pp - 1
+    runner = PipelineRunner(schedule, pp_mesh, parts, has_first=has_first, has_last=has_last, device=device,
+                            loss_context=functools.partial(loss_context, dims, cfg),
+                            tied_group=tied_group if has_first or has_last else None)
     return runner, parts

@@ -580,9 +580,6 @@ def check_layout(shape: ModelShape, work: Workload, layout: Layout, devices: int
         bad("bad value", "sequence parallelism needs tp > 1")
     if lay.sequence_parallel and work.seq % lay.tp:
         bad("tp does not divide the sequence", f"sequence parallelism needs tp={lay.tp} to divide seq={work.seq}")
-    if lay.pp > 1 and shape.tied:
-        bad("tied embeddings cannot be pipelined", "the first and last pipeline stage would share the tied "
-                                                   "embedding; use pp=1 or an untied model")
     if lay.pp > 1 and lay.schedule == "interleaved_1f1b" and lay.stages_per_rank < 2:
         bad("bad value", "interleaved_1f1b needs v (stages per rank) >= 2")
     if lay.stages_per_rank > 1 and lay.schedule != "interleaved_1f1b":

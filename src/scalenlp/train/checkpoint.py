@@ -65,6 +65,19 @@ def _state_dicts(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
     return model_sd, optim_sd
 
 
+def _tied_copy_keys(parts: list[nn.Module], optim_sd: dict) -> dict[str, str]:
+    """{key of ``optim_sd``: checkpoint key} for the optimizer entries of a tied embedding's copy on a
+    pipeline's last stage (see pipeline.py). One process keys the tied weight's optimizer state by
+    its first name alone (state.tok_embeddings.weight.*; its model state has both names), so that
+    stage reads the embedding's entries, which every checkpoint has and which equal its own."""
+    last = parts[-1]
+    args = getattr(last, "args", None)
+    if args is None or not args.tie_embeddings or last.tok_embeddings is not None or last.output is None:
+        return {}
+    prefixes = ("state.output.weight.", "param_groups.output.weight.")
+    return {k: k.replace(".output.weight.", ".tok_embeddings.weight.", 1) for k in optim_sd if k.startswith(prefixes)}
+
+
 def _options(strict: bool) -> StateDictOptions:
     return StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
 
@@ -130,13 +143,17 @@ class Checkpointer:
             raise UserError(f"checkpoint {path} is damaged (its files differ from what was saved); delete it "
                             f"to resume from an older one")
         model_sd, optim_sd = _state_dicts(parts, optimizers)
+        saved_as = _tied_copy_keys(parts, optim_sd)
+        wanted = {saved_as.get(k, k): v for k, v in optim_sd.items()}
         try:
-            _dcp_call(dcp.load, {"model": model_sd, "optim": optim_sd}, path, no_dist=not dist.is_initialized())
+            _dcp_call(dcp.load, {"model": model_sd, "optim": wanted}, path, no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures in a BaseException
             # (missing keys, shapes, corrupt files); its last line names the cause.
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise UserError(f"checkpoint {path} does not match this run ({reason[:300]}); resume with the model "
                             f"settings it was saved with, or start a new --run-dir") from None
+        # DCP fills tensors in place but replaces other values (learning rates): take all back by key.
+        optim_sd = {k: wanted[saved_as.get(k, k)] for k in optim_sd}
         for part, opt in zip(parts, optimizers):
             # Each part takes its own keys from the merged dicts, so strictness only holds for a single part.
             set_state_dict(part, local_optimizer(opt), model_state_dict=model_sd, optim_state_dict=optim_sd,

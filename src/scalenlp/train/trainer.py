@@ -210,8 +210,9 @@ class Trainer:
                         loss.backward()
                 loss_sum += loss.detach()
         params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, self.cfg.training.grad_clip,
-                                    self.mesh["pp"] if self.pipeline is not None else None)
+        pp_mesh, second_copies = (self.mesh["pp"], self.pipeline.second_copies()) if self.pipeline else (None, [])
+        # A tied embedding's two pipeline copies hold the same gradient: the norm counts it once.
+        grad_norm = clip_grad_norm_(params, self.cfg.training.grad_clip, pp_mesh, counted_elsewhere=second_copies)
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
             optimizer.step()
             scheduler.step()

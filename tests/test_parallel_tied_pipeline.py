@@ -1,0 +1,120 @@
+"""Pipeline parallelism with tied input/output embeddings (GPT-2 style flavors), through `scalenlp train`.
+
+The first stage's embedding and the last stage's output projection are two copies of the one tied
+weight whose gradients are summed after every backward (pipeline.py): losses and gradient norms
+must follow the single-process run, the copies must stay bit-identical, and checkpoints must
+reshard between a pipelined run and one process in both directions.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from scalenlp.models.io import load_pretrained
+from train_helpers import TINY, read_metrics, run_train, write_corpus
+
+STEPS = ["training.steps=10", "checkpoint.every=5", "checkpoint.keep=2"]
+GPT2 = [*TINY, "model.flavor=debug-gpt2", *STEPS, "training.eval_every=5", "training.eval_batches=2"]
+# Two stages per rank need four layers: the small GPT-2 flavor (tied, learned positions) has them.
+SMALL = [*TINY, "model.flavor=small", *STEPS, "checkpoint.export=false"]
+PP2_1F1B = ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=2"]
+PP2_INTERLEAVED = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
+                   "parallel.pp_microbatches=4"]
+TP2_PP2 = [*PP2_1F1B, "parallel.tp=2"]
+ZERO3_DP2_PP2 = [*PP2_1F1B, "parallel.data_parallel=zero3"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus):
+    """Run folders by name, each trained once on first use."""
+    root = tmp_path_factory.mktemp("tied")
+    plans = {
+        "single": (1, GPT2), "pp2 1f1b": (2, [*GPT2, *PP2_1F1B]), "tp2 x pp2": (4, [*GPT2, *TP2_PP2]),
+        "zero3 dp2 x pp2": (4, [*GPT2, *ZERO3_DP2_PP2]),
+        "single small": (1, SMALL), "pp2 interleaved small": (2, [*SMALL, *PP2_INTERLEAVED]),
+    }
+    done = {}
+
+    def get(name: str):
+        if name not in done:
+            nproc, sets = plans[name]
+            done[name] = root / name.replace(" ", "_")
+            run_train(done[name], *sets, f"data.path={corpus}", nproc=nproc)
+        return done[name]
+    return get
+
+
+def _assert_follows(got: list[dict], reference: list[dict], loss_rel: float = 1e-4) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in reference]
+    for r, ref in zip(got, reference):
+        assert r["loss"] == pytest.approx(ref["loss"], rel=loss_rel), r["step"]
+        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), r["step"]
+        assert r["lr"] == ref["lr"]
+
+
+def _checkpoint(run_dir, step: int, tmp_path) -> dict:
+    """A DCP checkpoint read back whole, by state key ("model", "optim")."""
+    out = tmp_path / f"step-{step}.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / f"step-{step}", out)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("layout, reference", [("pp2 1f1b", "single"), ("pp2 interleaved small", "single small"),
+                                               ("tp2 x pp2", "single"), ("zero3 dp2 x pp2", "single")])
+def test_pipelined_tied_model_trains_like_one_process(runs, layout, reference):
+    """10 steps: per-step loss and gradient norm (the tied weight counted once) within 1e-4 of one process."""
+    ref = read_metrics(runs(reference))
+    _assert_follows(read_metrics(runs(layout)), ref)
+    assert len(ref) == 10 and ref[-1]["loss"] < ref[0]["loss"]  # a moving optimisation, not a flat line
+
+
+@pytest.mark.parametrize("layout", ["pp2 1f1b", "pp2 interleaved small", "tp2 x pp2", "zero3 dp2 x pp2"])
+def test_tied_copies_stay_identical_on_their_ranks(runs, layout, tmp_path):
+    """After the last step, the first stage's embedding and the last stage's output projection (saved by
+    different ranks, gathered from their TP / FSDP shards) are bit-identical, and so is their Adam state."""
+    state = _checkpoint(runs(layout), 10, tmp_path)
+    model, optim = state["model"], state["optim"]
+    assert torch.equal(model["tok_embeddings.weight"], model["output.weight"])
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(optim[f"state.tok_embeddings.weight.{key}"], optim[f"state.output.weight.{key}"]), key
+    first = _checkpoint(runs(layout), 5, tmp_path)["model"]
+    assert not torch.equal(first["output.weight"], model["output.weight"])  # the copies did train
+
+
+def test_pipelined_tied_model_evaluates_and_exports_like_one_process(runs):
+    """Held-out loss under pp2 follows one process, and the exported model is tied again."""
+    evals = {name: [r for r in map(json.loads, (runs(name) / "metrics.jsonl").read_text().splitlines())
+                    if "val_loss" in r] for name in ("single", "pp2 1f1b")}
+    assert [r["step"] for r in evals["pp2 1f1b"]] == [5, 10]
+    for r, ref in zip(evals["pp2 1f1b"], evals["single"]):
+        assert r["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-4)
+    exported, reference = (load_pretrained(runs(name) / "export") for name in ("pp2 1f1b", "single"))
+    assert exported.output.weight is exported.tok_embeddings.weight
+    tokens = torch.arange(16).unsqueeze(0)
+    torch.testing.assert_close(exported(tokens), reference(tokens), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("saved, resumed", [("pp2 1f1b", "single"), ("single", "pp2 1f1b")])
+def test_tied_checkpoint_resumes_under_the_other_layout(runs, corpus, tmp_path, saved, resumed):
+    """Save at step 5 under one layout, resume under the other: steps 6-10 continue the saved run's curve
+    (one process keys the tied weight's Adam state by its embedding name only; the last stage reads it)."""
+    cut = tmp_path / "cut"
+    shutil.copytree(runs(saved), cut)
+    shutil.rmtree(cut / "checkpoints" / "step-10")
+    (cut / "metrics.jsonl").write_text("")
+    layout = PP2_1F1B if resumed == "pp2 1f1b" else []
+    run_train(cut, *GPT2, *layout, f"data.path={corpus}", "checkpoint.resume=true", "checkpoint.export=false",
+              nproc=2 if layout else 1)
+    reference = [r for r in read_metrics(runs(saved)) if r["step"] > 5]
+    # Another layout sums in another order: equal up to float32 rounding, not bit for bit.
+    _assert_follows(read_metrics(cut), reference, loss_rel=1e-5)
