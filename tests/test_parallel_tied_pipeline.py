@@ -27,6 +27,8 @@ PP2_INTERLEAVED = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "pa
                    "parallel.pp_microbatches=4"]
 TP2_PP2 = [*PP2_1F1B, "parallel.tp=2"]
 ZERO3_DP2_PP2 = [*PP2_1F1B, "parallel.data_parallel=zero3"]
+# Four stages: the copies' ranks (pp ranks 0 and 3) get a group of their own; the middle ranks hold none.
+PP4 = ["parallel.pp=4", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=4"]
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +44,16 @@ def runs(tmp_path_factory, corpus):
         "single": (1, GPT2), "pp2 1f1b": (2, [*GPT2, *PP2_1F1B]), "tp2 x pp2": (4, [*GPT2, *TP2_PP2]),
         "zero3 dp2 x pp2": (4, [*GPT2, *ZERO3_DP2_PP2]),
         "single small": (1, SMALL), "pp2 interleaved small": (2, [*SMALL, *PP2_INTERLEAVED]),
+        "pp4 small": (4, [*SMALL, *PP4]),
     }
     done = {}
 
     def get(name: str):
         if name not in done:
             nproc, sets = plans[name]
-            done[name] = root / name.replace(" ", "_")
-            run_train(done[name], *sets, f"data.path={corpus}", nproc=nproc)
+            run_dir = root / name.replace(" ", "_")
+            run_train(run_dir, *sets, f"data.path={corpus}", nproc=nproc)
+            done[name] = run_dir
         return done[name]
     return get
 
@@ -70,7 +74,8 @@ def _checkpoint(run_dir, step: int, tmp_path) -> dict:
 
 
 @pytest.mark.parametrize("layout, reference", [("pp2 1f1b", "single"), ("pp2 interleaved small", "single small"),
-                                               ("tp2 x pp2", "single"), ("zero3 dp2 x pp2", "single")])
+                                               ("tp2 x pp2", "single"), ("zero3 dp2 x pp2", "single"),
+                                               ("pp4 small", "single small")])
 def test_pipelined_tied_model_trains_like_one_process(runs, layout, reference):
     """10 steps: per-step loss and gradient norm (the tied weight counted once) within 1e-4 of one process."""
     ref = read_metrics(runs(reference))
@@ -78,7 +83,7 @@ def test_pipelined_tied_model_trains_like_one_process(runs, layout, reference):
     assert len(ref) == 10 and ref[-1]["loss"] < ref[0]["loss"]  # a moving optimisation, not a flat line
 
 
-@pytest.mark.parametrize("layout", ["pp2 1f1b", "pp2 interleaved small", "tp2 x pp2", "zero3 dp2 x pp2"])
+@pytest.mark.parametrize("layout", ["pp2 1f1b", "pp2 interleaved small", "tp2 x pp2", "zero3 dp2 x pp2", "pp4 small"])
 def test_tied_copies_stay_identical_on_their_ranks(runs, layout, tmp_path):
     """After the last step, the first stage's embedding and the last stage's output projection (saved by
     different ranks, gathered from their TP / FSDP shards) are bit-identical, and so is their Adam state."""
