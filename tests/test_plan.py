@@ -273,6 +273,7 @@ def test_cpu_device_is_measured():
     assert spec.intra_node_bw > 1e6 and 0 < spec.latency_s < 0.1
     assert spec.runtime_bytes > 50e6 and spec.memory_bytes > 0
     assert spec.fsdp_unit_overhead_s >= 0 and spec.tp_linear_overhead_s >= 0
+    assert spec.vocab_parallel_loss_factor > 0
 
 
 def test_host_overheads_count_per_fsdp_unit_and_tp_linear():
@@ -284,6 +285,26 @@ def test_host_overheads_count_per_fsdp_unit_and_tp_linear():
     tp = predict(shape, work, Layout(tp=2, microbatch=16), device, 2)
     assert tp.time_breakdown_s["framework"] == pytest.approx(10.0 * (7 * shape.layers + 2))  # SwiGLU: 7 per block
     assert "framework" not in predict(shape, work, Layout(dp_replicate=2, microbatch=8), device, 2).time_breakdown_s
+
+
+def test_tied_embedding_copies_sum_their_gradients_between_the_pipeline_ends():
+    work = Workload(seq=1024, global_batch=8, states="mixed")
+    tied, untied = (dataclasses.replace(model_shape("gpt2-124m", 1024), tied=t) for t in (True, False))
+    device, layout = _frictionless(), Layout(pp=2, microbatch=1)
+    extra = (predict(tied, work, layout, device).time_breakdown_s["grad_sync_exposed"]
+             - predict(untied, work, layout, device).time_breakdown_s["grad_sync_exposed"])
+    # One all-reduce of the bf16 vocab x hidden gradient over the two end ranks (one node): 2 · (1/2) · bytes / bandwidth.
+    assert extra == pytest.approx(2 * tied.vocab * tied.hidden / device.intra_node_bw)
+
+
+def test_vocabulary_parallel_loss_costs_its_measured_factor():
+    shape, work = model_shape("debug", 128), Workload(seq=128, global_batch=16, precision="fp32")
+    base = dataclasses.replace(_frictionless(), peak_flops_fp32=math.inf, hbm_bw=1e9)
+    elementwise = [predict(shape, work, Layout(tp=2, microbatch=16),
+                           dataclasses.replace(base, vocab_parallel_loss_factor=f), 2).time_breakdown_s["elementwise"]
+                   for f in (1.0, 3.0)]
+    logits = base.elementwise_traffic * 16 * 128 * shape.vocab / 2 * 12 / base.hbm_bw  # fp32 logits, their fp32 loss
+    assert elementwise[1] - elementwise[0] == pytest.approx(2 * logits)
 
 
 def test_layouts_the_trainer_refuses_are_refused():

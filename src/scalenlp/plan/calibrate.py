@@ -46,9 +46,9 @@ class PublishedRun:
 def megatron_row(hidden: int, heads: int, layers: int, tp: int, pp: int, gpus: int, batch: int, tflops: float):
     """A row of Narayanan et al. 2021, Table 1: GPT, vocabulary 51,200, sequence 2,048, fp16, full recompute,
     plain data parallelism. Pipelined, Megatron keeps the tied output layer as its own copy on the last
-    stage, which is what an untied model is to the cost model (and the only form scalenlp pipelines)."""
+    stage and sums the two copies' gradients once per step, as scalenlp does and the cost model counts."""
     spec = (f"hidden={hidden},layers={layers},heads={heads},ffn={4 * hidden},vocab=51200,family=gpt2,dropout=0.1,"
-            f"tie={'false' if pp > 1 else 'true'}")
+            "tie=true")
     return PublishedRun(f"Megatron-LM 2021 Table 1, h={hidden}", spec, 2048, batch, gpus, tp, pp, "a100-80gb",
                         tflops, "full", False, 0)
 

@@ -38,7 +38,8 @@ forward and again for backward: with the reduce-scatter, 1.5× the bytes of DDP)
 microbatch's compute as far as it lasts, and copy parameters and gradients through their flat
 collective buffers at memory bandwidth. On a CPU (overlaps_communication false) gloo's threads
 share the cores with compute, so no data-parallel traffic is hidden. Pipeline stages send
-activations forward and gradients back, exposed. Layers are split across stages as scalenlp train
+activations forward and gradients back, exposed; a tied embedding's two copies (first and last stage)
+sum their gradients once per step, exposed. Layers are split across stages as scalenlp train
 splits them (balanced against the output projection). The pipeline runs m microbatch slots of its slowest rank, plus one pass of the
 first microbatch (forward) and the last (backward) through every other rank, 1/v of a slot at a
 time when interleaved: for equal stages the bubble is (p − 1)/(v·m) of the ideal time. The
@@ -50,8 +51,8 @@ per-GPU TFLOP/s over the six rows of Megatron-LM 2021 Table 1 the tests do not u
 39.1B, 76.1B, 310.1B, 529.6B: TP 2-8, PP 1-35), never per row; then the H100's gemm_efficiency
 alone on Llama 3's 16,384-GPU row (400 TFLOP/s), which the H200 shares. Held out for the tests:
 Megatron's 1.7B, 18.4B, 145.6B and 1008B rows and Llama 3's 8,192-GPU row (all predicted within
-6%). The fitted values are physical: a large A100 matmul at ~77% of peak, an H100 at ~61% (power
-limited), a 134-wide dimension halving efficiency, ~5 bytes moved per stored activation byte.
+6%). The fitted values are physical: a large A100 matmul at ~77% of peak, an H100 at ~62% (power
+limited), a 135-wide dimension halving efficiency, ~5 bytes moved per stored activation byte.
 ``--device cpu`` measures its own peak, half dimension, bandwidths and latency instead
 (scalenlp.plan.measure).
 """
@@ -464,6 +465,8 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     logits_matmul_s = 3 * _gemm_time(2 * tokens * shape.hidden * shape.vocab / lay.tp,
                                      (tokens, shape.vocab / lay.tp, shape.hidden), peak, device, e)
     logits_elementwise_s = device.elementwise_traffic * tokens * shape.vocab / lay.tp * (2 * e + 4) / device.hbm_bw
+    if lay.tp > 1:  # scalenlp train's vocabulary-parallel loss (parallel.loss_parallel, on by default)
+        logits_elementwise_s *= device.vocab_parallel_loss_factor
 
     # Pipeline: each of the v chunks of a stage receives activations and sends gradients once per microbatch.
     pp_bw = device.intra_node_bw if lay.tp * lay.dp < gpus_per_node else device.nic_bw
@@ -518,6 +521,11 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
             step_sync = exposed(_ring_time("all_reduce", grads, lay.dp, dp_bw, lat), backward)
             if lay.zero == 1:
                 step_sync += _ring_time("all_gather", w_bytes * params, lay.dp, dp_bw, lat)
+        if shape.tied and lay.pp > 1 and stage in (0, lay.pp - 1):
+            # The embedding and its copy on the last stage sum their gradients (this rank's shard) once per step,
+            # between the two ends of the pipeline, after the backward: exposed.
+            tied_shard = g_bytes * shape.vocab * shape.hidden / lay.tp / (lay.dp_shard if lay.zero >= 2 else 1)
+            step_sync += _ring_time("all_reduce", tied_shard, 2, pp_bw, lat)
         optimizer_params = params / (lay.dp_shard if lay.zero else 1)
         tail = dict(grad_sync_exposed=step_sync,
                     optimizer=optimizer_params * (OPTIMIZER_TRAFFIC + g_bytes) / device.hbm_bw)

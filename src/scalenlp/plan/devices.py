@@ -18,10 +18,10 @@ from scalenlp.errors import UserError
 GiB = 2**30
 
 # Fitted once by scalenlp.plan.calibrate (python -m scalenlp.plan.calibrate prints them); see its docstring.
-GPU_GEMM_HALF_DIM = 132.5
-GPU_ELEMENTWISE_TRAFFIC = 4.78
-A100_GEMM_EFFICIENCY = 0.765
-H100_GEMM_EFFICIENCY = 0.611  # below the A100's: a 700 W H100 clocks down under sustained matmul load
+GPU_GEMM_HALF_DIM = 135.0
+GPU_ELEMENTWISE_TRAFFIC = 4.81
+A100_GEMM_EFFICIENCY = 0.770
+H100_GEMM_EFFICIENCY = 0.619  # below the A100's: a 700 W H100 clocks down under sustained matmul load
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,9 @@ class DeviceSpec:
     # Host-side cost of PyTorch's wrappers per microbatch, where the device does not hide it (measured on CPU):
     fsdp_unit_overhead_s: float = 0.0  # per FSDP unit (hooks, gathers' latency, DTensor optimizer)
     tp_linear_overhead_s: float = 0.0  # per tensor-parallel linear (DTensor dispatch and redistribution)
+    # Time of the vocabulary-parallel loss over a shard of the logits against a fused loss over as many
+    # (measured on CPU; 1 elsewhere, where its extra passes are assumed as cheap as the fused kernel's).
+    vocab_parallel_loss_factor: float = 1.0
     # Whether collectives run beside compute (a GPU: NCCL on its own SMs and copy engines). On a CPU gloo's
     # threads take the same cores the matmuls use, so data-parallel traffic adds to the step instead of hiding.
     overlaps_communication: bool = True

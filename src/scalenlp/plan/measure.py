@@ -139,6 +139,43 @@ def framework_overheads(world: int) -> tuple[float, float]:
     return max(0.0, (fsdp - plain) / (layers + 1)), max(0.0, (tp - plain) / layers)
 
 
+def vocab_parallel_loss_factor(world: int) -> float:
+    """How many times longer cross-entropy forward + backward over a vocabulary shard takes under
+    tensor parallelism's ``loss_parallel`` than the fused kernel over a plain tensor of the same
+    size: loss_parallel composes the log-softmax from separate passes (max, subtract, exponentiate,
+    sum, and again for the gradient) where the fused kernels make one each way. The logits are a
+    tensor-parallel step's size (2048 tokens × 2048 local classes, fp32), out of the caches."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    tokens, local = 2048, 2048
+    logits = torch.randn(tokens, local, requires_grad=True)
+    targets = torch.randint(0, local, (tokens,))
+    sharded = DTensor.from_local(logits.detach(), init_device_mesh("cpu", (world,)), (Shard(1),)).requires_grad_()
+    global_targets = targets + local * torch.distributed.get_rank()
+
+    def median_time(fn, reps: int = 9) -> float:  # a fixed count: every rank must make the same collectives
+        fn()
+        torch.distributed.barrier()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[reps // 2]
+
+    def plain():
+        F.cross_entropy(logits, targets).backward()
+
+    def vocab_parallel():
+        with loss_parallel():
+            F.cross_entropy(sharded, global_targets).backward()
+
+    return median_time(vocab_parallel) / median_time(plain)
+
+
 def compute_figures() -> dict[str, float]:
     """Matmul curve, memory bandwidth, bf16/fp32 ratio and dispatch cost of this process's share of the CPU."""
     bandwidth = memory_bandwidth()
@@ -190,6 +227,7 @@ def _worker(rank: int, world: int, port: int, with_compute: int) -> None:
         for name, tensor, reps in (("small", small, 30), ("large", large, 6)):
             result[name] = _all_reduce_after_compute(tensor, reps)
         result["fsdp_unit"], result["tp_linear"] = framework_overheads(world)
+        result["loss_parallel"] = vocab_parallel_loss_factor(world)
         if rank == 0:
             print(json.dumps(result))
     finally:
@@ -213,7 +251,7 @@ def distributed_figures(world: int, with_compute: bool) -> dict[str, float]:
     bus_bw = hops / world * result["nbytes"] / max(result["large"] - result["small"], 1e-9)
     figures = dict(latency_s=result["small"] / hops, intra_node_bw=bus_bw, nic_bw=bus_bw,
                    runtime_bytes=result["rss"], fsdp_unit_overhead_s=result["fsdp_unit"],
-                   tp_linear_overhead_s=result["tp_linear"])
+                   tp_linear_overhead_s=result["tp_linear"], vocab_parallel_loss_factor=result["loss_parallel"])
     if with_compute:
         figures.update({k: result[k] for k in ("peak_flops_fp32", "peak_flops_bf16", "gemm_half_dim", "hbm_bw",
                                                "op_overhead_s")})
