@@ -273,7 +273,7 @@ def test_cpu_device_is_measured():
     assert spec.intra_node_bw > 1e6 and 0 < spec.latency_s < 0.1
     assert spec.runtime_bytes > 50e6 and spec.memory_bytes > 0
     assert spec.fsdp_unit_overhead_s >= 0 and spec.tp_linear_overhead_s >= 0
-    assert spec.vocab_parallel_loss_factor > 0
+    assert spec.vocab_parallel_loss_factor > 0 and spec.loss_s_per_logit > 0 and spec.attention_flops > 1e6
 
 
 def test_host_overheads_count_per_fsdp_unit_and_tp_linear():
@@ -305,6 +305,16 @@ def test_vocabulary_parallel_loss_costs_its_measured_factor():
                    for f in (1.0, 3.0)]
     logits = base.elementwise_traffic * 16 * 128 * shape.vocab / 2 * 12 / base.hbm_bw  # fp32 logits, their fp32 loss
     assert elementwise[1] - elementwise[0] == pytest.approx(2 * logits)
+
+
+def test_measured_attention_rate_and_loss_time_replace_the_formulas():
+    shape, work = model_shape("debug", 128), Workload(seq=128, global_batch=16, precision="fp32")
+    base = dataclasses.replace(_frictionless(), peak_flops_fp32=math.inf, hbm_bw=math.inf, op_overhead_s=0.0)
+    timed = predict(shape, work, Layout(microbatch=16), dataclasses.replace(base, attention_flops=1e9,
+                                                                          loss_s_per_logit=1e-9), 1).time_breakdown_s
+    # Two score matmuls per layer, forward + backward (3 passes), the masked half skipped: 2·3·(2·B·s·s·h)/2 FLOPs.
+    assert timed["matmul"] == pytest.approx(shape.layers * 3 * 2 * 16 * 128 * 128 * shape.hidden / 1e9)
+    assert timed["elementwise"] == pytest.approx(16 * 128 * shape.vocab * 1e-9)
 
 
 def test_layouts_the_trainer_refuses_are_refused():

@@ -23,7 +23,11 @@ matmuls reach the device's gemm_efficiency; each thin dimension, a small head di
 tensor-parallel shard, a short microbatch, costs in proportion) plus writing its result at the
 memory bandwidth (which matters on CPUs, and for eager attention's s×s scores). Memory-bound
 kernels (norms, softmax, activation functions, dropout) move elementwise_traffic times the layer's
-stored activations through memory per forward + backward.
+stored activations through memory per forward + backward; the loss moves elementwise_traffic times
+(2·element + 4) bytes per logit (the logits and their fp32 copy), or takes the time per logit that
+``--device cpu`` measures; there attention's score matmuls also take the fused kernel's measured rate
+(a CPU runs it far below its matmul peak). Under tensor parallelism the vocabulary-parallel loss
+costs the measured factor over the fused one (it makes separate passes).
 
 Communication, ring algorithms (n ranks, β bus bandwidth, α per hop): all-reduce 2(n−1)/n·bytes/β +
 2(n−1)α, all-gather and reduce-scatter half of that. A group's bandwidth is the node's own when all
@@ -444,6 +448,8 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     mm = layer_matmuls(shape, lay.microbatch, work.seq, lay.tp)
     causal = 0.5 if work.flash_attention else 1.0  # flash skips the masked half of the scores
     times = [_gemm_time(f, dims, peak, device, e) * (causal if i in (1, 2) else 1.0) for i, (f, dims) in enumerate(mm)]
+    if device.attention_flops and work.flash_attention:  # the fused kernel's measured rate (CPU)
+        times[1] = times[2] = mm[1][0] * causal / device.attention_flops
     passes = 3 + (1 if lay.recompute == "full" else 0)
     matmul_s = passes * sum(times)
     if lay.recompute == "selective" and not work.flash_attention:
@@ -464,7 +470,11 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     # The loss end: logits matmul (forward + backward) and the softmax over the vocabulary.
     logits_matmul_s = 3 * _gemm_time(2 * tokens * shape.hidden * shape.vocab / lay.tp,
                                      (tokens, shape.vocab / lay.tp, shape.hidden), peak, device, e)
-    logits_elementwise_s = device.elementwise_traffic * tokens * shape.vocab / lay.tp * (2 * e + 4) / device.hbm_bw
+    logits = tokens * shape.vocab / lay.tp
+    if device.loss_s_per_logit is None:
+        logits_elementwise_s = device.elementwise_traffic * logits * (2 * e + 4) / device.hbm_bw
+    else:  # measured in fp32; lower-precision logits are also cast up, and their gradient down
+        logits_elementwise_s = logits * (device.loss_s_per_logit + (2 * (e + 4) / device.hbm_bw if e < 4 else 0.0))
     if lay.tp > 1:  # scalenlp train's vocabulary-parallel loss (parallel.loss_parallel, on by default)
         logits_elementwise_s *= device.vocab_parallel_loss_factor
 

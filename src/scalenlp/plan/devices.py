@@ -39,6 +39,10 @@ class DeviceSpec:
     elementwise_traffic: float  # HBM bytes moved by memory-bound kernels per stored activation byte (calibrated)
     runtime_bytes: float  # memory the runtime holds before the model: CUDA context, NCCL, allocator slack
     op_overhead_s: float = 0.0  # launch/dispatch cost per kernel that the device does not hide
+    # Cross-entropy forward + backward per fp32 logit, where measured (CPU); else derived from the bandwidth.
+    loss_s_per_logit: float | None = None
+    # FLOP/s of fused causal attention (forward + backward), where measured (CPU); else priced as matmuls.
+    attention_flops: float | None = None
     # Host-side cost of PyTorch's wrappers per microbatch, where the device does not hide it (measured on CPU):
     fsdp_unit_overhead_s: float = 0.0  # per FSDP unit (hooks, gathers' latency, DTensor optimizer)
     tp_linear_overhead_s: float = 0.0  # per tensor-parallel linear (DTensor dispatch and redistribution)
