@@ -20,7 +20,6 @@ import dataclasses
 import json
 import math
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -238,11 +237,12 @@ def _worker(rank: int, world: int, port: int, with_compute: int) -> None:
     import torch.distributed as dist
 
     import scalenlp.train.trainer  # noqa: F401  the training process's own imports count towards its runtime memory
+    from scalenlp.train.metrics import resident_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        result = dict(rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # before any tensor of ours
+        result = dict(rss=resident_bytes(peak=False))  # before any tensor of ours
         if with_compute:
             dist.barrier()
             result.update(compute_figures())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -48,11 +49,24 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     return flops, f"measured {str(dtype).removeprefix('torch.')} matmul on {device.type}"
 
 
+def resident_bytes(peak: bool) -> int:
+    """This process's resident set: its peak or its size now. On Linux from /proc (VmHWM, VmRSS), not
+    getrusage, whose peak Linux carries across exec from the spawning process: a run started from a
+    large Python process would report that process's size."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["VmHWM" if peak else "VmRSS"].split()[0]) * 1024
+    except (OSError, KeyError):
+        usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return usage if sys.platform == "darwin" else usage * 1024  # macOS reports bytes, Linux KiB
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated bytes on a GPU; on CPU the process's peak resident set (Linux reports KiB)."""
+    """Peak allocated bytes on a GPU; on CPU the process's peak resident set."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return resident_bytes(peak=True)
 
 
 class MetricsWriter:
