@@ -5,8 +5,8 @@
 - memory bandwidth (a large elementwise add into a fresh tensor), the dispatch cost of one small op,
   the time per logit of the loss (cross-entropy forward + backward) and attention's FLOP rate;
 - gloo all-reduce bandwidth and per-hop latency between two local processes, each all-reduce right
-  after a burst of compute as in a training step; the resident memory such a process holds before
-  any model (the runtime share of the memory estimate); and what FSDP and tensor parallelism's
+  after a burst of compute as in a training step; the resident memory such a process holds besides
+  its model (the runtime share of the memory estimate); and what FSDP and tensor parallelism's
   wrappers add per unit and per linear (framework_overheads).
 
 Each process of a CPU run gets its share of the cores: torchrun gives each of several processes one
@@ -230,6 +230,23 @@ def _all_reduce_after_compute(tensor: torch.Tensor, reps: int) -> float:
     return max(loop(True) - loop(False), 1e-6)
 
 
+def _runtime_bytes(resident_bytes) -> int:
+    """What a training process holds besides its model, activations and buffers: its imports, and what a
+    few training steps leave behind (the math libraries' workspaces, autograd's, and the heap that the
+    allocator keeps from freed activations: 55-70 MiB on the development machine), measured once the
+    steps' own model and optimizer are freed."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(3):
+        model(torch.randn(2048, 256)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    del model, optimizer
+    return resident_bytes(peak=False)
+
+
 def _worker(rank: int, world: int, port: int, with_compute: int) -> None:
     """One of the measuring processes (``python -m scalenlp.plan.measure RANK WORLD PORT WITH_COMPUTE``); rank 0
     prints JSON. With WITH_COMPUTE every rank measures compute at the same time, so that each sees the share
@@ -242,7 +259,7 @@ def _worker(rank: int, world: int, port: int, with_compute: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        result = dict(rss=resident_bytes(peak=False))  # before any tensor of ours
+        result = dict(rss=_runtime_bytes(resident_bytes))  # before any other tensor of ours
         if with_compute:
             dist.barrier()
             result.update(compute_figures())
@@ -260,8 +277,8 @@ def _worker(rank: int, world: int, port: int, with_compute: int) -> None:
 
 def distributed_figures(world: int, with_compute: bool) -> dict[str, float]:
     """What ``world`` local gloo processes measure: all-reduce bus bandwidth (bytes/s) and latency per hop (s),
-    the resident bytes of a process with scalenlp's training imports and a process group before any
-    model, the wrappers' overheads (framework_overheads), and with_compute, each rank's compute figures."""
+    the resident bytes of a process with scalenlp's training imports and a process group besides its
+    model (_runtime_bytes), the wrappers' overheads (framework_overheads), and with_compute, each rank's compute figures."""
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-m", "scalenlp.plan.measure", str(r), str(world), str(port),
