@@ -177,13 +177,15 @@ def test_compiled_decode_step_matches_eager(tmp_path, dtype):
 
 @pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
                     reason="this CPU's oneDNN has no bf16 kernels, so the engine does not pack weights here")
-def test_packed_bf16_weights_match_plain_bf16(tmp_path):
-    export = make_export(tmp_path, "debug-gpt2")
+@pytest.mark.parametrize("flavor", ["debug-gpt2", "debug"])  # biases; grouped-query attention (q/k/v fused unequal)
+def test_packed_bf16_weights_match_plain_bf16(tmp_path, flavor):
+    export = make_export(tmp_path, flavor)
     tok = load_tokenizer_for(export)
     plain = load_pretrained(export, dtype=torch.bfloat16)
     engine = Engine(load_pretrained(export, dtype=torch.bfloat16), tok, max_batch=2).start()
     try:
         assert not any(type(m) is torch.nn.Linear for m in engine.model.modules())  # all packed
+        assert all(block.attention.wqkv is not None for block in engine.model.layers.values())
         tokens = engine.encode("the quick brown")
         n = len(tokens)
         with torch.no_grad():

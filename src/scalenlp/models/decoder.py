@@ -141,12 +141,19 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.bias)
         self.cache: KVCache | None = None
+        # Inference packing (scalenlp.infer.packing) may replace wq, wk and wv by one matmul: at decode time
+        # each weight is read once per token, and one wide product streams them better than three.
+        self.wqkv: nn.Module | None = None
+        self.qkv_heads: list[int] = []  # its output's split into query, key and value heads
 
     def forward(self, x, rope, cache_index: CacheIndex | None = None):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.wqkv is not None:
+            q, k, v = self.wqkv(x).view(B, T, -1, self.head_dim).split(self.qkv_heads, dim=2)
+        else:
+            q = self.wq(x).view(B, T, -1, self.head_dim)
+            k = self.wk(x).view(B, T, -1, self.head_dim)
+            v = self.wv(x).view(B, T, -1, self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
