@@ -151,3 +151,45 @@ def test_joining_without_the_token_is_one_clear_error(head, tmp_path):
     out = subprocess.run(serve_command(export, address, free_port()), env=no_token, capture_output=True, text=True)
     assert out.returncode == 2
     assert f"error: cannot join the Ray cluster at {address}" in out.stderr and "RAY_AUTH_MODE=token" in out.stderr
+
+
+OPERATOR_SERVE = """
+from ray import serve
+serve.start(http_options={{"host": "127.0.0.1", "port": {port}}})
+
+@serve.deployment(ray_actor_options={{"num_cpus": 0}})
+class Other:
+    async def __call__(self, request):
+        return "other"
+
+serve.run(Other.bind(), name="other", route_prefix="/other")
+result = True
+"""
+
+SERVE_APPS = "from ray import serve\nresult = sorted(serve.status().applications)"
+
+
+def test_joining_a_running_serve_uses_its_address_and_leaves_its_apps(head):
+    address, env, work = head
+    export = make_export(work / "model2", max_seq_len=256)
+    theirs = free_port()
+    on_cluster(address, env, OPERATOR_SERVE.format(port=theirs))  # an operator's Serve, with an application
+    log = work / "serve2.log"
+    try:
+        with open(log, "w") as out:
+            server = subprocess.Popen(serve_command(export, address, free_port()), env=env, stdout=out,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for_line(log, "serving 2 replica(s) at", server)
+            assert f"serving 2 replica(s) at http://127.0.0.1:{theirs} " in log.read_text()
+            assert "--host and --port apply only where scalenlp starts Serve" in log.read_text()
+            body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 4}
+            assert httpx.post(f"http://127.0.0.1:{theirs}/v1/completions", json=body, timeout=600).status_code == 200
+        finally:
+            server.terminate()
+            server.wait()
+        assert server.returncode == 0, log.read_text()
+        assert on_cluster(address, env, SERVE_APPS) == ["other"]  # ours is gone, the operator's and Serve remain
+        assert httpx.get(f"http://127.0.0.1:{theirs}/other", timeout=60).text == "other"
+    finally:
+        on_cluster(address, env, "from ray import serve\nserve.shutdown()\nresult = True")

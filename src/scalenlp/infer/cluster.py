@@ -338,13 +338,24 @@ def start(args, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
                         f"or remove it with ray.serve.delete({APP_NAME!r}), and try again")
     owns_serve = not args.ray_address or not before.proxies
     serve.start(http_options={"host": args.host, "port": args.port})
+    host, port = args.host, args.port
+    if not owns_serve:
+        # Serve already runs on the joined cluster, and its proxies keep the address they were started with.
+        # Ray offers no public call to read it; its client's config holds it.
+        from ray.serve.context import _get_global_client
+
+        config = _get_global_client().http_config
+        if (config.host, config.port) != (host, port):
+            print(f"note: the cluster's Ray Serve already listens on {config.host}:{config.port}; --host and --port "
+                  "apply only where scalenlp starts Serve", file=sys.stderr, flush=True)
+            host, port = config.host, config.port
     options = {"checkpoint": str(export.resolve()), "dtype": args.dtype, "device": args.device,
                "max_batch": args.max_batch, "max_seq_len": args.max_seq_len, "compile": args.compile,
                "max_queue": args.max_queue, "tp": args.tp}
     app = build_application(options, args.model_name or default_model_name(args.checkpoint), args.api_key,
                             args.replicas, args.max_replicas, args.replica_cpus)
     serve.run(app, name=APP_NAME, route_prefix="/")
-    return f"http://{args.host}:{args.port}", owns_serve
+    return f"http://{host}:{port}", owns_serve
 
 
 def stop(owns_serve: bool) -> None:
