@@ -136,7 +136,8 @@ def train(parallel: dict, world: int, steps: int, shape: Shape = PARITY) -> dict
                     micro_loss = cross_entropy(parts[0](inputs[sl]), targets[sl]) / n_micro
                     micro_loss.backward()
                 loss += micro_loss.detach()
-        norm = clip_grad_norm_([q for part in parts for q in part.parameters()], 1.0, pp_mesh)
+        norm = clip_grad_norm_([q for part in parts for q in part.parameters()], 1.0, pp_mesh,
+                               counted_elsewhere=runner.second_copies() if dims.pp > 1 else [])
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
