@@ -274,6 +274,7 @@ def test_cpu_device_is_measured():
     assert spec.runtime_bytes > 50e6 and spec.memory_bytes > 0
     assert spec.fsdp_unit_overhead_s >= 0 and spec.tp_linear_overhead_s >= 0
     assert spec.vocab_parallel_loss_factor > 0 and spec.loss_s_per_logit > 0 and spec.attention_flops > 1e6
+    assert spec.all_gather_factor > 0 and spec.reduce_scatter_factor > 0
 
 
 def test_host_overheads_count_per_fsdp_unit_and_tp_linear():
@@ -285,6 +286,16 @@ def test_host_overheads_count_per_fsdp_unit_and_tp_linear():
     tp = predict(shape, work, Layout(tp=2, microbatch=16), device, 2)
     assert tp.time_breakdown_s["framework"] == pytest.approx(10.0 * (7 * shape.layers + 2))  # SwiGLU: 7 per block
     assert "framework" not in predict(shape, work, Layout(dp_replicate=2, microbatch=8), device, 2).time_breakdown_s
+
+
+def test_measured_gather_and_scatter_factors_scale_fsdp_traffic():
+    shape, work = model_shape("gpt2-124m", 1024), Workload(seq=1024, global_batch=8, states="mixed")
+    layout = Layout(dp_shard=8, zero=3, microbatch=1)
+    base = _frictionless()
+    slow = dataclasses.replace(base, all_gather_factor=2.0, reduce_scatter_factor=3.0)
+    exposed = [predict(shape, work, layout, d).time_breakdown_s["data_parallel_exposed"] for d in (base, slow)]
+    # ZeRO-3 per microbatch: two all-gathers and one reduce-scatter of equal ring time.
+    assert exposed[1] == pytest.approx(exposed[0] * (2 * 2.0 + 3.0) / 3)
 
 
 def test_tied_embedding_copies_sum_their_gradients_between_the_pipeline_ends():

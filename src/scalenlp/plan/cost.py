@@ -421,11 +421,14 @@ def step_flops(shape: ModelShape, work: Workload, recompute: str) -> tuple[float
     return model, model + extra
 
 
-def _ring_time(kind: str, nbytes: float, n: int, bw: float, latency: float) -> float:
+def _ring_time(kind: str, nbytes: float, n: int, bw: float, latency: float, device: DeviceSpec | None = None) -> float:
+    """A ring collective's time; ``device`` scales all-gathers and reduce-scatters by its measured factors."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     hops = (n - 1) * (2 if kind == "all_reduce" else 1)
-    return hops * (nbytes / n / bw + latency)
+    factor = {"all_gather": device.all_gather_factor, "reduce_scatter": device.reduce_scatter_factor}.get(kind, 1.0) \
+        if device is not None else 1.0
+    return factor * hops * (nbytes / n / bw + latency)
 
 
 def _group_bw(stride: int, size: int, gpus_per_node: int, device: DeviceSpec) -> float:
@@ -515,8 +518,8 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
         params = stage_params(shape, lay, stage, layers)
         grads = g_bytes * params
         if lay.zero >= 2:
-            gathers = (lay.zero - 1) * _ring_time("all_gather", e * params, lay.dp_shard, shard_bw, lat)
-            reduce = (_ring_time("reduce_scatter", grads, lay.dp_shard, shard_bw, lat)
+            gathers = (lay.zero - 1) * _ring_time("all_gather", e * params, lay.dp_shard, shard_bw, lat, device)
+            reduce = (_ring_time("reduce_scatter", grads, lay.dp_shard, shard_bw, lat, device)
                       + _ring_time("all_reduce", grads / lay.dp_shard, lay.dp_replicate, repl_bw, lat))
             hidden = gathers + (reduce if reduce_every_microbatch else 0.0)
             slot["data_parallel_exposed"] = exposed(hidden, compute)
@@ -530,7 +533,7 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
         else:
             step_sync = exposed(_ring_time("all_reduce", grads, lay.dp, dp_bw, lat), backward)
             if lay.zero == 1:
-                step_sync += _ring_time("all_gather", w_bytes * params, lay.dp, dp_bw, lat)
+                step_sync += _ring_time("all_gather", w_bytes * params, lay.dp, dp_bw, lat, device)
         if shape.tied and lay.pp > 1 and stage in (0, lay.pp - 1):
             # The embedding and its copy on the last stage sum their gradients (this rank's shard) once per step,
             # between the two ends of the pipeline, after the backward: exposed.

@@ -49,6 +49,10 @@ class DeviceSpec:
     # Time of the vocabulary-parallel loss over a shard of the logits against a fused loss over as many
     # (measured on CPU; 1 elsewhere, where its extra passes are assumed as cheap as the fused kernel's).
     vocab_parallel_loss_factor: float = 1.0
+    # Time of an all-gather / reduce-scatter over the ring algorithm's at intra_node_bw / nic_bw (measured on CPU,
+    # where gloo's are far slower than its all-reduce; NCCL's run at the ring's pace).
+    all_gather_factor: float = 1.0
+    reduce_scatter_factor: float = 1.0
     # Whether collectives run beside compute (a GPU: NCCL on its own SMs and copy engines). On a CPU gloo's
     # threads take the same cores the matmuls use, so data-parallel traffic adds to the step instead of hiding.
     overlaps_communication: bool = True

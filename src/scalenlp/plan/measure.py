@@ -4,8 +4,9 @@
   at peak · Π_d d/(d + half_dim), plus writing the result), which gives the CPU's peak and half dimension;
 - memory bandwidth (a large elementwise add into a fresh tensor), the dispatch cost of one small op,
   the time per logit of the loss (cross-entropy forward + backward) and attention's FLOP rate;
-- gloo all-reduce bandwidth and per-hop latency between two local processes, each all-reduce right
-  after a burst of compute as in a training step; the resident memory such a process holds besides
+- gloo all-reduce bandwidth and per-hop latency between two local processes, and how much longer
+  its all-gather and reduce-scatter take than a ring would, each collective right after a burst of
+  compute as in a training step; the resident memory such a process holds besides
   its model (the runtime share of the memory estimate); and what FSDP and tensor parallelism's
   wrappers add per unit and per linear (framework_overheads).
 
@@ -207,9 +208,9 @@ def compute_figures() -> dict[str, float]:
                 op_overhead_s=op_overhead(), loss_s_per_logit=loss_time_per_logit(), attention_flops=attention_rate())
 
 
-def _all_reduce_after_compute(tensor: torch.Tensor, reps: int) -> float:
-    """Seconds an all-reduce adds to a loop of compute bursts: in a training step a collective follows
-    compute (its buffers out of cache, the ranks just converging), and there it costs more than
+def _collective_after_compute(collective, reps: int) -> float:
+    """Seconds a collective (a call) adds to a loop of compute bursts: in a training step a collective
+    follows compute (its buffers out of cache, the ranks just converging), and there it costs more than
     back to back on idle ranks (on a 2-core development machine a 2 MiB all-reduce took 4.0 ms after
     compute against 2.4 ms idle)."""
     import torch.distributed as dist
@@ -223,7 +224,7 @@ def _all_reduce_after_compute(tensor: torch.Tensor, reps: int) -> float:
             for _ in range(8):
                 a @ a
             if communicate:
-                dist.all_reduce(tensor)
+                collective()
         return (time.perf_counter() - start) / reps
 
     loop(True)  # warm-up
@@ -264,9 +265,13 @@ def _worker(rank: int, world: int, port: int, with_compute: int) -> None:
             dist.barrier()
             result.update(compute_figures())
         small, large = torch.ones(1), torch.ones(1 << 22)  # 4 bytes; 16 MiB
+        shard = torch.ones(large.numel() // world)
         result["nbytes"] = large.numel() * 4
-        for name, tensor, reps in (("small", small, 30), ("large", large, 6)):
-            result[name] = _all_reduce_after_compute(tensor, reps)
+        for name, collective, reps in (("small", lambda: dist.all_reduce(small), 30),
+                                       ("large", lambda: dist.all_reduce(large), 6),
+                                       ("gather", lambda: dist.all_gather_single(large, shard), 6),
+                                       ("scatter", lambda: dist.reduce_scatter_single(shard, large), 6)):
+            result[name] = _collective_after_compute(collective, reps)
         result["fsdp_unit"], result["tp_linear"] = framework_overheads(world)
         result["loss_parallel"] = vocab_parallel_loss_factor(world)
         if rank == 0:
@@ -277,6 +282,7 @@ def _worker(rank: int, world: int, port: int, with_compute: int) -> None:
 
 def distributed_figures(world: int, with_compute: bool) -> dict[str, float]:
     """What ``world`` local gloo processes measure: all-reduce bus bandwidth (bytes/s) and latency per hop (s),
+    all-gather's and reduce-scatter's time against the ring's at that bandwidth,
     the resident bytes of a process with scalenlp's training imports and a process group besides its
     model (_runtime_bytes), the wrappers' overheads (framework_overheads), and with_compute, each rank's compute figures."""
     port = _free_port()
@@ -290,7 +296,11 @@ def distributed_figures(world: int, with_compute: bool) -> dict[str, float]:
     result = json.loads(outputs[0].strip().splitlines()[-1])
     hops = 2 * (world - 1)
     bus_bw = hops / world * result["nbytes"] / max(result["large"] - result["small"], 1e-9)
+    # All-gather and reduce-scatter make half the all-reduce's hops; gloo's take longer than that (on the
+    # development machine 2.3x and 3.8x for 16 MiB over 2 processes), which FSDP meets at every unit.
+    ring_half = (world - 1) * (result["nbytes"] / world / bus_bw + result["small"] / hops)
     figures = dict(latency_s=result["small"] / hops, intra_node_bw=bus_bw, nic_bw=bus_bw,
+                   all_gather_factor=result["gather"] / ring_half, reduce_scatter_factor=result["scatter"] / ring_half,
                    runtime_bytes=result["rss"], fsdp_unit_overhead_s=result["fsdp_unit"],
                    tp_linear_overhead_s=result["tp_linear"], vocab_parallel_loss_factor=result["loss_parallel"])
     if with_compute:
