@@ -9,6 +9,7 @@ from infer_helpers import make_export
 
 from scalenlp.data.tokenizer import find_eos_token_id
 from scalenlp.infer.engine import Engine, QueueFull, RequestError, load_tokenizer_for
+from scalenlp.infer.packing import pack_linears
 from scalenlp.infer.sampling import SamplingBatch, SamplingParams, sample, uniform_from
 from scalenlp.models.io import load_pretrained
 
@@ -175,8 +176,24 @@ def test_compiled_decode_step_matches_eager(tmp_path, dtype):
         compiled.stop()
 
 
-@pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-                    reason="this CPU's oneDNN has no bf16 kernels, so the engine does not pack weights here")
+needs_onednn_bf16 = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="this CPU's oneDNN has no bf16 kernels, so the engine does not pack weights here")
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("flavor", ["debug-gpt2", "debug"])
+def test_fused_and_packed_projections_compute_the_same_logits(tmp_path, flavor):
+    export = make_export(tmp_path, flavor, logit_scale=1.0)
+    plain, packed = load_pretrained(export, dtype=torch.bfloat16), load_pretrained(export, dtype=torch.bfloat16)
+    pack_linears(packed)
+    tokens = torch.randint(0, plain.args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = plain(tokens).float(), packed(tokens).float()
+    assert (got - expected).abs().max() <= 0.02 * expected.abs().max()  # bf16 rounding, summed in another order
+
+
+@needs_onednn_bf16
 @pytest.mark.parametrize("flavor", ["debug-gpt2", "debug"])  # biases; grouped-query attention (q/k/v fused unequal)
 def test_packed_bf16_weights_match_plain_bf16(tmp_path, flavor):
     export = make_export(tmp_path, flavor)
@@ -186,6 +203,8 @@ def test_packed_bf16_weights_match_plain_bf16(tmp_path, flavor):
     try:
         assert not any(type(m) is torch.nn.Linear for m in engine.model.modules())  # all packed
         assert all(block.attention.wqkv is not None for block in engine.model.layers.values())
+        assert all((block.feed_forward.w13 is not None) == (flavor == "debug")  # SwiGLU's w1/w3 fused too
+                   for block in engine.model.layers.values())
         tokens = engine.encode("the quick brown")
         n = len(tokens)
         with torch.no_grad():

@@ -175,8 +175,12 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=args.bias)
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=args.bias)
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=args.bias) if self.swiglu else None
+        self.w13: nn.Module | None = None  # w1 and w3 as one matmul, where inference packing fuses them
 
     def forward(self, x):
+        if self.w13 is not None:
+            gate, up = self.w13(x).chunk(2, dim=-1)  # w1 is Llama's gate projection, w3 its up projection
+            return self.w2(F.silu(gate) * up)
         if self.swiglu:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
