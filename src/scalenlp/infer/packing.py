@@ -48,7 +48,7 @@ def _stacked(parts: tuple[nn.Linear, ...]) -> nn.Linear:
 
 def fuse_projections(model: nn.Module) -> None:
     """Stack the projections that read the same input into one linear: each attention's query, key and
-    value (``wqkv``) and a SwiGLU MLP's up and gate (``w13``), dropping the parts. One wide product per
+    value (``wqkv``) and a SwiGLU MLP's gate and up (``w13``), dropping the parts. One wide product per
     token streams the weights about 3% faster than three (q/k/v, gpt2-124m shape, bf16, batch 1, faster
     in 12 of 12 interleaved rounds). Inference only, before packing."""
     for module in model.modules():

@@ -30,7 +30,8 @@ stored activations through memory per forward + backward; the loss moves element
 costs the measured factor over the fused one (it makes separate passes).
 
 Communication, ring algorithms (n ranks, β bus bandwidth, α per hop): all-reduce 2(n−1)/n·bytes/β +
-2(n−1)α, all-gather and reduce-scatter half of that. A group's bandwidth is the node's own when all
+2(n−1)α, all-gather and reduce-scatter half of that (times the slowdown ``--device cpu`` measures
+for gloo's). A group's bandwidth is the node's own when all
 its ranks share a node, else the NICs of its ranks on one node (mesh order pp, dp_replicate,
 dp_shard, tp, innermost last). Per layer per microbatch TP moves 8bsh(t−1)/t elements (two
 all-reduces forward, two backward; sequence parallelism replaces each by an all-gather plus a
@@ -44,10 +45,10 @@ collective buffers at memory bandwidth. On a CPU (overlaps_communication false) 
 share the cores with compute, so no data-parallel traffic is hidden. Pipeline stages send
 activations forward and gradients back, exposed; a tied embedding's two copies (first and last stage)
 sum their gradients once per step, exposed. Layers are split across stages as scalenlp train
-splits them (balanced against the output projection). The pipeline runs m microbatch slots of its slowest rank, plus one pass of the
-first microbatch (forward) and the last (backward) through every other rank, 1/v of a slot at a
-time when interleaved: for equal stages the bubble is (p − 1)/(v·m) of the ideal time. The
-optimizer streams its state once per step.
+splits them (balanced against the output projection). The pipeline runs m microbatch slots of its
+slowest rank, plus one pass of the first microbatch (forward) and the last (backward) through every
+other rank, 1/v of a slot at a time when interleaved: for equal stages the bubble is (p − 1)/(v·m)
+of the ideal time. The optimizer streams its state once per step.
 
 Calibration, once (scalenlp.plan.calibrate fits and prints the constants devices.py carries):
 GPU_GEMM_HALF_DIM, GPU_ELEMENTWISE_TRAFFIC and the A100's gemm_efficiency by least squares on log
@@ -421,14 +422,13 @@ def step_flops(shape: ModelShape, work: Workload, recompute: str) -> tuple[float
     return model, model + extra
 
 
-def _ring_time(kind: str, nbytes: float, n: int, bw: float, latency: float, device: DeviceSpec | None = None) -> float:
-    """A ring collective's time; ``device`` scales all-gathers and reduce-scatters by its measured factors."""
+def ring_time(kind: str, nbytes: float, n: int, bw: float, latency: float, slowdown: float = 1.0) -> float:
+    """A ring collective's time, times ``slowdown`` where the library is measured slower than the ring
+    (DeviceSpec.all_gather_factor, reduce_scatter_factor)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     hops = (n - 1) * (2 if kind == "all_reduce" else 1)
-    factor = {"all_gather": device.all_gather_factor, "reduce_scatter": device.reduce_scatter_factor}.get(kind, 1.0) \
-        if device is not None else 1.0
-    return factor * hops * (nbytes / n / bw + latency)
+    return slowdown * hops * (nbytes / n / bw + latency)
 
 
 def _group_bw(stride: int, size: int, gpus_per_node: int, device: DeviceSpec) -> float:
@@ -462,13 +462,13 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     elementwise_s = device.elementwise_traffic * stored * passes / 3 / device.hbm_bw + OPS_PER_LAYER * device.op_overhead_s
     tp_bw = _group_bw(1, lay.tp, gpus_per_node, device)
     collectives = 4 + (2 if lay.recompute == "full" else 0)
-    hidden_reduce = _ring_time("all_reduce", e * tokens * shape.hidden, lay.tp, tp_bw, device.latency_s)
+    hidden_reduce = ring_time("all_reduce", e * tokens * shape.hidden, lay.tp, tp_bw, device.latency_s)
     tp_s = collectives * hidden_reduce
     # The ends, once per microbatch: the vocabulary-parallel embedding reduces its output (forward); the
     # output projection reduces its input's gradient (backward), and the vocabulary-parallel loss three
     # fp32 values per token (max logit, sum of exponentials, target logit).
     tp_first_s = hidden_reduce
-    tp_last_s = hidden_reduce + 3 * _ring_time("all_reduce", 4 * tokens, lay.tp, tp_bw, device.latency_s)
+    tp_last_s = hidden_reduce + 3 * ring_time("all_reduce", 4 * tokens, lay.tp, tp_bw, device.latency_s)
 
     # The loss end: logits matmul (forward + backward) and the softmax over the vocabulary.
     logits_matmul_s = 3 * _gemm_time(2 * tokens * shape.hidden * shape.vocab / lay.tp,
@@ -518,9 +518,10 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
         params = stage_params(shape, lay, stage, layers)
         grads = g_bytes * params
         if lay.zero >= 2:
-            gathers = (lay.zero - 1) * _ring_time("all_gather", e * params, lay.dp_shard, shard_bw, lat, device)
-            reduce = (_ring_time("reduce_scatter", grads, lay.dp_shard, shard_bw, lat, device)
-                      + _ring_time("all_reduce", grads / lay.dp_shard, lay.dp_replicate, repl_bw, lat))
+            gathers = (lay.zero - 1) * ring_time("all_gather", e * params, lay.dp_shard, shard_bw, lat,
+                                                   device.all_gather_factor)
+            reduce = (ring_time("reduce_scatter", grads, lay.dp_shard, shard_bw, lat, device.reduce_scatter_factor)
+                      + ring_time("all_reduce", grads / lay.dp_shard, lay.dp_replicate, repl_bw, lat))
             hidden = gathers + (reduce if reduce_every_microbatch else 0.0)
             slot["data_parallel_exposed"] = exposed(hidden, compute)
             step_sync = 0.0 if reduce_every_microbatch else exposed(reduce, backward)
@@ -531,14 +532,14 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
                     + (2 * grads if reduce_every_microbatch else 0.0)
                 slot["fsdp_copies"] = copies / device.hbm_bw
         else:
-            step_sync = exposed(_ring_time("all_reduce", grads, lay.dp, dp_bw, lat), backward)
+            step_sync = exposed(ring_time("all_reduce", grads, lay.dp, dp_bw, lat), backward)
             if lay.zero == 1:
-                step_sync += _ring_time("all_gather", w_bytes * params, lay.dp, dp_bw, lat, device)
+                step_sync += ring_time("all_gather", w_bytes * params, lay.dp, dp_bw, lat, device.all_gather_factor)
         if shape.tied and lay.pp > 1 and stage in (0, lay.pp - 1):
             # The embedding and its copy on the last stage sum their gradients (this rank's shard) once per step,
             # between the two ends of the pipeline, after the backward: exposed.
             tied_shard = g_bytes * shape.vocab * shape.hidden / lay.tp / (lay.dp_shard if lay.zero >= 2 else 1)
-            step_sync += _ring_time("all_reduce", tied_shard, 2, pp_bw, lat)
+            step_sync += ring_time("all_reduce", tied_shard, 2, pp_bw, lat)
         optimizer_params = params / (lay.dp_shard if lay.zero else 1)
         tail = dict(grad_sync_exposed=step_sync,
                     optimizer=optimizer_params * (OPTIMIZER_TRAFFIC + g_bytes) / device.hbm_bw)

@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from scalenlp.plan.cost import ring_time
 from scalenlp.plan.devices import GPU_ELEMENTWISE_TRAFFIC, DeviceSpec
 
 # (m, n, k): thin shapes like a small model's projections, up to square ones.
@@ -231,12 +232,14 @@ def _collective_after_compute(collective, reps: int) -> float:
     return max(loop(True) - loop(False), 1e-6)
 
 
-def _runtime_bytes(resident_bytes) -> int:
+def _runtime_bytes() -> int:
     """What a training process holds besides its model, activations and buffers: its imports, and what a
     few training steps leave behind (the math libraries' workspaces, autograd's, and the heap that the
     allocator keeps from freed activations: 55-70 MiB on the development machine), measured once the
     steps' own model and optimizer are freed."""
     from torch import nn
+
+    from scalenlp.train.metrics import resident_bytes
 
     model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
     optimizer = torch.optim.AdamW(model.parameters())
@@ -255,12 +258,11 @@ def _worker(rank: int, world: int, port: int, with_compute: int) -> None:
     import torch.distributed as dist
 
     import scalenlp.train.trainer  # noqa: F401  the training process's own imports count towards its runtime memory
-    from scalenlp.train.metrics import resident_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        result = dict(rss=_runtime_bytes(resident_bytes))  # before any other tensor of ours
+        result = dict(rss=_runtime_bytes())  # before any other tensor of ours
         if with_compute:
             dist.barrier()
             result.update(compute_figures())
@@ -282,9 +284,9 @@ def _worker(rank: int, world: int, port: int, with_compute: int) -> None:
 
 def distributed_figures(world: int, with_compute: bool) -> dict[str, float]:
     """What ``world`` local gloo processes measure: all-reduce bus bandwidth (bytes/s) and latency per hop (s),
-    all-gather's and reduce-scatter's time against the ring's at that bandwidth,
-    the resident bytes of a process with scalenlp's training imports and a process group besides its
-    model (_runtime_bytes), the wrappers' overheads (framework_overheads), and with_compute, each rank's compute figures."""
+    all-gather's and reduce-scatter's time against the ring's at that bandwidth, the resident bytes of a
+    process with scalenlp's training imports and a process group besides its model (_runtime_bytes), the
+    wrappers' overheads (framework_overheads), and with_compute, each rank's compute figures."""
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-m", "scalenlp.plan.measure", str(r), str(world), str(port),
@@ -298,7 +300,7 @@ def distributed_figures(world: int, with_compute: bool) -> dict[str, float]:
     bus_bw = hops / world * result["nbytes"] / max(result["large"] - result["small"], 1e-9)
     # All-gather and reduce-scatter make half the all-reduce's hops; gloo's take longer than that (on the
     # development machine 2.3x and 3.8x for 16 MiB over 2 processes), which FSDP meets at every unit.
-    ring_half = (world - 1) * (result["nbytes"] / world / bus_bw + result["small"] / hops)
+    ring_half = ring_time("all_gather", result["nbytes"], world, bus_bw, result["small"] / hops)
     figures = dict(latency_s=result["small"] / hops, intra_node_bw=bus_bw, nic_bw=bus_bw,
                    all_gather_factor=result["gather"] / ring_half, reduce_scatter_factor=result["scatter"] / ring_half,
                    runtime_bytes=result["rss"], fsdp_unit_overhead_s=result["fsdp_unit"],

@@ -52,7 +52,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
 def resident_bytes(peak: bool) -> int:
     """This process's resident set: its peak or its size now. On Linux from /proc (VmHWM, VmRSS), not
     getrusage, whose peak Linux carries across exec from the spawning process: a run started from a
-    large Python process would report that process's size."""
+    large Python process would report that process's size. Elsewhere getrusage's peak is all there is."""
     try:
         with open("/proc/self/status") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
