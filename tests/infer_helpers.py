@@ -43,7 +43,7 @@ def make_export(root: Path, flavor: str = "debug", seed: int = 0, logit_scale: f
     model = build_model(model_args(flavor, vocab_size=vocab, max_seq_len=max_seq_len))
     with torch.no_grad():
         model.norm.weight.mul_(logit_scale)  # the final norm's gain scales the logits alone, tied or not
-    return save_pretrained(model, root / "export", tokenizer_file=tok_path)
+    return save_pretrained(model, root / "export", tok_path)
 
 
 class ServerThread:

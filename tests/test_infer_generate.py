@@ -53,7 +53,7 @@ def test_generation_ends_at_the_tokenizers_end_of_text(tmp_path, special, config
     with torch.no_grad():  # make the special token the greedy choice: its output row doubles the first choice's
         first = model(torch.tensor([prompt]))[0, -1].argmax()
         model.output.weight[special_id] = 2 * model.output.weight[first]
-    save_pretrained(model, export, tokenizer_file=tmp_path / "tok.json")
+    save_pretrained(model, export, tmp_path / "tok.json")
     if config:
         (export / "tokenizer_config.json").write_text(json.dumps(config))
     args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=2, max_seq_len=None,

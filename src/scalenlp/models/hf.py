@@ -6,6 +6,7 @@ GPT-2's ``Conv1D`` stores weights as (in, out), the transpose of ``nn.Linear``, 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
+from scalenlp.models.loader import Pretrained
 
 GPT2_SHAPE = dict(norm="layernorm", activation="gelu", position="learned", bias=True)
 LLAMA_SHAPE = dict(norm="rmsnorm", activation="swiglu", position="rope")
@@ -47,19 +49,69 @@ def hf_config(args: ModelArgs):
 
 
 def args_from_hf(config) -> ModelArgs:
-    if config.model_type == "gpt2":
-        return ModelArgs(vocab_size=config.vocab_size, dim=config.n_embd, n_layers=config.n_layer,
-                         n_heads=config.n_head, ffn_dim=config.n_inner or 4 * config.n_embd,
-                         max_seq_len=config.n_positions, norm_eps=config.layer_norm_epsilon,
-                         tie_embeddings=config.tie_word_embeddings, **GPT2_SHAPE)
-    if config.model_type == "llama":
-        theta = getattr(config, "rope_theta", None) or (config.rope_parameters or {}).get("rope_theta", 10000.0)
-        return ModelArgs(vocab_size=config.vocab_size, dim=config.hidden_size, n_layers=config.num_hidden_layers,
-                         n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
-                         ffn_dim=config.intermediate_size, max_seq_len=config.max_position_embeddings,
-                         norm_eps=config.rms_norm_eps, rope_theta=theta, bias=config.attention_bias,
-                         tie_embeddings=config.tie_word_embeddings, **LLAMA_SHAPE)
-    raise UserError(f"cannot import a Hugging Face {config.model_type!r} model; supported: gpt2, llama")
+    """Our model arguments from a transformers config object or a ``config.json`` dict."""
+    c = config if isinstance(config, dict) else config.to_dict()
+    model_type = c.get("model_type")
+    if model_type == "gpt2":
+        if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise UserError(f"GPT-2 activation {c['activation_function']!r} is not supported; only gelu_new (tanh)")
+        return ModelArgs(vocab_size=c["vocab_size"], dim=c["n_embd"], n_layers=c["n_layer"], n_heads=c["n_head"],
+                         ffn_dim=c.get("n_inner") or 4 * c["n_embd"], max_seq_len=c["n_positions"],
+                         norm_eps=c.get("layer_norm_epsilon", 1e-5),
+                         tie_embeddings=c.get("tie_word_embeddings", True), **GPT2_SHAPE)
+    if model_type == "llama":
+        heads, dim = c["num_attention_heads"], c["hidden_size"]
+        if c.get("head_dim") not in (None, dim // heads):
+            raise UserError(f"head_dim={c['head_dim']} differs from hidden_size / num_attention_heads = {dim // heads}; "
+                            f"such Llama variants are not supported")
+        rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise UserError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; "
+                            f"only plain RoPE")
+        if c.get("hidden_act", "silu") != "silu":
+            raise UserError(f"Llama activation {c['hidden_act']!r} is not supported; only silu (SwiGLU)")
+        if c.get("attention_bias", False) != c.get("mlp_bias", False):
+            raise UserError("attention_bias and mlp_bias differ; only models with both or neither are supported")
+        return ModelArgs(vocab_size=c["vocab_size"], dim=dim, n_layers=c["num_hidden_layers"], n_heads=heads,
+                         n_kv_heads=c.get("num_key_value_heads") or heads, ffn_dim=c["intermediate_size"],
+                         max_seq_len=c.get("max_position_embeddings", 2048), norm_eps=c.get("rms_norm_eps", 1e-6),
+                         rope_theta=c.get("rope_theta") or rope.get("rope_theta", 10000.0),
+                         bias=c.get("attention_bias", False), tie_embeddings=c.get("tie_word_embeddings", False),
+                         **LLAMA_SHAPE)
+    raise UserError(f"cannot load a Hugging Face {model_type!r} model; supported: gpt2 (GPT2LMHeadModel), "
+                    f"llama (LlamaForCausalLM and its relatives)")
+
+
+def read_hf_folder(folder: Path) -> Pretrained:
+    """A local Hugging Face model folder: ``config.json``, ``*.safetensors`` (one file or shards, memory-mapped)
+    and ``tokenizer.json``. Never touches the hub."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from scalenlp.data.tokenizer import load_tokenizer
+    from scalenlp.models.loader import read_tokenizer_config
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
+    args = args_from_hf(config)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder} has a config.json but no .safetensors weights; save the model with "
+                        f"save_pretrained(..., safe_serialization=True) (pickled .bin files are not read)")
+    hf: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            hf.update(load_file(str(f)))
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"cannot read {f}: {e}") from None
+    if config.get("model_type") == "gpt2":  # GPT2Model (no LM head) saves its weights without the prefix
+        hf = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in hf.items()}
+    if not (folder / "tokenizer.json").is_file():
+        raise UserError(f"{folder} has no tokenizer.json; only fast (tokenizers-library) tokenizers are supported")
+    return Pretrained(args, from_hf_state_dict(args, hf), load_tokenizer(folder), read_tokenizer_config(folder),
+                      "hf", folder)
 
 
 def _gpt2_pairs(n_layers: int):
@@ -179,4 +231,4 @@ def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load a Hugging Face model from {hf_dir}: {e}") from None
     tokenizer = Path(hf_dir) / TOKENIZER
-    return save_pretrained(from_hf(hf), out_dir, tokenizer_file=tokenizer if tokenizer.is_file() else None)
+    return save_pretrained(from_hf(hf), out_dir, tokenizer if tokenizer.is_file() else None)

@@ -1,4 +1,5 @@
-"""Exported models: ``model.safetensors`` + ``model_args.json`` (+ ``tokenizer.json``) in one folder.
+"""Exported models: ``model.safetensors`` + ``model_args.json`` + ``tokenizer.json`` (+ ``tokenizer_config.json``
+with BOS, EOS and the chat template) in one folder.
 
 This is what training hands to inference and to Hugging Face conversion. Loading builds the model on
 the meta device and assigns the tensors read from safetensors, so nothing is allocated twice and
@@ -15,17 +16,21 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
+from scalenlp.models.loader import TOKENIZER_CONFIG, Pretrained, read_tokenizer_config
 
 WEIGHTS, ARGS, TOKENIZER = "model.safetensors", "model_args.json", "tokenizer.json"
 
 
-def save_pretrained(model: Transformer, out_dir: str | Path, tokenizer_file: str | Path | None = None,
-                    extra_files: dict[str, str] | None = None) -> Path:
+def save_pretrained(model: Transformer, out_dir: str | Path, tokenizer: Tokenizer | str | Path | None = None,
+                    extra_files: dict[str, str] | None = None, tokenizer_config: dict | None = None) -> Path:
     """Write to a temporary sibling folder, then rename over ``out_dir``: a crash leaves the old export intact.
-    ``extra_files`` maps file names to text written alongside (for example the resolved config)."""
+    ``tokenizer`` is a ``Tokenizer`` or a ``tokenizer.json`` path; ``tokenizer_config`` (BOS, EOS, chat
+    template) is written as ``tokenizer_config.json``; ``extra_files`` maps file names to text written
+    alongside (for example the resolved config)."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -35,8 +40,12 @@ def save_pretrained(model: Transformer, out_dir: str | Path, tokenizer_file: str
         state.pop("output.weight", None)  # the same storage as tok_embeddings.weight; safetensors rejects aliases
     save_file(state, str(tmp / WEIGHTS))
     (tmp / ARGS).write_text(json.dumps(dataclasses.asdict(model.args), indent=2))
-    if tokenizer_file is not None:
-        shutil.copyfile(tokenizer_file, tmp / TOKENIZER)
+    if isinstance(tokenizer, Tokenizer):
+        tokenizer.save(str(tmp / TOKENIZER))
+    elif tokenizer is not None:
+        shutil.copyfile(tokenizer, tmp / TOKENIZER)
+    if tokenizer_config:
+        (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2))
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
     if out.exists():
@@ -60,31 +69,51 @@ def load_model_args(path: str | Path) -> ModelArgs:
         raise UserError(f"{file} is corrupt ({e}); re-export the model") from None
 
 
-def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None) -> Transformer:
-    """Load an exported model; ``dtype`` casts floating weights (RoPE tables stay float32)."""
+def read_weights(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """An export folder's model arguments and weights; safetensors are memory-mapped, not copied."""
     args = load_model_args(path)
     weights = Path(path) / WEIGHTS
     if not weights.is_file():
         raise UserError(f"{path} has {ARGS} but no {WEIGHTS}; re-export the model")
-    with torch.device("meta"):
-        model = Transformer(args)
     try:
-        state = load_file(str(weights), device=str(device))
+        return args, load_file(str(weights))
     except Exception as e:  # safetensors raises its own error types for truncated or foreign files
         raise UserError(f"cannot read {weights}: {e}") from None
+
+
+def read_export(path: str | Path) -> Pretrained:
+    """An export folder as a ``Pretrained`` (weights, tokenizer and its config)."""
+    from scalenlp.data.tokenizer import load_tokenizer
+
+    folder = Path(path)
+    args, state = read_weights(folder)
+    if not (folder / TOKENIZER).is_file():
+        raise UserError(f"{folder} has no {TOKENIZER}; export the model together with its tokenizer")
+    return Pretrained(args, state, load_tokenizer(folder / TOKENIZER), read_tokenizer_config(folder), "export", folder)
+
+
+def build_decoder(args: ModelArgs, state: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                  dtype: torch.dtype | None = None, where: str = "the checkpoint") -> Transformer:
+    """A decoder built on the meta device with ``state`` assigned (moved to ``device``/``dtype`` only where
+    they differ); ``dtype`` casts floating weights (RoPE tables stay float32)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    state = {k: v.to(device=device, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
+             for k, v in state.items()}
     if args.tie_embeddings:
-        state["output.weight"] = state["tok_embeddings.weight"]
+        state["output.weight"] = state.get("tok_embeddings.weight")
     try:
         model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:
-        raise UserError(f"{weights} does not match {ARGS}: {str(e).splitlines()[0]}") from None
+    except (RuntimeError, TypeError) as e:
+        raise UserError(f"the weights in {where} do not match its model arguments: {str(e).splitlines()[0]}") from None
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     if args.position == "rope":  # non-persistent buffers are still on meta
         model.rope_cos, model.rope_sin = rope_tables(args, device=device)
-    if dtype is not None:
-        model.to(dtype)
-        if args.position == "rope":
-            model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
     return model.eval()
+
+
+def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None) -> Transformer:
+    """Load an export folder's model; ``dtype`` casts floating weights (RoPE tables stay float32)."""
+    return build_decoder(*read_weights(path), device, dtype, where=str(path))
