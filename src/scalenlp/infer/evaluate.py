@@ -1,0 +1,103 @@
+"""`scalenlp eval`: perplexity of a language model over a text file, with sliding windows.
+
+The method of Hugging Face's "Perplexity of fixed-length models" guide: the file is tokenized whole, a
+window of ``--seq`` tokens slides by ``--stride``, and each window scores only the tokens the previous
+window did not (the earlier ones are context). A stride below the window gives every scored token more
+context, closer to the model's true perplexity, at the cost of more forwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from scalenlp.errors import UserError
+
+
+@dataclass
+class Perplexity:
+    perplexity: float
+    nll: float  # mean negative log-likelihood per scored token, in nats
+    tokens: int  # tokens scored
+    windows: int
+    seconds: float
+    tokens_per_sec: float
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True,
+                        help="a run folder, an export folder, a Hugging Face model folder or a .gguf file")
+    parser.add_argument("--data", required=True, help="UTF-8 text file to score")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per window (default: the model's context, "
+                                                              "at most 1024)")
+    parser.add_argument("--stride", type=int, default=None, help="tokens the window moves by (default: --seq / 2)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="score only the file's first N tokens")
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weight dtype (default float32: perplexity is a quality figure, bf16 shifts it)")
+    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+@torch.inference_mode()
+def perplexity(model, ids: list[int], seq: int, stride: int) -> Perplexity:
+    """Sliding-window perplexity of ``ids`` under ``model`` (a decoder returning logits)."""
+    device = next(model.parameters()).device
+    tokens = torch.tensor(ids, device=device)
+    nll, counted, windows, prev_end = 0.0, 0, 0, 0
+    start = time.perf_counter()
+    for begin in range(0, len(ids), stride):
+        end = min(begin + seq, len(ids))
+        # Targets are positions begin+1 .. end-1 of the window; only those past prev_end are new.
+        first = max(prev_end, begin + 1)
+        if first < end:
+            logits = model(tokens[None, begin:end - 1]).float()[0, first - begin - 1:]
+            nll += F.cross_entropy(logits, tokens[first:end], reduction="sum").item()
+            counted += end - first
+            windows += 1
+        prev_end = end
+        if end == len(ids):
+            break
+    seconds = time.perf_counter() - start
+    mean = nll / counted
+    return Perplexity(math.exp(mean), mean, counted, windows, seconds, counted / seconds)
+
+
+def run(args) -> int:
+    from scalenlp.infer.engine import pick_device, pick_dtype
+    from scalenlp.models.decoder import Transformer
+    from scalenlp.models.loader import load
+
+    data = Path(args.data)
+    if not data.is_file():
+        raise UserError(f"--data {args.data!r} is not a file; pass a UTF-8 text file to score")
+    try:
+        text = data.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--data {args.data} is not UTF-8 text (byte {e.start}); convert it first") from None
+    device = torch.device(args.device) if args.device else pick_device()
+    model, pre = load(args.checkpoint, device=device, dtype=pick_dtype(device, args.dtype))
+    if not isinstance(model, Transformer):
+        raise UserError(f"{args.checkpoint} is not a language model; eval measures a decoder's perplexity")
+    seq = args.seq or min(model.args.max_seq_len, 1024)
+    stride = args.stride or max(1, seq // 2)
+    if not 2 <= seq <= model.args.max_seq_len:
+        raise UserError(f"--seq {seq} must be between 2 and the model's context length {model.args.max_seq_len}")
+    if not 1 <= stride <= seq:
+        raise UserError(f"--stride {stride} must be between 1 and --seq ({seq})")
+    ids = pre.tokenizer.encode(text).ids[:args.max_tokens]
+    if len(ids) < 2:
+        raise UserError(f"--data {args.data} has fewer than 2 tokens; there is nothing to score")
+    result = perplexity(model, ids, seq, stride)
+    if args.json:
+        print(json.dumps({**asdict(result), "seq": seq, "stride": stride, "checkpoint": str(args.checkpoint)}))
+    else:
+        print(f"perplexity {result.perplexity:.4f} (mean NLL {result.nll:.4f} nats) over {result.tokens:,} tokens in "
+              f"{result.windows} windows of {seq} (stride {stride}) | {result.tokens_per_sec:,.0f} tokens/s")
+    return 0

@@ -1,0 +1,62 @@
+"""`scalenlp export`: any checkpoint the loader reads, written as a Hugging Face folder or a GGUF file.
+
+The Hugging Face folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the
+chat template) loads with ``transformers``' ``from_pretrained``; the GGUF file carries the tokenizer and
+chat template, so llama.cpp-based tools run the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+from scalenlp.errors import UserError
+
+FORMATS = ("hf", "gguf")
+GGUF_TYPES = ("f32", "f16", "q8_0")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True,
+                        help="a run folder, an export folder, a Hugging Face model folder or a .gguf file")
+    parser.add_argument("--format", required=True, choices=FORMATS, help="hf: a transformers folder; gguf: one file")
+    parser.add_argument("--out", required=True, help="folder (hf) or .gguf file (gguf) to write; must not exist")
+    parser.add_argument("--type", default="f16", choices=GGUF_TYPES, help="GGUF weight type (default f16)")
+
+
+def write_hf_folder(model, pre, out: Path) -> None:
+    """A decoder as a transformers folder, with the tokenizer and its config beside the weights."""
+    from scalenlp.models.hf import to_hf  # imports transformers
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    to_hf(model).save_pretrained(tmp, safe_serialization=True)
+    pre.tokenizer.save(str(tmp / "tokenizer.json"))
+    # transformers' fast tokenizer reads its class and special tokens from here.
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **pre.tokenizer_config}
+    (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    os.replace(tmp, out)
+
+
+def run(args) -> int:
+    from scalenlp.models.loader import load
+
+    out = Path(args.out)
+    if out.exists():
+        raise UserError(f"--out {out} already exists; choose a new path (nothing is overwritten)")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: its folder {out.parent} does not exist")
+    model, pre = load(args.checkpoint)
+    if args.format == "gguf":
+        from scalenlp.models.gguf import write_gguf
+
+        if out.suffix != ".gguf":
+            raise UserError(f"--out {out} must end in .gguf for --format gguf")
+        write_gguf(model, pre.tokenizer, pre.tokenizer_config, out, dtype=args.type)
+    else:
+        write_hf_folder(model, pre, out)
+    print(f"wrote {out} ({args.format}{', ' + args.type if args.format == 'gguf' else ''})")
+    return 0

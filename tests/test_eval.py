@@ -1,0 +1,71 @@
+"""`scalenlp eval`: sliding-window perplexity equal to Hugging Face's guide computed by transformers."""
+
+import json
+
+import pytest
+import torch
+from infer_helpers import SENTENCES, make_export
+
+from scalenlp.cli import main
+from scalenlp.models.hf import to_hf
+from scalenlp.models.io import load_pretrained
+from scalenlp.models.loader import read
+
+torch.set_num_threads(1)
+
+
+def hf_guide_perplexity(model, ids: torch.Tensor, max_length: int, stride: int) -> tuple[float, int]:
+    """The loop of transformers' "Perplexity of fixed-length models" guide: (perplexity, tokens scored).
+    The guide weights each window's mean loss by its label count minus one for the internal shift; that
+    is exact only where a window's first label is scored, so the count here is of the shifted labels."""
+    seq_len = ids.size(1)
+    nll_sum, n_tokens, prev_end_loc = 0.0, 0, 0
+    for begin_loc in range(0, seq_len, stride):
+        end_loc = min(begin_loc + max_length, seq_len)
+        trg_len = end_loc - prev_end_loc
+        input_ids = ids[:, begin_loc:end_loc]
+        target_ids = input_ids.clone()
+        target_ids[:, :-trg_len] = -100
+        with torch.no_grad():
+            loss = model(input_ids, labels=target_ids).loss
+        num_valid = (target_ids[:, 1:] != -100).sum().item()  # the labels transformers scores after its shift
+        nll_sum += loss.item() * num_valid
+        n_tokens += num_valid
+        prev_end_loc = end_loc
+        if end_loc == seq_len:
+            break
+    return float(torch.exp(torch.tensor(nll_sum / n_tokens))), n_tokens
+
+
+@pytest.mark.parametrize("seq, stride", [(32, 16), (32, 32), (64, 7)])
+def test_perplexity_equals_the_hf_guide(tmp_path, capsys, seq, stride):
+    export = make_export(tmp_path, "debug", logit_scale=1.0)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(SENTENCES) * 3)
+    assert main(["eval", "--checkpoint", str(export), "--data", str(text), "--seq", str(seq), "--stride", str(stride),
+                 "--json"]) == 0
+    ours = json.loads(capsys.readouterr().out)
+    ids = torch.tensor([read(export).tokenizer.encode(text.read_text()).ids])
+    reference, tokens = hf_guide_perplexity(to_hf(load_pretrained(export)), ids, seq, stride)
+    assert ours["perplexity"] == pytest.approx(reference, rel=1e-4)
+    assert ours["tokens"] == tokens
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--seq", "100000"], "between 2 and the model's context length"),
+    (["--seq", "16", "--stride", "17"], "--stride 17 must be between 1"),
+])
+def test_bad_windows_are_one_error_line(tmp_path, capsys, extra, match):
+    export = make_export(tmp_path)
+    (tmp_path / "t.txt").write_text(" ".join(SENTENCES))
+    assert main(["eval", "--checkpoint", str(export), "--data", str(tmp_path / "t.txt"), *extra]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_missing_or_binary_data_is_one_error_line(tmp_path, capsys):
+    export = make_export(tmp_path)
+    assert main(["eval", "--checkpoint", str(export), "--data", str(tmp_path / "nope.txt")]) == 2
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00abc")
+    assert main(["eval", "--checkpoint", str(export), "--data", str(tmp_path / "bin.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a file" in err and "is not UTF-8" in err
