@@ -14,7 +14,7 @@ import torch
 
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
-from scalenlp.models.loader import Pretrained
+from scalenlp.models.pretrained import Pretrained, read_tokenizer_config
 
 GPT2_SHAPE = dict(norm="layernorm", activation="gelu", position="learned", bias=True)
 LLAMA_SHAPE = dict(norm="rmsnorm", activation="swiglu", position="rope")
@@ -89,7 +89,6 @@ def read_hf_folder(folder: Path) -> Pretrained:
     from safetensors.torch import load_file
 
     from scalenlp.data.tokenizer import load_tokenizer
-    from scalenlp.models.loader import read_tokenizer_config
 
     try:
         config = json.loads((folder / "config.json").read_text())

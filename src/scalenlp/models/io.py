@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
-from scalenlp.models.loader import TOKENIZER_CONFIG, Pretrained, read_tokenizer_config
+from scalenlp.models.pretrained import TOKENIZER_CONFIG, Pretrained, read_tokenizer_config
 
 WEIGHTS, ARGS, TOKENIZER = "model.safetensors", "model_args.json", "tokenizer.json"
 
