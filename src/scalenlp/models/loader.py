@@ -26,7 +26,7 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 
 @dataclass
 class Pretrained:
-    args: Any  # ModelArgs for decoders
+    args: Any  # ModelArgs for decoders, EncoderArgs for encoders
     state: dict[str, torch.Tensor]  # our parameter names; a tied output projection may be absent
     tokenizer: Tokenizer
     tokenizer_config: dict = field(default_factory=dict)  # bos_token, eos_token, chat_template, add_bos_token
@@ -97,9 +97,9 @@ def read_tokenizer_config(folder: Path) -> dict:
 
 def instantiate(pre: Pretrained, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
     """Build the model on the meta device and assign the checkpoint's tensors to it."""
-    from scalenlp.models.io import build_decoder
+    from scalenlp.models.io import build
 
-    return build_decoder(pre.args, pre.state, device, dtype, where=str(pre.path))
+    return build(pre.args, pre.state, device, dtype, where=str(pre.path))
 
 
 def load(path: str | Path, device: str | torch.device = "cpu",
