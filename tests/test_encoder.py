@@ -1,6 +1,8 @@
 """The BERT family: the same hidden states, sentence embeddings and logits as transformers and
-sentence-transformers, Hugging Face folders in and out, and export folders through the one loader."""
+sentence-transformers, Hugging Face folders in and out, export folders through the one loader, and
+tensor parallelism equal to one process."""
 
+import copy
 import importlib.resources
 import json
 import shutil
@@ -8,8 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from scalenlp.errors import UserError
+from scalenlp.infer.sharded import free_port
 from scalenlp.models import loader
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.hf_bert import write_bert_folder
@@ -141,3 +146,37 @@ def test_missing_tensor_is_a_user_error(tmp_path):
     shutil.copyfile(tmp_path / "small" / "model.safetensors", folder / "model.safetensors")  # 2 layers, config says 6
     with pytest.raises(UserError, match="lacks the tensor encoder.layer.2"):
         loader.read(folder)
+
+
+def _tp_worker(rank, world, port):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from scalenlp.parallel.tensor_parallel import apply_tp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        ids = torch.randint(0, 96, (3, 12), generator=torch.Generator().manual_seed(1))
+        mask = (torch.arange(12) < torch.tensor([[12], [7], [3]])).long()  # right-padded, three lengths
+        for task in ("classification", "token_classification"):
+            reference = tiny(task, vocab_size=96)
+            sharded = copy.deepcopy(reference)
+            with pytest.raises(ValueError, match="sequence parallelism is not implemented for encoders"):
+                apply_tp(sharded, mesh["tp"], sequence_parallel=True)
+            apply_tp(sharded, mesh["tp"], sequence_parallel=False)
+            for name in ("layers.0.attention.wq.weight", "layers.1.feed_forward.w2.weight", "tok_embeddings.weight"):
+                local = sharded.get_parameter(name).to_local()
+                assert local.numel() == reference.get_parameter(name).numel() // world, name
+            with torch.no_grad():
+                ours, theirs = sharded(ids, mask), reference(ids, mask)
+                keep = mask.bool() if ours.dim() == 3 else slice(None)
+                torch.testing.assert_close(ours[keep], theirs[keep], atol=1e-6, rtol=1e-5)
+                torch.testing.assert_close(sharded.embed(ids, mask), reference.embed(ids, mask), atol=1e-6, rtol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_encoder_matches_one_process():
+    """Two gloo processes: column/row-parallel q/k/v/o and MLP, vocabulary-parallel embedding."""
+    mp.spawn(_tp_worker, args=(2, free_port()), nprocs=2)
