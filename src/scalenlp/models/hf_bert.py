@@ -87,12 +87,11 @@ def sentence_pooling(folder: Path) -> tuple[str, bool]:
             kind = module["type"].removeprefix(ST_MODULE)
             if kind == "Pooling":
                 flags = json.loads((folder / module["path"] / "config.json").read_text())
-                modes = [mode for mode, flag in POOLING_FLAGS.items() if flags.get(flag)]
-                others = [k for k, v in flags.items() if k.startswith("pooling_mode") and v is True
-                          and k not in POOLING_FLAGS.values()]
-                if len(modes) != 1 or others:
-                    raise UserError(f"sentence-transformers pooling {sorted(k for k, v in flags.items() if v is True)} "
-                                    f"in {folder / module['path']} is not supported; only one of {list(POOLING_FLAGS.values())}")
+                on = sorted(k for k, v in flags.items() if k.startswith("pooling_mode") and v is True)
+                modes = [mode for mode, flag in POOLING_FLAGS.items() if flag in on]
+                if len(on) != 1 or not modes:
+                    raise UserError(f"sentence-transformers pooling {on} in {folder / module['path']} is not "
+                                    f"supported; set exactly one of {list(POOLING_FLAGS.values())}")
                 pooling = modes[0]
             elif kind == "Normalize":
                 normalize = True
