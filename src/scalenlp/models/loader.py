@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from scalenlp.errors import UserError
-from scalenlp.models.hf import read_hf_folder
-from scalenlp.models.io import ARGS, build_decoder, read_export
+from scalenlp.models.hf import read_hf_config, read_hf_folder
+from scalenlp.models.hf_bert import read_bert_folder
+from scalenlp.models.io import ARGS, build, read_export
 from scalenlp.models.pretrained import Pretrained
 
 
@@ -49,13 +50,14 @@ def read(path: str | Path) -> Pretrained:
 
         return read_gguf(p)
     if kind == "hf":
-        return read_hf_folder(p)
+        config = read_hf_config(p)
+        return (read_bert_folder if config.get("model_type") == "bert" else read_hf_folder)(p, config)
     return read_export(p)
 
 
 def instantiate(pre: Pretrained, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
     """Build the model on the meta device and assign the checkpoint's tensors to it."""
-    return build_decoder(pre.args, pre.state, device, dtype, where=str(pre.path))
+    return build(pre.args, pre.state, device, dtype, where=str(pre.path))
 
 
 def load(path: str | Path, device: str | torch.device = "cpu",

@@ -19,7 +19,7 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 
 @dataclass
 class Pretrained:
-    args: Any  # ModelArgs for decoders
+    args: Any  # ModelArgs for decoders, EncoderArgs for encoders
     state: dict[str, torch.Tensor]  # our parameter names; a tied output projection may be absent
     tokenizer: Tokenizer
     tokenizer_config: dict = field(default_factory=dict)  # bos_token, eos_token, chat_template, add_bos_token
