@@ -140,6 +140,33 @@ def test_llama_cpp_runs_what_we_write(smol, written):
         assert ours[0, len(ids):].tolist() == theirs, prompt
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_llama_cpp_logits_equal_ours(smol, tmp_path, bias):
+    """A random untied GQA model (with biases on every projection, or none): llama.cpp's float32 logits."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not a scalenlp dependency; it checks that llama.cpp runs our GGUF")
+    pre, _ = smol
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=pre.args.vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                     max_seq_len=64, bias=bias, rope_theta=500.0)
+    model = Transformer(args).eval()
+    with torch.no_grad():  # weights far from init, so that a misplaced row shows in the logits
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    path = write_gguf(model, pre.tokenizer, pre.tokenizer_config, tmp_path / "tiny.gguf", "f32")
+    back = read_gguf(path)
+    assert back.args == args
+    ids = pre.tokenizer.encode(PROMPTS[2]).ids
+    with torch.no_grad():
+        ours = model(torch.tensor([ids]))[0]
+        assert torch.equal(instantiate(back)(torch.tensor([ids]))[0], ours)
+    f32 = 0  # GGML_TYPE_F32: llama.cpp's KV cache is f16 unless told otherwise
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False, logits_all=True, type_k=f32, type_v=f32)
+    llm.eval(ids)
+    theirs = torch.from_numpy(np.array(llm.scores[:len(ids)]))
+    torch.testing.assert_close(theirs, ours, atol=2e-4, rtol=0)
+
+
 def test_truncated_file_is_a_user_error(tmp_path):
     data = SMOLLM2.read_bytes()
     for size in (100, 200_000, len(data) // 2):  # inside the header, the vocabulary, the tensor data

@@ -127,9 +127,14 @@ def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
     vocab = meta("vocab_size", len(tokens.data) if tokens is not None else 0)
     return ModelArgs(vocab_size=vocab, dim=dim, n_layers=meta("block_count"), n_heads=heads,
                      n_kv_heads=meta("attention.head_count_kv", heads), ffn_dim=meta("feed_forward_length"),
-                     max_seq_len=meta("context_length"), norm_eps=meta("attention.layer_norm_rms_epsilon"),
-                     rope_theta=meta("rope.freq_base", 10000.0),
+                     max_seq_len=meta("context_length"), norm_eps=_decimal(meta("attention.layer_norm_rms_epsilon")),
+                     rope_theta=_decimal(meta("rope.freq_base", 10000.0)),
                      bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors), **LLAMA_SHAPE)
+
+
+def _decimal(x: float) -> float:
+    """The shortest decimal a float32 metadata value rounds from: GGUF stores 1e-5 as 9.99999974e-06."""
+    return float(str(np.float32(x)))
 
 
 def _tensor(t, path: Path) -> torch.Tensor:
