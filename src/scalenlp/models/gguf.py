@@ -23,7 +23,7 @@ from torch import nn
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs
 from scalenlp.models.hf import LLAMA_SHAPE, _llama_pairs
-from scalenlp.models.loader import Pretrained
+from scalenlp.models.pretrained import Pretrained
 
 ARCHITECTURES = ("llama",)
 Q = gguf.GGMLQuantizationType

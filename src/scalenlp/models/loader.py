@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from scalenlp.errors import UserError
+from scalenlp.models.gguf import read_gguf
 from scalenlp.models.hf import read_hf_config, read_hf_folder
 from scalenlp.models.hf_bert import read_bert_folder
 from scalenlp.models.io import ARGS, build, read_export
@@ -46,8 +47,6 @@ def read(path: str | Path) -> Pretrained:
     """Read a checkpoint of any kind into a ``Pretrained`` (no model built yet)."""
     kind, p = checkpoint_kind(path)
     if kind == "gguf":
-        from scalenlp.models.gguf import read_gguf  # lands with the GGUF reader
-
         return read_gguf(p)
     if kind == "hf":
         config = read_hf_config(p)
