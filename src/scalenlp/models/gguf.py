@@ -17,7 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from torch import nn
 
 from scalenlp.errors import UserError
