@@ -8,7 +8,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer, processors
 
+from scalenlp.data.tokenizer import EOS, train_bpe
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.gguf import read_gguf, write_gguf
@@ -36,6 +38,17 @@ def written(smol, tmp_path_factory):
     folder = tmp_path_factory.mktemp("gguf")
     return {dtype: write_gguf(model, pre.tokenizer, pre.tokenizer_config, folder / f"smol-{dtype}.gguf", dtype)
             for dtype in ("f32", "f16", "q8_0")}
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    """A tokenizer trained here (GPT-2 split, no tokenizer config) with a model whose embedding table is padded
+    past it and whose 80-wide rows are not whole Q8_0 blocks, written as q8_0."""
+    tokenizer = train_bpe(TEXTS * 10, 300)
+    args = ModelArgs(vocab_size=tokenizer.get_vocab_size() + 20, dim=64, ffn_dim=80, n_heads=4, n_kv_heads=2,
+                     max_seq_len=64)
+    path = tmp_path_factory.mktemp("own") / "own.gguf"
+    return tokenizer, write_gguf(Transformer(args), tokenizer, {}, path, "q8_0"), args
 
 
 def test_logits_equal_transformers(smol):
@@ -116,6 +129,30 @@ def test_write_and_read_back(smol, written, dtype):
             assert torch.equal(instantiate(back)(ids), model(ids))
 
 
+def test_own_tokenizer_and_ragged_rows(own):
+    tokenizer, path, args = own
+    reader = gguf.GGUFReader(path)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_up.weight"] == "Q8_0" and types["blk.0.ffn_down.weight"] == "F16"  # 80 % 32 != 0
+    token_types = reader.get_field("tokenizer.ggml.token_type").contents()
+    n = tokenizer.get_vocab_size()
+    assert len(token_types) == args.vocab_size and set(token_types[n:]) == {gguf.TokenType.UNUSED}
+    assert token_types[tokenizer.token_to_id(EOS)] == gguf.TokenType.CONTROL
+    assert reader.get_field("tokenizer.ggml.pre").contents() == "gpt-2"
+    back = read_gguf(path)
+    assert back.tokenizer_config == {"bos_token": EOS, "eos_token": EOS, "add_bos_token": False}
+    assert [back.tokenizer.encode(t).ids for t in TEXTS] == [tokenizer.encode(t).ids for t in TEXTS]
+
+
+def test_llama_cpp_tokenizes_our_own_bpe_alike(own):
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not a scalenlp dependency; it checks that llama.cpp runs our GGUF")
+    tokenizer, path, _ = own
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in TEXTS:
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == tokenizer.encode(text).ids, text
+
+
 def test_llama_cpp_runs_what_we_write(smol, written):
     llama_cpp = pytest.importorskip(
         "llama_cpp", reason="llama-cpp-python is not a scalenlp dependency; it checks that llama.cpp runs our GGUF")
@@ -146,6 +183,11 @@ def test_llama_cpp_logits_equal_ours(smol, tmp_path, bias):
     llama_cpp = pytest.importorskip(
         "llama_cpp", reason="llama-cpp-python is not a scalenlp dependency; it checks that llama.cpp runs our GGUF")
     pre, _ = smol
+    # A tokenizer that starts every text with BOS: the file must say so, and llama.cpp must then add it too.
+    tokenizer = Tokenizer.from_str(pre.tokenizer.to_str())
+    bos = pre.tokenizer_config["bos_token"]
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                             special_tokens=[(bos, tokenizer.token_to_id(bos))])
     torch.manual_seed(0)
     args = ModelArgs(vocab_size=pre.args.vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
                      max_seq_len=64, bias=bias, rope_theta=500.0)
@@ -153,15 +195,17 @@ def test_llama_cpp_logits_equal_ours(smol, tmp_path, bias):
     with torch.no_grad():  # weights far from init, so that a misplaced row shows in the logits
         for p in model.parameters():
             p.normal_(0, 0.3) if p.ndim > 1 else p.uniform_(0.5, 1.5)
-    path = write_gguf(model, pre.tokenizer, pre.tokenizer_config, tmp_path / "tiny.gguf", "f32")
+    path = write_gguf(model, tokenizer, pre.tokenizer_config, tmp_path / "tiny.gguf", "f32")
     back = read_gguf(path)
-    assert back.args == args
-    ids = pre.tokenizer.encode(PROMPTS[2]).ids
+    assert back.args == args and back.tokenizer_config["add_bos_token"] is True
+    ids = tokenizer.encode(PROMPTS[2]).ids
+    assert back.tokenizer.encode(PROMPTS[2]).ids == ids and ids[0] == tokenizer.token_to_id(bos)
     with torch.no_grad():
         ours = model(torch.tensor([ids]))[0]
         assert torch.equal(instantiate(back)(torch.tensor([ids]))[0], ours)
     f32 = 0  # GGML_TYPE_F32: llama.cpp's KV cache is f16 unless told otherwise
     llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False, logits_all=True, type_k=f32, type_v=f32)
+    assert llm.tokenize(PROMPTS[2].encode()) == ids
     llm.eval(ids)
     theirs = torch.from_numpy(np.array(llm.scores[:len(ids)]))
     torch.testing.assert_close(theirs, ours, atol=2e-4, rtol=0)

@@ -17,7 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from torch import nn
 
 from scalenlp.errors import UserError
@@ -171,16 +171,12 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path) -> tuple[Tokenizer, dict]:
     tokenizer.add_tokens([AddedToken(t, special=k == gguf.TokenType.CONTROL, normalized=False)
                           for t, k in zip(tokens, types)
                           if k in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)])
-    config: dict = {}
-    for key, field in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id")):
-        token_id = _field(reader, f"tokenizer.ggml.{field}")
-        if token_id is not None:
-            config[key] = tokens[token_id]
-    config["add_bos_token"] = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
-    if config["add_bos_token"] and "bos_token" in config:
-        bos = config["bos_token"]
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
+    bos, eos = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
+    config: dict = {key: tokens[i] for key, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
+    config["add_bos_token"] = bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos is not None
+    if config["add_bos_token"]:  # llama.cpp then starts every text with BOS; so does encode()
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
+                                                                 special_tokens=[(tokens[bos], bos)])
     template = _field(reader, "tokenizer.chat_template")
     if template is not None:
         config["chat_template"] = template
@@ -285,8 +281,8 @@ def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer: Tokenizer, config: dict
         writer.add_eos_token_id(eos)
     if bos is not None or eos is not None:  # GPT-2 style: without a BOS of its own, BOS is the EOS token
         writer.add_bos_token_id(eos if bos is None else bos)
-    encoded = tokenizer.encode("a").ids
-    writer.add_add_bos_token(bos is not None and len(encoded) > 1 and encoded[0] == bos)
+    # Whether BOS starts every text is the tokenizer's own behaviour (its post-processor), whatever the config says.
+    writer.add_add_bos_token(bos is not None and tokenizer.encode("a").ids[0] == bos)
     if config.get("chat_template"):
         writer.add_chat_template(config["chat_template"])
 
