@@ -16,6 +16,7 @@ from scalenlp.errors import UserError
 COMMANDS = {
     "train": ("scalenlp.train.command", "pre-train a language model (single process or --nproc N)"),
     "generate": ("scalenlp.infer.generate", "generate text from a checkpoint, streaming to the terminal"),
+    "chat": ("scalenlp.infer.chat", "talk to a chat model in the terminal (its chat template, streaming answers)"),
     "serve": ("scalenlp.infer.server", "OpenAI-compatible HTTP server (sharded with --tp, replicas with --replicas)"),
     "plan": ("scalenlp.plan.command", "which parallel layout fits a model on a cluster, and how fast it runs"),
 }
