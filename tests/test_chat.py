@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
-from infer_helpers import ServerThread, make_export, train_tokenizer
+from infer_helpers import ServerThread, make_export, train_tokenizer, wait_healthy
 from tokenizers import Tokenizer
 
 from scalenlp.data.chat import (ChatError, chat_template, encode_chat, end_of_turn_ids, render_chat,
@@ -23,6 +23,7 @@ from scalenlp.infer.engine import Engine, load_tokenizer_for
 from scalenlp.infer.generate import build_engine
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.server import LocalBackend, create_app
+from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained
 
 torch.set_num_threads(1)
@@ -293,6 +294,32 @@ def test_model_without_template_is_a_400(tmp_path):
         engine.stop()
     assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
 
+
+
+def test_chat_on_a_tensor_parallel_hf_model(tmp_path):
+    """`serve --tp 2` reads a Hugging Face folder on every rank and answers chat as one process does."""
+    folder = make_hf_chat_model(tmp_path)
+    engine = build_engine(engine_args(folder))
+    try:
+        ids = encode_chat(engine.tokenizer, QUESTION, engine.tokenizer_config)
+        expected = run_request(engine, ids, SamplingParams(max_tokens=12, temperature=0))[0]
+    finally:
+        engine.stop()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "scalenlp", "serve", "--checkpoint", str(folder), "--tp", "2",
+                             "--port", str(port), "--dtype", "float32", "--model-name", "m"],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        r = httpx.post(url + "/v1/chat/completions", timeout=300,
+                       json={"model": "m", "messages": QUESTION, "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == expected
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
 
 # ---- scalenlp chat ----
 

@@ -4,7 +4,7 @@ Two layers: ``create_app`` speaks HTTP (routing, auth, error shapes, SSE, client
 *backend*, which turns a validated ``CompletionRequest`` into a response or a stream of chunks.
 ``LocalBackend`` drives an engine in this process (itself possibly tensor-parallel); the Ray
 backend in ``cluster.py`` forwards to replicas. A backend has ``complete``, ``stream``,
-``health``, ``metrics`` and ``model_name``.
+``health``, ``metrics`` and ``model_name``, and ``chat_prompt`` where it serves chat completions.
 """
 
 
@@ -51,16 +51,15 @@ class APIError(Exception):
 
 
 @functools.cache
-def _request_model():
-    """The request schema, built on first use so that `scalenlp --help` does not import pydantic."""
+def _sampling_request():
+    """What completion and chat requests share; the schemas are built on first use so that `scalenlp --help`
+    does not import pydantic."""
     from pydantic import BaseModel, ConfigDict
 
-    class CompletionRequest(BaseModel):
+    class SamplingRequest(BaseModel):
         model_config = ConfigDict(extra="forbid")
 
         model: str
-        prompt: str | list[str] | list[int] | list[list[int]]
-        max_tokens: int | None = 16
         temperature: float = 1.0
         top_p: float = 1.0
         n: int = 1
@@ -68,17 +67,28 @@ def _request_model():
         stream_options: dict[str, Any] | None = None
         stop: str | list[str] | None = None
         seed: int | None = None
-        logprobs: int | None = None
-        echo: bool = False
-        best_of: int | None = None
         presence_penalty: float = 0.0
         frequency_penalty: float = 0.0
         logit_bias: dict[str, float] | None = None
         user: str | None = None
-        suffix: str | None = None
         # Extensions, as in vLLM:
         top_k: int = 0
         ignore_eos: bool = False
+
+    return SamplingRequest
+
+
+@functools.cache
+def _request_model():
+    """OpenAI's (legacy) completion request."""
+
+    class CompletionRequest(_sampling_request()):
+        prompt: str | list[str] | list[int] | list[list[int]]
+        max_tokens: int | None = 16
+        logprobs: int | None = None
+        echo: bool = False
+        best_of: int | None = None
+        suffix: str | None = None
 
     return CompletionRequest
 
@@ -86,33 +96,16 @@ def _request_model():
 @functools.cache
 def _chat_request_model():
     """OpenAI's chat request; messages are checked by the chat renderer, which names what is wrong."""
-    from pydantic import BaseModel, ConfigDict
 
-    class ChatRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-
-        model: str
+    class ChatRequest(_sampling_request()):
         messages: list[Any]
         max_tokens: int | None = None  # the older name of max_completion_tokens
         max_completion_tokens: int | None = None
-        temperature: float = 1.0
-        top_p: float = 1.0
-        n: int = 1
-        stream: bool = False
-        stream_options: dict[str, Any] | None = None
-        stop: str | list[str] | None = None
-        seed: int | None = None
         logprobs: bool = False
         top_logprobs: int | None = None
-        presence_penalty: float = 0.0
-        frequency_penalty: float = 0.0
-        logit_bias: dict[str, float] | None = None
-        user: str | None = None
-        # Extensions, as in vLLM:
-        top_k: int = 0
-        ignore_eos: bool = False
 
     return ChatRequest
+
 
 def check_request(req) -> None:
     """What pydantic's types do not say: ranges, and the parts of the API this server does not implement."""
@@ -413,6 +406,7 @@ async def stream_chat(backend, req) -> AsyncIterator[dict]:
             yield chat_object(chunk, "delta", deltas)
     except APIError as e:
         raise _on_messages(e) from None
+
 
 def create_app(backend, api_key: str | None = None):
     from fastapi import FastAPI, Request
