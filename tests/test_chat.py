@@ -37,7 +37,8 @@ CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role']
 LLAMA3 = ("{{- bos_token }}\n{%- for message in messages %}\n"
           "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim "
           "+ '<|eot_id|>' }}\n{%- endfor %}\n"
-          "{%- if add_generation_prompt %}\n    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n{%- endif %}\n")
+          "{%- if add_generation_prompt %}\n    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+          "{%- endif %}\n")
 # Exercises what the sandbox must offer: raise_exception, loop controls, tojson keeping non-ASCII text.
 STRICT = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
           "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
@@ -127,7 +128,8 @@ def test_render_matches_transformers(tok, template, add_generation_prompt):
     (["hello"], "messages[0] must be an object"),
     ([{"role": "robot", "content": "hi"}], "messages[0].role is 'robot'"),
     ([{"content": "hi"}], "messages[0].role is None"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}], "messages[1].content must be a string"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}],
+     "messages[1].content must be a string"),
     ([{"role": "user", "content": ["hi"]}], "messages[0].content must be a string"),
 ])
 def test_bad_messages(messages, problem):

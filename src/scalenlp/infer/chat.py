@@ -66,7 +66,8 @@ def run(args) -> int:
             turn = history + [{"role": "user", "content": line}]
             try:
                 ids = encode_chat(engine.tokenizer, turn, engine.tokenizer_config)
-                max_tokens = args.max_tokens or max(1, engine.max_seq_len - len(ids))
+                rest = max(1, engine.max_seq_len - len(ids))
+                max_tokens = args.max_tokens if args.max_tokens is not None else rest
                 params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k,
                                         top_p=args.top_p, seed=args.seed)
                 answer, finish = stream_to_stdout(engine, ids, params)
