@@ -119,15 +119,20 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict], tokenizer_config: di
     return tokenizer.encode(text, add_special_tokens=False).ids
 
 
+def end_of_text_id(tokenizer: Tokenizer, tokenizer_config: dict) -> int | None:
+    """The config's eos_token, else a known end-of-text token of the tokenizer; None when it has neither."""
+    eos = special_token(tokenizer_config, "eos_token")
+    eos_id = tokenizer.token_to_id(eos) if eos is not None else None
+    return eos_id if eos_id is not None else find_eos_token_id(tokenizer)
+
+
 def end_of_turn_ids(tokenizer: Tokenizer, tokenizer_config: dict) -> list[int]:
     """Tokens that end an assistant turn, where generation stops: the known end-of-turn tokens the chat
     template writes (<|im_end|> for ChatML, <|eot_id|> for Llama 3), and the end-of-text token."""
     template = tokenizer_config.get("chat_template")
     template = template if isinstance(template, str) else json.dumps(template or "")
     ids = {tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS if t in template}
-    eos = special_token(tokenizer_config, "eos_token")
-    ids.add(tokenizer.token_to_id(eos) if eos is not None else None)
-    ids.add(find_eos_token_id(tokenizer))
+    ids.add(end_of_text_id(tokenizer, tokenizer_config))
     return sorted(i for i in ids if i is not None)
 
 
