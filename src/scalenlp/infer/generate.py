@@ -34,31 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args, max_queue: int = 64):
-    """Load the checkpoint named by the engine options (any kind the loader reads) and start an engine on it.
-    Generation ends at the end-of-text token and, for a chat model, at its template's end-of-turn tokens."""
-    import torch
+    """The engine the engine options name (see ``add_engine_arguments``), built as the Python API builds it."""
+    from scalenlp.infer.llm import engine_from_checkpoint
 
-    from scalenlp.data.chat import end_of_text_id, end_of_turn_ids
-    from scalenlp.errors import UserError
-    from scalenlp.infer.engine import Engine, pick_device, pick_dtype
-    from scalenlp.models.loader import instantiate, read
-
-    if args.max_batch < 1:
-        raise UserError(f"--max-batch must be at least 1, got {args.max_batch}")
-    if args.tp > 1 and args.compile:
-        raise UserError("--compile is not supported with --tp yet; drop one of them")
-    pre = read(args.checkpoint)
-    device = torch.device(args.device) if args.device else pick_device()
-    if args.tp > 1:
-        from scalenlp.infer.sharded import start_sharded
-
-        model = start_sharded(pre, args.tp, args.dtype)
-    else:
-        model = instantiate(pre, device=device, dtype=pick_dtype(device, args.dtype))
-    return Engine(model, pre.tokenizer, max_batch=args.max_batch, max_queue=max_queue, max_seq_len=args.max_seq_len,
-                  eos_id=end_of_text_id(pre.tokenizer, pre.tokenizer_config),  # none: runs to max_tokens
-                  stop_ids=end_of_turn_ids(pre.tokenizer, pre.tokenizer_config),
-                  tokenizer_config=pre.tokenizer_config, compile=args.compile).start()
+    return engine_from_checkpoint(args.checkpoint, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
+                                  max_seq_len=args.max_seq_len, compile=args.compile, tp=args.tp, max_queue=max_queue)
 
 
 def stream_to_stdout(engine, prompt_ids: list[int], params) -> tuple[str, str]:
