@@ -53,11 +53,25 @@ class TokenDataset:
         start = (i % n) * self.seq_len
         return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
 
+    def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the windows at ``indices``: targets are the inputs shifted by one."""
+        windows = torch.stack([self[int(i)] for i in indices])
+        return windows[:, :-1], windows[:, 1:]
+
+    def shortfall(self, global_batch_size: int) -> str:
+        """Why this dataset cannot fill one global batch."""
+        needed = global_batch_size * self.seq_len + 1
+        return (f"{self.token_file} holds {len(self.tokens)} tokens ({len(self)} sequences of "
+                f"seq_len={self.seq_len}), fewer than one global batch of {global_batch_size} "
+                f"sequences needs ({needed} tokens); use more data or a smaller "
+                f"training.global_batch_size / training.seq_len")
+
 
 class DataLoader:
-    """This rank's share of each global batch, epoch after epoch, resumable at any batch."""
+    """This rank's share of each global batch, epoch after epoch, resumable at any batch. ``dataset`` is a
+    ``TokenDataset`` or any dataset with ``__len__``, ``seq_len``, ``batch`` and ``shortfall`` (``ChatDataset``)."""
 
-    def __init__(self, dataset: TokenDataset, global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
+    def __init__(self, dataset, global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is not a rank of dp_size={dp_size}")
         if seed < 0:
@@ -66,11 +80,7 @@ class DataLoader:
             raise UserError(f"training.global_batch_size={global_batch_size} is not divisible by the "
                             f"data-parallel size {dp_size}; make it a multiple of {dp_size}")
         if len(dataset) < global_batch_size:
-            needed = global_batch_size * dataset.seq_len + 1
-            raise UserError(f"{dataset.token_file} holds {len(dataset.tokens)} tokens ({len(dataset)} sequences of "
-                            f"seq_len={dataset.seq_len}), fewer than one global batch of {global_batch_size} "
-                            f"sequences needs ({needed} tokens); use more data or a smaller "
-                            f"training.global_batch_size / training.seq_len")
+            raise UserError(dataset.shortfall(global_batch_size))
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.local_batch_size = global_batch_size // dp_size
@@ -90,14 +100,14 @@ class DataLoader:
         return self.window_order(epoch)[batch * self.global_batch_size:(batch + 1) * self.global_batch_size]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each a LongTensor (global_batch_size / dp_size, seq_len); targets = inputs shifted by one."""
+        """(inputs, targets), each a LongTensor (global_batch_size / dp_size, seq_len); targets are the next
+        tokens, -100 (ignored by the loss) where none is trained on."""
         if self.batch >= self.batches_per_epoch:
             self.epoch, self.batch = self.epoch + 1, 0
         indices = self.global_batch_indices(self.epoch, self.batch)
         mine = indices[self.dp_rank * self.local_batch_size:(self.dp_rank + 1) * self.local_batch_size]
         self.batch += 1
-        windows = torch.stack([self.dataset[int(i)] for i in mine])
-        return windows[:, :-1], windows[:, 1:]
+        return self.dataset.batch(mine)
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch."""
