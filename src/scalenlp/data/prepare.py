@@ -3,9 +3,12 @@
 Cache layout (``data.cache_dir``, default ``<run_dir>/../.token_cache``)::
 
     tokenizer-<key>/tokenizer.json        a trained BPE; key = corpus fingerprint + vocab size
+                                          (or model.init's tokenizer and its config; key = its content)
     tokens-<key>/train.npy, val.npy       the token stream, split; key = corpus fingerprint + text field
                  meta.json                + tokenizer content + val_fraction
                                           (meta.json written last: its presence marks a complete entry)
+                                          With training.task="sft", chat rows instead (data/sft.py),
+                                          keyed by the chat template and training.seq_len too.
 
 A corpus fingerprint is the resolved path, size and modification time of each source file, so editing,
 adding or removing a file re-tokenizes. Entries are built in a temporary folder and renamed into place,
@@ -31,6 +34,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import numpy as np
 
 from scalenlp.config import Config
+from scalenlp.data.sft import chat_cache_key, write_chat_rows
 from scalenlp.data.sources import Corpus, Piece, open_corpus
 from scalenlp.data.tokenizer import eos_token_id, load_tokenizer, tokenizer_file, train_bpe
 from scalenlp.errors import UserError
@@ -92,8 +96,9 @@ def _plan(cfg: Config, run_dir: Path, pretrained: Pretrained | None) -> _Plan:
 
 
 def _tokens_dir(plan: _Plan, cfg: Config) -> Path:
+    task = {"task": "sft", **chat_cache_key(plan.pretrained, cfg)} if cfg.training.task == "sft" else {}
     key = _key({"format": CACHE_FORMAT, "corpus": plan.corpus.fingerprint(),
-                "tokenizer": _file_sha256(plan.tokenizer_json), "val_fraction": cfg.data.val_fraction})
+                "tokenizer": _file_sha256(plan.tokenizer_json), "val_fraction": cfg.data.val_fraction, **task})
     return plan.cache_dir / f"tokens-{key}"
 
 
@@ -142,9 +147,12 @@ def prepare_data(cfg: Config, run_dir: Path, log: Callable[[str], None] = print,
     if (tokens_dir / "meta.json").is_file():
         files = _data_files(tokens_dir, plan.tokenizer_json)
         log(f"tokens: cache hit {tokens_dir} ({_count(files.train_tokens):,} train, "
-            f"{_count(files.val_tokens):,} val tokens)")
+            f"{_count(files.val_tokens):,} val {'conversations' if cfg.training.task == 'sft' else 'tokens'})")
         return files
-    _tokenize(plan, cfg.data.val_fraction, tokens_dir, log)
+    if cfg.training.task == "sft":
+        _build_entry(tokens_dir, lambda tmp: write_chat_rows(plan.corpus, pretrained, cfg, tmp, log))
+    else:
+        _tokenize(plan, cfg.data.val_fraction, tokens_dir, log)
     return _data_files(tokens_dir, plan.tokenizer_json)
 
 

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from scalenlp.config import Config, ConfigError, save_config
 from scalenlp.data import DataLoader, TokenDataset, open_data, prepare_data
+from scalenlp.data.sft import IGNORE_INDEX, ChatDataset
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.flavors import FLAVORS, build_model, model_args
@@ -127,19 +128,23 @@ def autocast(device: torch.device, mixed_precision: str):
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Next-token loss of one (micro-)batch, in fp32 even under bf16 autocast. Vocabulary-sharded
-    logits (tensor parallelism with parallel.loss_parallel) need ``loss_context``; their loss, the
-    same on every tp rank, comes back as a plain tensor."""
+    """Next-token loss of one (micro-)batch, in fp32 even under bf16 autocast; targets equal to
+    IGNORE_INDEX count for nothing. Vocabulary-sharded logits (tensor parallelism with
+    parallel.loss_parallel) need ``loss_context``; their loss, the same on every tp rank, comes back
+    as a plain tensor."""
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-def _mean_over(value: torch.Tensor, group) -> float:
+def _sum_over(value: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         value = value.clone()
         dist.all_reduce(value, group=group)
-        value /= dist.get_world_size(group)
-    return value.item()
+    return value
+
+
+def _mean_over(value: torch.Tensor, group) -> float:
+    return (_sum_over(value, group) / (1 if group is None else dist.get_world_size(group))).item()
 
 
 class Trainer:
@@ -174,9 +179,10 @@ class Trainer:
         self.data = open_data(cfg, self.run_dir, pretrained)
         t = cfg.training
         self.micro_batch, self.accum = batch_shape(cfg, self.dims)
-        self.loader = DataLoader(TokenDataset(self.data.train_tokens, t.seq_len), t.global_batch_size,
+        dataset = ChatDataset if t.task == "sft" else TokenDataset
+        self.loader = DataLoader(dataset(self.data.train_tokens, t.seq_len), t.global_batch_size,
                                  dp_rank(self.mesh), self.dims.dp, t.seed)
-        self.val = TokenDataset(self.data.val_tokens, t.seq_len) if t.eval_every else None
+        self.val = dataset(self.data.val_tokens, t.seq_len) if t.eval_every else None
 
         # Model: the checkpoint's weights, or the same seed everywhere, so every layout starts from the
         # weights of the single-process run. Either way the full model is built on every rank and then
@@ -191,8 +197,9 @@ class Trainer:
             model = build_model(self.model_args, self.device)
         self.n_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
+        self.loss_weight = torch.ones((), device=self.device)  # see _weigh_loss
         if self.dims.pp > 1:
-            self.pipeline, self.model_parts = build_pipeline(model, self.dims, self.mesh, cfg, cross_entropy)
+            self.pipeline, self.model_parts = build_pipeline(model, self.dims, self.mesh, cfg, self._pipeline_loss)
         else:
             self.pipeline, self.model_parts = None, [parallelize(model, self.dims, self.mesh, cfg)]
         self.optimizers = [build_optimizer(part, t, self.dims, self.mesh, cfg.parallel.data_parallel)
@@ -234,9 +241,26 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.step} (saved on {state['world_size']} process(es))")
 
     # -- the step ---------------------------------------------------------------------------------
+    def _weigh_loss(self, targets: torch.Tensor) -> None:
+        """Set ``loss_weight`` so that summed micro-batch losses times it, summed over micro-batches and
+        averaged over data-parallel ranks (as DDP / FSDP average gradients), give the mean over every
+        counted target of the global batch. Targets are not all counted (SFT ignores all but the
+        assistant's tokens) and their number differs between micro-batches and ranks, so averaging
+        per-micro-batch means would give a token more weight the fewer counted tokens share its
+        micro-batch, and so a different loss under each layout. One scalar all-reduce per step."""
+        counted = _sum_over((targets != IGNORE_INDEX).sum().float(), self.dp_group)
+        self.loss_weight = self.dims.dp / counted
+
+    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # The schedule divides gradients by the number of micro-batches (it expects mean losses), and the
+        # runner reports the mean of these values: multiplying by that number undoes both.
+        microbatches = self.cfg.parallel.pp_microbatches or self.dims.pp
+        return cross_entropy(logits, targets, reduction="sum") * self.loss_weight * microbatches
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's share of the global batch; (loss, grad norm) on this rank."""
         inputs, targets = (x.to(self.device, non_blocking=True) for x in self.loader.next_batch())
+        self._weigh_loss(targets)
         loss_sum = torch.zeros((), device=self.device)
         if self.pipeline is not None:  # the schedule runs the micro-batches (pp_microbatches) itself
             with autocast(self.device, self.cfg.training.mixed_precision):
@@ -247,7 +271,7 @@ class Trainer:
                 with contextlib.nullcontext() if i == self.accum - 1 else skip_gradient_sync(self.model_parts):
                     with loss_context(self.dims, self.cfg):
                         with autocast(self.device, self.cfg.training.mixed_precision):
-                            loss = cross_entropy(self.model_parts[0](x), y) / self.accum
+                            loss = cross_entropy(self.model_parts[0](x), y, reduction="sum") * self.loss_weight
                         loss.backward()
                 loss_sum += loss.detach()
         params = [p for part in self.model_parts for p in part.parameters()]
@@ -262,7 +286,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over a fixed slice of the held-out split (the same windows every time)."""
+        """Mean loss over the counted targets of a fixed slice of the held-out split (the same rows every time)."""
         t = self.cfg.training
         # A pipeline schedule takes whole local batches only.
         unit = self.dims.dp * (self.micro_batch if self.pipeline is not None else 1)
@@ -272,18 +296,21 @@ class Trainer:
         for part in self.model_parts:
             part.eval()
         mine = list(range(dp_rank(self.mesh), n, self.dims.dp))
-        total = torch.zeros((), device=self.device)
+        total, counted = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        self.loss_weight = torch.ones((), device=self.device)  # the pipeline's losses are then plain sums
         for start in range(0, len(mine), self.micro_batch):
-            batch = torch.stack([self.val[i] for i in mine[start:start + self.micro_batch]]).to(self.device)
+            inputs, targets = (x.to(self.device) for x in self.val.batch(mine[start:start + self.micro_batch]))
+            counted += (targets != IGNORE_INDEX).sum()
             with autocast(self.device, t.mixed_precision):
                 if self.pipeline is not None:
-                    total += self.pipeline.eval(batch[:, :-1], batch[:, 1:]) * batch[:, 1:].numel()
+                    total += self.pipeline.eval(inputs, targets)
                 else:
                     with loss_context(self.dims, self.cfg):
-                        total += cross_entropy(self.model_parts[0](batch[:, :-1]), batch[:, 1:], reduction="sum")
+                        total += cross_entropy(self.model_parts[0](inputs), targets, reduction="sum")
         for part in self.model_parts:
             part.train()
-        return _mean_over(total / (len(mine) * t.seq_len), self.dp_group)
+        total, counted = _sum_over(torch.stack([total, counted]), self.dp_group)
+        return (total / counted).item()
 
     def save(self) -> Path:
         path = self.checkpointer.save(self.step, self.model_parts, self.optimizers, self._train_state())
