@@ -39,7 +39,8 @@ def corpus(tmp_path_factory):
 
 def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
     """Every file under ``folder`` with its modification time and content."""
-    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*") if p.is_file()}
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in folder.rglob("*") if p.is_file()}
 
 
 def in_process(run_dir: Path, corpus: Path, *sets: str):
@@ -282,3 +283,18 @@ def test_bad_values_through_the_cli_are_exit_2_with_one_line(tmp_path, setting):
     proc = run_train(tmp_path / "run", setting, check=False)
     assert proc.returncode == 2 and len(error_lines(proc.stderr)) == 1 and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+# -- plan's bad inputs ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--devices", "1000000000000"], "--devices 1,000,000,000,000 is more than the 131,072 devices plan searches"),
+    (["--devices", "8", "--device-spec", "memory_gb=nan"], "--device-spec 'memory_gb=nan': must be a finite number"),
+    (["--devices", "8", "--device-spec", "nic_bw=inf"], "--device-spec 'nic_bw=inf': must be a finite number"),
+])
+def test_plan_refuses_what_it_cannot_answer_in_one_line(capsys, extra, expected):
+    from scalenlp.cli import main
+
+    assert main(["plan", "--model", "llama-8b", "--seq", "4096", "--global-batch", "1024", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {expected}") and err.count("\n") == 1
