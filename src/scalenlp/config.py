@@ -7,7 +7,9 @@ can print the whole surface, and so that a wrong key or type names the field and
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -76,6 +78,9 @@ class TrainingConfig:
     task: str = opt("lm", "lm: next-token loss on packed text | sft: supervised fine-tuning on chat JSONL "
                           "(a `messages` list per line, rendered with model.init's chat template; loss on "
                           "assistant tokens only)")
+    on_nonfinite: str = opt("stop", "a step whose loss or gradient is not finite: stop (error naming step and "
+                                    "rank; nothing saved from it) | skip (drop its update) | rollback (reload the "
+                                    "newest checkpoint, read on with the next data)")
 
 
 @dataclass
@@ -132,7 +137,10 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
         except ValueError:
             raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}") from None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{where}: {value} is too large for a float") from None
     if typ is bool and not isinstance(value, bool) or typ is not bool and isinstance(value, bool):
         raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
     if not isinstance(value, typ):
@@ -163,7 +171,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {str(p)!r} does not exist; pass a TOML file such as configs/debug.toml")
         try:
             data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
         for section, values in data.items():
             if not isinstance(values, dict):
@@ -184,41 +192,90 @@ def _choice(value: str, allowed: tuple[str, ...], where: str) -> None:
         raise ConfigError(f"{where}={value!r} is not one of {' | '.join(allowed)}")
 
 
+INT_MAX = 2**63 - 1  # torch takes 64-bit integers (seeds, sizes): a larger one overflows inside it
+
+
+@dataclass(frozen=True)
+class Range:
+    low: float
+    high: float = INT_MAX
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, x: float) -> bool:
+        above = x > self.low if self.low_open else x >= self.low
+        below = x < self.high if self.high_open else x <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high in (INT_MAX, math.inf) and not self.low_open:
+            return f"at least {self.low}"
+        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+
+
+FRACTION = Range(0, 1, high_open=True)
+COUNT, POSITIVE = Range(0), Range(1)
+
+# The range of every numeric key, in one place (a test checks that none is missing).
+RANGES = {
+    "model.vocab_size": COUNT, "model.max_seq_len": COUNT, "model.dropout": FRACTION,
+    "data.val_fraction": Range(0, 0.5, high_open=True),
+    "tokenizer.vocab_size": POSITIVE,
+    "training.steps": POSITIVE, "training.global_batch_size": POSITIVE, "training.micro_batch_size": COUNT,
+    "training.seq_len": POSITIVE, "training.lr": Range(0, 1, low_open=True, high_open=True),
+    "training.min_lr_ratio": Range(0, 1), "training.warmup_steps": COUNT, "training.weight_decay": Range(0, math.inf),
+    "training.beta1": FRACTION, "training.beta2": FRACTION, "training.grad_clip": Range(0, math.inf),
+    # seed + 1 + rank seeds torch, which takes up to 2**64 - 1.
+    "training.seed": COUNT, "training.log_every": POSITIVE, "training.eval_every": COUNT,
+    "training.eval_batches": POSITIVE,
+    # The process group holds the timeout in milliseconds as a 64-bit integer; 2**31 s is 68 years.
+    "training.timeout_s": Range(1, 2**31 - 1),
+    "checkpoint.every": COUNT, "checkpoint.keep": POSITIVE,
+    "parallel.dp_replicate": POSITIVE, "parallel.dp_shard": Range(-1), "parallel.tp": POSITIVE,
+    "parallel.pp": POSITIVE, "parallel.pp_microbatches": COUNT, "parallel.pp_stages_per_rank": POSITIVE,
+    # DDP takes the bucket in bytes as a 64-bit integer; 2**20 MiB (1 TiB) is above any device's memory.
+    "parallel.ddp_bucket_mb": Range(1, 2**20),
+}
+
+
+def _items(cfg: Config):
+    """(section.key, value) of every key."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values):
+            yield f"{section.name}.{f.name}", getattr(values, f.name)
+
+
+def _check_value(name: str, value: Any) -> None:
+    """Numbers in their range, floats finite, strings without control characters (so that config.toml is
+    always valid TOML and every message stays one line)."""
+    if isinstance(value, str):
+        bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cs")), None)
+        if bad is not None:
+            raise ConfigError(f"{name} must not contain control characters, got {value!r}")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite number, got {value}")
+        if name in RANGES and value not in RANGES[name]:
+            raise ConfigError(f"{name} must be {RANGES[name]}, got {value}")
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no model, no data and no process group; the rest is checked where it is known."""
+    for name, value in _items(cfg):
+        _check_value(name, value)
     t, p = cfg.training, cfg.parallel
+    _choice(t.on_nonfinite, ("stop", "skip", "rollback"), "training.on_nonfinite")
     _choice(t.mixed_precision, ("fp32", "bf16"), "training.mixed_precision")
     _choice(t.device, ("auto", "cpu", "cuda"), "training.device")
     _choice(t.activation_checkpointing, ("none", "full", "selective"), "training.activation_checkpointing")
     _choice(p.data_parallel, ("ddp", "zero1", "zero2", "zero3"), "parallel.data_parallel")
     _choice(p.pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"), "parallel.pp_schedule")
-    positive = {
-        "training.steps": t.steps, "training.global_batch_size": t.global_batch_size,
-        "training.seq_len": t.seq_len, "training.log_every": t.log_every, "training.timeout_s": t.timeout_s,
-        "parallel.dp_replicate": p.dp_replicate, "parallel.tp": p.tp, "parallel.pp": p.pp,
-        "parallel.pp_stages_per_rank": p.pp_stages_per_rank, "checkpoint.keep": cfg.checkpoint.keep,
-        "tokenizer.vocab_size": cfg.tokenizer.vocab_size,
-    }
-    for name, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{name} must be at least 1, got {value}")
-    non_negative = {
-        "training.micro_batch_size": t.micro_batch_size, "training.warmup_steps": t.warmup_steps,
-        "training.eval_every": t.eval_every, "training.grad_clip": t.grad_clip, "checkpoint.every": cfg.checkpoint.every,
-        "model.vocab_size": cfg.model.vocab_size, "model.max_seq_len": cfg.model.max_seq_len,
-        "parallel.pp_microbatches": p.pp_microbatches,
-    }
-    for name, value in non_negative.items():
-        if value < 0:
-            raise ConfigError(f"{name} must not be negative, got {value}")
-    if not 0 < t.lr < 1:
-        raise ConfigError(f"training.lr must be in (0, 1), got {t.lr}")
-    if not 0 <= cfg.data.val_fraction < 0.5:
-        raise ConfigError(f"data.val_fraction must be in [0, 0.5), got {cfg.data.val_fraction}")
-    if not 0 <= cfg.model.dropout < 1:
-        raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
-    if p.dp_shard == 0 or p.dp_shard < -1:
+    if p.dp_shard == 0:
         raise ConfigError(f"parallel.dp_shard must be -1 (auto) or at least 1, got {p.dp_shard}")
+    if t.lr * t.weight_decay >= 1:  # AdamW scales weights by 1 - lr * weight_decay each step
+        raise ConfigError(f"training.lr * training.weight_decay must be below 1 (else every step flips the weights' "
+                          f"sign), got {t.lr} * {t.weight_decay}")
     _validate_task(cfg)
 
 

@@ -157,11 +157,14 @@ def _describe(p, device, rank: int | None) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from scalenlp.plan.cost import Workload, check_layout, fits, model_shape, predict
     from scalenlp.plan.devices import get_device, parse_overrides
-    from scalenlp.plan.search import search, smallest_device_count
+    from scalenlp.plan.search import MAX_DEVICES, search, smallest_device_count
 
     for name in ("seq", "global_batch", "devices", "top"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.devices > MAX_DEVICES:
+        raise UserError(f"--devices {args.devices:,} is more than the {MAX_DEVICES:,} devices plan searches; "
+                        "plan a part of the cluster (a layout's cost per device does not depend on the rest)")
     overrides = parse_overrides(args.device_spec)
     if args.device == "cpu":
         from scalenlp.plan.measure import measure_cpu
@@ -224,6 +227,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"\nnothing fits on {args.devices} devices; the smallest device count that fits is {smallest} "
                   f"(scalenlp plan ... --devices {smallest})", file=sys.stderr)
         else:
-            print(f"\nnothing fits on {args.devices} devices, nor on any count up to 131,072", file=sys.stderr)
+            print(f"\nnothing fits on {args.devices} devices, nor on any count up to {MAX_DEVICES:,}", file=sys.stderr)
         return 1
     return 0

@@ -11,6 +11,7 @@ one per-device constant calibrated from published training runs (see scalenlp.pl
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from scalenlp.errors import UserError
@@ -96,6 +97,8 @@ def parse_overrides(text: str | None) -> dict[str, float]:
             number = float(value)
         except ValueError:
             raise UserError(f"--device-spec {item!r}: {value!r} is not a number") from None
+        if not math.isfinite(number):
+            raise UserError(f"--device-spec {item!r}: must be a finite number")
         if number < 0 or (number == 0 and key not in ("latency_s", "op_overhead_s", "runtime_bytes")):
             raise UserError(f"--device-spec {item!r}: must be positive")
         field, scale = _UNITS.get(key, (key, 1.0))

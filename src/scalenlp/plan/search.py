@@ -15,6 +15,7 @@ from scalenlp.plan.cost import Layout, ModelShape, Prediction, Workload, check_l
 from scalenlp.plan.devices import DeviceSpec
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
+MAX_DEVICES = 1 << 17  # the largest cluster planned for; the search enumerates the divisors of the count
 MAX_STAGES_PER_RANK = 8
 
 
@@ -101,7 +102,7 @@ def search(shape: ModelShape, work: Workload, device: DeviceSpec, devices: int, 
 
 
 def smallest_device_count(shape: ModelShape, work: Workload, device: DeviceSpec, devices: int, gpus_per_node: int,
-                          limit: int = 1 << 17) -> int | None:
+                          limit: int = MAX_DEVICES) -> int | None:
     """The fewest devices above ``devices`` on which some layout fits (whole nodes beyond one node): doubling
     until one fits, then bisecting between the last count that did not and the first that did."""
     def fits_on(n: int) -> bool:

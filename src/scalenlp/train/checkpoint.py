@@ -2,16 +2,25 @@
 
 <root>/step-N/ holds the DCP shards of model and optimizer (keyed by parameter name, so a save from
 one layout loads into another: DCP reshards), ``rng-rank{r}.pt`` per rank, and ``train_state.json``
-(step, LR schedule, data position) written last. A checkpoint is written as ``step-N.tmp`` and
-renamed when every rank has finished, so a crash mid-save never leaves a half checkpoint that
-looks complete, and older checkpoints are pruned only after the new one exists.
+(step, LR schedule, data position, the SHA-256 of every other file) written last. A checkpoint is
+written as ``step-N.tmp`` and renamed when every rank has finished, so a crash mid-save never leaves
+a half checkpoint that looks complete, and older checkpoints are pruned only after the new one exists.
+
+Trust: reading a checkpoint runs no code from it. DCP keeps its index (``.metadata``) and non-tensor
+values as pickles and reads them with plain ``pickle``; here the index goes through an unpickler that
+only builds DCP's own metadata classes, and the values through ``torch.load(weights_only=True)``, as
+tensors and RNG states already do. The checksums catch damage (a disk, a copy), not an attacker, who
+can rewrite them along with the files; such a checkpoint can hold any weights, as any model file can.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -21,6 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -32,11 +44,54 @@ STATE_FILE = "train_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata classes, torch sizes, dtypes and layouts, and paths; any other name (os.system,
+    builtins.eval, ...) is refused, so a planted index cannot run code."""
+
+    def find_class(self, module: str, name: str):
+        # Decide on the names before looking anything up: importing an unknown module can run code.
+        if (module, name) in {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                              ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                              ("pathlib", "WindowsPath")}:
+            return super().find_class(module, name)
+        found = getattr(dcp_metadata, name, None) if module == dcp_metadata.__name__ else None
+        if isinstance(found, type) and found.__module__ == module:  # a class DCP defines for its index
+            return found
+        if module == "torch" and isinstance(found := getattr(torch, name, None), torch.dtype):
+            return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader with the index read by ``_MetadataUnpickler`` instead of ``pickle.load``."""
+
+    def read_metadata(self, *args, **kwargs):
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading non-tensor values (learning rates, betas) with ``weights_only=True``.
+    The parent unpickles with ``weights_only=False``: it gets the value back re-pickled by us."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        checked = io.BytesIO()
+        torch.save(torch.load(value, weights_only=True), checked)
+        checked.seek(0)
+        super().load_bytes(read_item, checked)
+
+
 def _dcp_call(fn, state: dict, path: Path, no_dist: bool) -> None:
-    """dcp.save / dcp.load, without DCP's warning that a single process is a single process."""
+    """dcp.save / dcp.load (through the safe reader), without DCP's warning that a single process is a
+    single process."""
+    safe = {"storage_reader": _SafeReader(path), "planner": _SafePlanner()} if fn is dcp.load else {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        fn(state, checkpoint_id=str(path), no_dist=no_dist)
+        fn(state, checkpoint_id=str(path), no_dist=no_dist, **safe)
 
 
 def load_full_model(path: Path, model: nn.Module) -> None:
@@ -45,6 +100,25 @@ def load_full_model(path: Path, model: nn.Module) -> None:
     state = {"model": model.state_dict()}
     _dcp_call(dcp.load, state, path, no_dist=True)
     model.load_state_dict(state["model"])
+
+
+def _failures(e: BaseException) -> list[BaseException]:
+    """The exception and what it wraps: its causes, and each rank's failure inside DCP's CheckpointException."""
+    found, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        if x is None or any(x is f for f in found):
+            continue
+        found.append(x)
+        todo += [x.__cause__, x.__context__]
+        if isinstance(x, CheckpointException):
+            todo += [failure for failure, _ in x.failures.values()]
+    return found
+
+
+def _disk_full(e: BaseException) -> bool:
+    return any(isinstance(x, OSError) and x.errno == errno.ENOSPC or "No space left on device" in str(x)
+               for x in _failures(e))
 
 
 def _rng_state() -> dict:
@@ -82,13 +156,39 @@ def _options(strict: bool) -> StateDictOptions:
     return StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
 
 
-def _manifest(folder: Path) -> dict:
-    """Size of every file and a hash of DCP's index: a truncated or overwritten checkpoint is caught
-    before DCP reads it (its index is a pickle, so it should only ever read what we wrote)."""
-    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != STATE_FILE}
-    metadata = folder / ".metadata"
-    digest = hashlib.sha256(metadata.read_bytes()).hexdigest() if metadata.is_file() else None
-    return {"files": files, "metadata_sha256": digest}
+def _manifest(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file but the train state that lists them: a damaged file is named before DCP reads it."""
+    digests = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name != STATE_FILE:
+            with open(p, "rb") as f:
+                digests[p.name] = hashlib.file_digest(f, "sha256").hexdigest()
+    return digests
+
+
+def read_train_state(path: Path) -> dict:
+    """The train state of a checkpoint whose every file is as it was saved, its index safe to read;
+    otherwise one line that names what is wrong."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+        saved = state["sha256"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); delete it to resume from an "
+                        f"older one") from None
+    found = _manifest(path)
+    for name in sorted(set(saved) | set(found)):
+        if saved.get(name) != found.get(name):
+            what = "is missing" if name not in found else "was not saved with it" if name not in saved else \
+                "differs from what was saved (SHA-256 mismatch)"
+            raise UserError(f"checkpoint {path} is damaged: {name} {what}; delete {path} to resume from an "
+                            f"older one")
+    try:
+        with open(path / ".metadata", "rb") as f:
+            _MetadataUnpickler(f).load()
+    except Exception as e:  # noqa: BLE001 - whatever a hostile pickle raises, the answer is a refusal
+        raise UserError(f"checkpoint {path}: refusing its .metadata ({e}); a checkpoint index holds only "
+                        f"DCP's metadata, so this file was replaced; delete {path}") from None
+    return state
 
 
 class Checkpointer:
@@ -112,8 +212,21 @@ class Checkpointer:
 
     def save(self, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
              train_state: dict) -> Path:
-        final = self.root / f"step-{step}"
         tmp = self.root / f"step-{step}.tmp"
+        try:
+            return self._save(step, tmp, parts, optimizers, train_state)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            shutil.rmtree(tmp, ignore_errors=True)  # every failing rank tries: none knows the others failed
+            if _disk_full(e):
+                kept = self.latest()
+                raise UserError(f"no space left on the device while saving checkpoint step-{step} in {self.root}; "
+                                f"removed the partial {tmp.name}, kept {kept.name if kept else 'no older checkpoint'}; "
+                                f"free space, then continue with --set checkpoint.resume=true") from None
+            raise
+
+    def _save(self, step: int, tmp: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+              train_state: dict) -> Path:
+        final = self.root / f"step-{step}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -123,7 +236,7 @@ class Checkpointer:
         torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")
         barrier()
         if self.rank == 0:
-            state = {**train_state, "step": step, "manifest": _manifest(tmp)}
+            state = {**train_state, "step": step, "sha256": _manifest(tmp)}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
             if final.exists():  # a re-save of the same step: replace it only once the new one is whole
                 shutil.rmtree(final)
@@ -134,14 +247,9 @@ class Checkpointer:
         return final
 
     def load(self, path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
-        """Restore model, optimizer and this rank's RNG in place; returns the saved train state."""
-        try:
-            train_state = json.loads((path / STATE_FILE).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise UserError(f"checkpoint {path} is unreadable ({e}); delete it to resume from an older one") from None
-        if train_state.get("manifest") != _manifest(path):
-            raise UserError(f"checkpoint {path} is damaged (its files differ from what was saved); delete it "
-                            f"to resume from an older one")
+        """Restore model, optimizer and this rank's RNG in place from a checkpoint that ``read_train_state``
+        has verified; returns the saved train state."""
+        train_state = json.loads((path / STATE_FILE).read_text())
         model_sd, optim_sd = _state_dicts(parts, optimizers)
         saved_as = _tied_copy_keys(parts, optim_sd)
         wanted = {saved_as.get(k, k): v for k, v in optim_sd.items()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -30,12 +31,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list-flavors", action="store_true", help="list the model flavors and exit")
 
 
+def _children() -> list[int]:
+    """Process ids of this process's children (the workers torchrun started), from Linux's /proc."""
+    pids = []
+    for task in Path("/proc/self/task").iterdir():
+        pids += [int(pid) for pid in (task / "children").read_text().split()]
+    return pids
+
+
+def _pass_sigterm_on(signum: int, frame) -> None:
+    """SIGTERM to the launcher (what Kubernetes sends) goes to the workers, which save a checkpoint at the
+    next step boundary and exit 0; the launcher then ends with their exit codes, as after any run."""
+    for pid in _children():
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:  # exited meanwhile
+            pass
+
+
 def _launch(args: argparse.Namespace, run_dir: Path) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    # torchrun's own SIGTERM handling kills the workers after 30 s and reports the launcher as failed;
+    # ours passes the signal on and waits for what the workers make of it.
     launcher = ["--nproc-per-node", str(args.nproc), "--nnodes", args.nnodes, "--max-restarts",
-                str(args.max_restarts)]
+                str(args.max_restarts), "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
     if args.rdzv_endpoint:
         launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id,
                      "--node-rank", str(args.node_rank)]
@@ -46,6 +67,7 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
         worker += ["--config", args.config]
     # One thread per process unless the user chose otherwise: N processes share the cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    signal.signal(signal.SIGTERM, _pass_sigterm_on)
     try:
         run(get_args_parser().parse_args(launcher + ["--module", "scalenlp", "train"] + worker))
     except ChildFailedError as e:

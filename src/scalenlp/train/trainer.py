@@ -35,7 +35,8 @@ from scalenlp.parallel.mesh import ParallelDims, barrier, build_mesh, device_typ
 from scalenlp.parallel.data_parallel import skip_gradient_sync
 from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, loss_context, parallelize
 from scalenlp.parallel.pipeline import build_pipeline
-from scalenlp.train.checkpoint import Checkpointer, load_full_model
+from scalenlp.train.checkpoint import Checkpointer, load_full_model, read_train_state
+from scalenlp.train.guard import StepCheck, StopRequest, check_step, weights_finite
 from scalenlp.train.metrics import MetricsWriter, peak_flops, peak_memory_bytes
 from scalenlp.train.optim import build_optimizer, build_scheduler
 
@@ -148,8 +149,8 @@ def _mean_over(value: torch.Tensor, group) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path):
-        self.cfg, self.run_dir = cfg, Path(run_dir)
+    def __init__(self, cfg: Config, run_dir: Path, stop: StopRequest | None = None):
+        self.cfg, self.run_dir, self.stop = cfg, Path(run_dir), stop
         self.rank, self.world = init_distributed(cfg.training.timeout_s)
         # model.init: every rank reads the checkpoint (memory-mapped where the format allows); its
         # tokenizer tokenizes the data, its weights are assigned below, its tokenizer config is exported.
@@ -161,15 +162,18 @@ class Trainer:
         self.dp_group = None if self.mesh is None or self.dims.dp == 1 else dp_mesh(self.mesh, flat=True).get_group()
         self.is_main = self.rank == 0
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.rank)
+        latest = self.checkpointer.latest() if cfg.checkpoint.resume else None
+        self.rolled_back_to = None
+        # Nothing is written to the run folder before every check has passed, the checkpoint's included.
         if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             if self.checkpointer.complete() and not cfg.checkpoint.resume:
                 raise UserError(f"{self.run_dir} already has checkpoints; pass --set checkpoint.resume=true to "
                                 f"continue that run, or choose a new --run-dir")
-            if cfg.checkpoint.resume and not self.checkpointer.complete():
+            if cfg.checkpoint.resume and latest is None:
                 self.log(f"checkpoint.resume=true but {self.run_dir / 'checkpoints'} has no complete checkpoint; "
                          f"starting from step 0")
-            save_config(cfg, self.run_dir / "config.toml")
+            if latest is not None:
+                self._check_resumable(latest, read_train_state(latest))
         barrier()
 
         # Data: one process per node tokenizes (the cache makes later runs instant), all memory-map.
@@ -208,9 +212,13 @@ class Trainer:
         self.scheduler = self.schedulers[0]  # all parts follow the same schedule
         torch.manual_seed(t.seed + 1 + self.rank)  # dropout streams differ per rank, reproducibly
         self.step = 0
-        latest = self.checkpointer.latest() if cfg.checkpoint.resume else None
         if latest is not None:
             self._resume(latest)
+            self.log(f"resumed from {latest} at step {self.step}")
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.toml")
+        barrier()
 
         dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
         self.peak_flops, self.peak_source = peak_flops(self.device, dtype)
@@ -227,18 +235,38 @@ class Trainer:
                 "global_batch_size": t.global_batch_size, "seq_len": t.seq_len, "world_size": self.world,
                 "layout": self.dims.names_and_sizes()}
 
-    def _resume(self, path: Path) -> None:
-        state = self.checkpointer.load(path, self.model_parts, self.optimizers)
+    def _check_resumable(self, path: Path, state: dict) -> None:
         t = self.cfg.training
         for key in ("global_batch_size", "seq_len"):
-            if state[key] != getattr(t, key):
-                raise UserError(f"checkpoint {path} was trained with training.{key}={state[key]}, this run has "
+            if state.get(key) != getattr(t, key):
+                raise UserError(f"checkpoint {path} was trained with training.{key}={state.get(key)}, this run has "
                                 f"{getattr(t, key)}; the data position only carries over with the same value")
+
+    def _resume(self, path: Path) -> None:
+        state = self.checkpointer.load(path, self.model_parts, self.optimizers)
         for scheduler in self.schedulers:
             scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
         self.step = state["step"]
-        self.log(f"resumed from {path} at step {self.step} (saved on {state['world_size']} process(es))")
+
+    def _roll_back(self, check: StepCheck) -> None:
+        """training.on_nonfinite=rollback: the newest checkpoint's weights, optimizer and schedule, with the
+        data read on from here (the same batches would lead to the same state). Once per checkpoint: a
+        second failure before a newer one exists stops the run."""
+        latest = self.checkpointer.latest()
+        if latest is None or latest == self.rolled_back_to:
+            raise UserError(f"{check.describe(self.step)}, and "
+                            + ("there is no checkpoint to roll back to" if latest is None else
+                               f"it happened again after rolling back to {latest}")
+                            + "; stopped before saving anything from it. Lower training.lr, or check the data")
+        self.log(f"{check.describe(self.step)}; rolling back to {latest} (training.on_nonfinite=rollback)")
+        if self.is_main:
+            read_train_state(latest)
+        barrier()
+        data = self.loader.state_dict()
+        self._resume(latest)
+        self.loader.load_state_dict(data)
+        self.rolled_back_to = latest
 
     # -- the step ---------------------------------------------------------------------------------
     def _weigh_loss(self, targets: torch.Tensor) -> None:
@@ -257,8 +285,9 @@ class Trainer:
         microbatches = self.cfg.parallel.pp_microbatches or self.dims.pp
         return cross_entropy(logits, targets, reduction="sum") * self.loss_weight * microbatches
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over this rank's share of the global batch; (loss, grad norm) on this rank."""
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, StepCheck]:
+        """One optimizer step over this rank's share of the global batch; (loss, grad norm) on this rank and
+        what every rank agreed on. A step whose loss or gradient is not finite updates nothing."""
         inputs, targets = (x.to(self.device, non_blocking=True) for x in self.loader.next_batch())
         self._weigh_loss(targets)
         loss_sum = torch.zeros((), device=self.device)
@@ -278,11 +307,13 @@ class Trainer:
         pp_mesh, second_copies = (self.mesh["pp"], self.pipeline.second_copies()) if self.pipeline else (None, [])
         # A tied embedding's two pipeline copies hold the same gradient: the norm counts it once.
         grad_norm = clip_grad_norm_(params, self.cfg.training.grad_clip, pp_mesh, counted_elsewhere=second_copies)
+        check = check_step(loss_sum, grad_norm, self.stop)
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
-            optimizer.step()
-            scheduler.step()
+            if check.finite:
+                optimizer.step()
+            scheduler.step()  # a skipped step still counts: the schedule stays a function of the step
             optimizer.zero_grad(set_to_none=True)
-        return loss_sum, grad_norm
+        return loss_sum, grad_norm, check
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -313,9 +344,11 @@ class Trainer:
         return (total / counted).item()
 
     def save(self) -> Path:
-        path = self.checkpointer.save(self.step, self.model_parts, self.optimizers, self._train_state())
-        self.log(f"checkpoint saved: {path}")
-        return path
+        if not weights_finite(self.model_parts):
+            latest = self.checkpointer.latest()
+            raise UserError(f"step {self.step}: the weights are not finite after a finite gradient; nothing saved or "
+                            f"exported (newest good checkpoint: {latest or 'none'}). Lower training.lr")
+        return self.checkpointer.save(self.step, self.model_parts, self.optimizers, self._train_state())
 
     def export(self, checkpoint: Path) -> None:
         """Rank 0 reads the final checkpoint into one unsharded model (DCP reshards from any layout)
@@ -346,7 +379,7 @@ class Trainer:
         last_saved = None
         while self.step < t.steps:
             start = time.perf_counter()
-            loss, grad_norm = self.train_step()
+            loss, grad_norm, check = self.train_step()
             window_loss += loss
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -354,6 +387,19 @@ class Trainer:
             window_steps += 1
             self.step += 1
             bar.update(1)
+            if not check.finite:
+                if t.on_nonfinite == "stop":
+                    latest = self.checkpointer.latest()
+                    raise UserError(f"{check.describe(self.step)}; stopped before saving or exporting anything "
+                                    f"from it (newest good checkpoint: {latest or 'none'}). Lower training.lr, or "
+                                    f"set training.on_nonfinite=skip or rollback")
+                if t.on_nonfinite == "rollback":
+                    self._roll_back(check)
+                    bar.n = self.step
+                    window_loss.zero_()
+                    window_steps, window_time = 0, 0.0
+                    continue
+                self.log(f"{check.describe(self.step)}; its update is skipped (training.on_nonfinite=skip)")
             if self.step % t.log_every == 0 or self.step == t.steps:
                 tokens_per_sec = window_steps * t.global_batch_size * t.seq_len / window_time
                 record = {
@@ -378,8 +424,18 @@ class Trainer:
                 val = self.evaluate()
                 self.metrics.write({"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
                 self.log(f"step {self.step:>6} | eval loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
-            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or self.step == t.steps:
+            stopping = check.stop and self.step < t.steps  # at the last step the run simply ends
+            if stopping or cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or self.step == t.steps:
                 last_saved = self.save()
+                if not stopping:
+                    self.log(f"checkpoint saved: {last_saved}")
+            if stopping:
+                bar.close()
+                got = self.stop.signal if self.stop is not None and self.stop.signal else "a signal to another rank"
+                self.log(f"stopped by {got} after step {self.step} of {t.steps}: checkpoint saved to {last_saved}; "
+                         f"continue with --set checkpoint.resume=true")
+                self.metrics.close()
+                return records
         bar.close()
         if last_saved is None:  # resumed at the final step: nothing new was trained
             last_saved = self.checkpointer.latest()
@@ -392,8 +448,8 @@ class Trainer:
 def train(cfg: Config, run_dir: Path) -> list[dict]:
     """Run training in this process (one rank of a torchrun job, or alone); metric records of rank 0."""
     try:
-        trainer = Trainer(cfg, run_dir)
-        return trainer.fit()
+        with StopRequest() as stop:
+            return Trainer(cfg, run_dir, stop).fit()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
