@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-test demo test bench clean
+.PHONY: setup setup-test demo test test-fast bench clean
 
 $(VENV)/.base: pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,6 +32,10 @@ demo: setup
 
 test: setup-test
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q tests
+
+# Every module, without the multi-process suites marked slow: the loop a developer runs often.
+test-fast: setup-test
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not slow" tests
 
 bench: setup-test
 	OMP_NUM_THREADS=1 $(PY) benchmarks/train_throughput.py

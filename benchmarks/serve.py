@@ -2,7 +2,7 @@
 
   python benchmarks/serve.py prepare OUT          a GPT-2-124M-shaped export with random weights and a
                                                   byte-level BPE trained on the shared data sets
-  python benchmarks/serve.py decode --checkpoint OUT
+  python benchmarks/serve.py decode --checkpoint OUT    (any checkpoint the loader reads, e.g. SmolLM2's .gguf)
       decode tokens/s at batch 1 and 8, scalenlp engine vs Hugging Face generate() on the same
       weights (converted with scalenlp.models.hf), 16 concurrent requests of mixed lengths
       (continuous batching vs HF one request at a time and HF static batching), and the
@@ -52,7 +52,7 @@ def prepare(args) -> None:
     tok.save(str(out / "tokenizer.json"))
     torch.manual_seed(0)
     model = build_model(model_args(args.flavor, vocab_size=tok.get_vocab_size()))
-    save_pretrained(model, out / "export", tokenizer_file=out / "tokenizer.json")
+    save_pretrained(model, out / "export", out / "tokenizer.json")
     print(f"{args.flavor} with vocab {tok.get_vocab_size()}: {model.num_params() / 1e6:.1f}M parameters -> {out / 'export'}")
 
 
@@ -85,20 +85,19 @@ def timed(fn) -> float:
 def decode(args) -> None:
     import torch
 
-    from scalenlp.infer.engine import Engine, load_tokenizer_for, pick_dtype, resolve_export
+    from scalenlp.infer.engine import Engine, pick_dtype
     from scalenlp.infer.sampling import SamplingParams
     from scalenlp.models.hf import to_hf
-    from scalenlp.models.io import load_pretrained
+    from scalenlp.models.loader import load
 
     # One intra-op thread by default: on a machine shared with other work, OpenMP's barriers wait for
     # descheduled threads and make each small op cost milliseconds (both sides get the same setting).
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    export = resolve_export(args.checkpoint)
     dtype = pick_dtype(torch.device("cpu"), args.dtype)
-    model = load_pretrained(export, dtype=dtype)
+    model, pretrained = load(args.checkpoint, dtype=dtype)
     hf = to_hf(model)
-    tokenizer = load_tokenizer_for(export)
+    tokenizer = pretrained.tokenizer
     vocab = model.args.vocab_size
     wbytes, n_params = weight_bytes(model), model.num_params()  # before the engine packs the weights
     engine = Engine(model, tokenizer, max_batch=16, max_queue=1024, max_seq_len=args.prompt_len + args.new_tokens + 1,

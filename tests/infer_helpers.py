@@ -68,3 +68,19 @@ class ServerThread:
     def stop(self):
         self.server.should_exit = True
         self.thread.join()
+
+
+def wait_healthy(url: str, proc) -> None:
+    """Until the server process at ``url`` answers /health with 200; fails with its output if it exits."""
+    import time
+
+    import httpx
+
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)

@@ -14,6 +14,8 @@ from infer_helpers import make_export
 from scalenlp.infer.cluster import LOCAL_RAY_ENV
 from scalenlp.infer.sharded import free_port
 
+pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
+
 torch.set_num_threads(1)
 os.environ.update(LOCAL_RAY_ENV)  # the local Ray instance stays on loopback (read on import)
 ray = pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")

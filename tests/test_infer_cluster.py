@@ -21,6 +21,8 @@ from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained
 
+pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
+
 torch.set_num_threads(1)
 os.environ.update(LOCAL_RAY_ENV)  # the local Ray instance stays on loopback (read on import)
 ray = pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")

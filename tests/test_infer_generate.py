@@ -32,7 +32,8 @@ def test_generate_streams_the_greedy_text(tmp_path, capsys):
 
 def test_generate_user_errors(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt", "x"]) == 2
-    assert capsys.readouterr().err.startswith("error: no exported model")
+    err = capsys.readouterr().err
+    assert err.startswith("error: checkpoint") and "does not exist" in err
     export = make_export(tmp_path)
     assert main(["generate", "--checkpoint", str(export), "--prompt", "x", "--max-tokens", "5000"]) == 2
     assert "maximum context length" in capsys.readouterr().err

@@ -25,6 +25,8 @@ from infer_helpers import make_export
 from scalenlp.infer.cluster import LOCAL_RAY_ENV
 from scalenlp.infer.sharded import free_port
 
+pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
+
 pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
 BIN = Path(sys.executable).parent
 PROMPTS = ["the quick brown fox", "hello", "a model that", "the lazy dog"]

@@ -3,12 +3,11 @@
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import torch
-from infer_helpers import make_export
+from infer_helpers import make_export, wait_healthy
 
 from scalenlp.data.tokenizer import find_eos_token_id
 from scalenlp.infer.engine import Engine, load_tokenizer_for
@@ -18,17 +17,6 @@ from scalenlp.models.io import load_pretrained
 
 torch.set_num_threads(1)
 PROMPTS = ["the quick brown fox", "hello", "continuous batching lets requests join", "a"]
-
-
-def wait_healthy(url, proc):
-    while True:
-        assert proc.poll() is None, proc.stdout.read().decode()
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
 
 
 @pytest.mark.parametrize("flavor", ["debug", "debug-gpt2"])

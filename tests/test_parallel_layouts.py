@@ -23,6 +23,8 @@ from scalenlp.parallel.pipeline import layer_costs, split_layers, stage_module
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import parity  # noqa: E402  (the parity harness is shared with the benchmark script)
 
+pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
+
 torch.set_num_threads(1)
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from train_helpers import TINY, read_metrics, run_train, write_corpus
 
+pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
+
 LAYOUTS = {
     "single": (1, []),
     "ddp2": (2, ["parallel.data_parallel=ddp"]),

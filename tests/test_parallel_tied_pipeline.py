@@ -18,6 +18,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from scalenlp.models.io import load_pretrained
 from train_helpers import TINY, read_metrics, run_train, write_corpus
 
+pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
+
 STEPS = ["training.steps=10", "checkpoint.every=5", "checkpoint.keep=2"]
 GPT2 = [*TINY, "model.flavor=debug-gpt2", *STEPS, "training.eval_every=5", "training.eval_batches=2"]
 # Two stages per rank need four layers: the small GPT-2 flavor (tied, learned positions) has them.

@@ -1,3 +1,40 @@
-"""scalenlp: transformer NLP models from one CPU to a cluster."""
+"""scalenlp: transformer NLP models from one CPU to a cluster.
+
+The Python API (the CLI is a thin layer over it)::
+
+    import scalenlp
+    cfg = scalenlp.load_config("configs/debug.toml", ["training.steps=20"])  # validated as the CLI does
+    scalenlp.train(cfg, "runs/python")                                     # or scalenlp.Trainer(cfg, run_dir).fit()
+    with scalenlp.LLM("runs/python") as llm:                                # serve's defaults
+        print(llm.generate("Return the", scalenlp.SamplingParams(max_tokens=20, temperature=0)))
+    model, pretrained = scalenlp.load("model.gguf")                         # any checkpoint kind
+
+Names are imported on first use, so ``import scalenlp`` (and ``scalenlp --help``) stays light.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Config": "scalenlp.config", "ModelConfig": "scalenlp.config", "DataConfig": "scalenlp.config",
+    "TokenizerConfig": "scalenlp.config", "TrainingConfig": "scalenlp.config", "CheckpointConfig": "scalenlp.config",
+    "ParallelConfig": "scalenlp.config", "ConfigError": "scalenlp.config", "load_config": "scalenlp.config",
+    "UserError": "scalenlp.errors",
+    "Trainer": "scalenlp.train.trainer", "train": "scalenlp.train.trainer",
+    "load": "scalenlp.models.loader", "read": "scalenlp.models.loader", "Pretrained": "scalenlp.models.pretrained",
+    "Engine": "scalenlp.infer.engine", "SamplingParams": "scalenlp.infer.sampling", "LLM": "scalenlp.infer.llm",
+}
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'scalenlp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

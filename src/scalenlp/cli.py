@@ -16,6 +16,7 @@ from scalenlp.errors import UserError
 COMMANDS = {
     "train": ("scalenlp.train.command", "pre-train a language model (single process or --nproc N)"),
     "generate": ("scalenlp.infer.generate", "generate text from a checkpoint, streaming to the terminal"),
+    "chat": ("scalenlp.infer.chat", "talk to a chat model in the terminal (its chat template, streaming answers)"),
     "serve": ("scalenlp.infer.server", "OpenAI-compatible HTTP server (sharded with --tp, replicas with --replicas)"),
     "eval": ("scalenlp.infer.evaluate", "perplexity of a language model over a text file (sliding windows)"),
     "export": ("scalenlp.models.export", "write a checkpoint as a Hugging Face folder or a GGUF file"),

@@ -31,6 +31,9 @@ class ModelConfig:
     vocab_size: int = opt(0, "vocabulary size; 0 takes it from the tokenizer")
     max_seq_len: int = opt(0, "longest sequence the model accepts; 0 keeps the flavor's value")
     dropout: float = opt(0.0, "dropout probability on attention and residual paths")
+    init: str = opt("", "start from this checkpoint (run folder, export folder, Hugging Face model folder or "
+                        ".gguf file): its architecture and tokenizer replace model.flavor and the tokenizer.* keys; "
+                        "empty starts from random weights")
 
 
 @dataclass
@@ -70,6 +73,9 @@ class TrainingConfig:
     activation_checkpointing: str = opt("none", "none | full | selective")
     compile: bool = opt(False, "torch.compile each transformer block")
     timeout_s: int = opt(300, "process-group timeout: a rank that waits longer fails instead of hanging")
+    task: str = opt("lm", "lm: next-token loss on packed text | sft: supervised fine-tuning on chat JSONL "
+                          "(a `messages` list per line, rendered with model.init's chat template; loss on "
+                          "assistant tokens only)")
 
 
 @dataclass
@@ -213,6 +219,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise ConfigError(f"parallel.dp_shard must be -1 (auto) or at least 1, got {p.dp_shard}")
+    _validate_task(cfg)
+
+
+def _validate_task(cfg: Config) -> None:
+    _choice(cfg.training.task, ("lm", "sft"), "training.task")
+    if cfg.training.task == "sft":
+        if not cfg.model.init:
+            raise ConfigError("training.task=\"sft\" needs model.init: the chat template and tokenizer come from "
+                              "the pretrained checkpoint")
+        if not cfg.data.path:
+            raise ConfigError("training.task=\"sft\" needs data.path: a .jsonl file with a `messages` list per line")
+    if cfg.model.init and cfg.tokenizer.path:
+        raise ConfigError(f"tokenizer.path={cfg.tokenizer.path!r} contradicts model.init, which brings its own "
+                          f"tokenizer; remove tokenizer.path")
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

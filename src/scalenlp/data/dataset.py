@@ -53,6 +53,19 @@ class TokenDataset:
         start = (i % n) * self.seq_len
         return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
 
+    def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the windows at ``indices``: targets are the inputs shifted by one."""
+        windows = torch.stack([self[int(i)] for i in indices])
+        return windows[:, :-1], windows[:, 1:]
+
+    def shortfall(self, global_batch_size: int) -> str:
+        """Why this dataset cannot fill one global batch."""
+        needed = global_batch_size * self.seq_len + 1
+        return (f"{self.token_file} holds {len(self.tokens)} tokens ({len(self)} sequences of "
+                f"seq_len={self.seq_len}), fewer than one global batch of {global_batch_size} "
+                f"sequences needs ({needed} tokens); use more data or a smaller "
+                f"training.global_batch_size / training.seq_len")
+
 
 class GlobalBatchLoader:
     """The position of a loader of global batches, epoch after epoch: which batch comes next, and what a saved
@@ -102,18 +115,16 @@ class GlobalBatchLoader:
 
 
 class DataLoader(GlobalBatchLoader):
-    """This rank's share of each global batch of token windows, epoch after epoch, resumable at any batch."""
+    """This rank's share of each global batch of token windows, epoch after epoch, resumable at any batch.
+    ``dataset`` is a ``TokenDataset`` or any dataset with ``__len__``, ``seq_len``, ``batch`` and ``shortfall``
+    (``ChatDataset``)."""
 
     size_key = "num_windows"
 
-    def __init__(self, dataset: TokenDataset, global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
+    def __init__(self, dataset, global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
         super().__init__(len(dataset), global_batch_size, dp_rank, dp_size, seed)
         if len(dataset) < global_batch_size:
-            needed = global_batch_size * dataset.seq_len + 1
-            raise UserError(f"{dataset.token_file} holds {len(dataset.tokens)} tokens ({len(dataset)} sequences of "
-                            f"seq_len={dataset.seq_len}), fewer than one global batch of {global_batch_size} "
-                            f"sequences needs ({needed} tokens); use more data or a smaller "
-                            f"training.global_batch_size / training.seq_len")
+            raise UserError(dataset.shortfall(global_batch_size))
         self.dataset = dataset
         self._order: tuple[int, np.ndarray] | None = None
 
@@ -128,8 +139,8 @@ class DataLoader(GlobalBatchLoader):
         return self.window_order(epoch)[batch * self.global_batch_size:(batch + 1) * self.global_batch_size]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each a LongTensor (global_batch_size / dp_size, seq_len); targets = inputs shifted by one."""
+        """(inputs, targets), each a LongTensor (global_batch_size / dp_size, seq_len); targets are the next
+        tokens, -100 (ignored by the loss) where none is trained on."""
         indices = self.global_batch_indices(*self.advance())
         mine = indices[self.dp_rank * self.local_batch_size:(self.dp_rank + 1) * self.local_batch_size]
-        windows = torch.stack([self.dataset[int(i)] for i in mine])
-        return windows[:, :-1], windows[:, 1:]
+        return self.dataset.batch(mine)

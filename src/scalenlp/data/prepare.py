@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
@@ -34,11 +34,13 @@ from scalenlp.config import Config
 from scalenlp.data.sources import Corpus, Piece, open_corpus
 from scalenlp.data.tokenizer import eos_token_id, load_tokenizer, tokenizer_file, train_bpe
 from scalenlp.errors import UserError
+from scalenlp.models.pretrained import TOKENIZER_CONFIG, Pretrained
 
 # Bump when the bytes a cache entry holds would change for the same inputs.
 CACHE_FORMAT = 1
 ENCODE_BATCH_CHARS = 4 << 20
 ENCODE_BATCH_PIECES = 2048
+T = TypeVar("T")
 
 
 @dataclass
@@ -58,6 +60,7 @@ class _Plan:
     tokenizer_json: Path
     trains_tokenizer: bool
     vocab_size: int
+    pretrained: Pretrained | None = None  # model.init's checkpoint, whose tokenizer is written to the cache
 
 
 def _key(obj) -> str:
@@ -72,10 +75,15 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _plan(cfg: Config, run_dir: Path) -> _Plan:
+def _plan(cfg: Config, run_dir: Path, pretrained: Pretrained | None) -> _Plan:
     cache_dir = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else \
         Path(run_dir).resolve().parent / ".token_cache"
     corpus = open_corpus(cfg.data.path, cfg.data.text_field)
+    if pretrained is not None:
+        # Keyed by content: the token cache below is keyed by this file's hash, so the same data read
+        # with another checkpoint's tokenizer gets its own entry.
+        key = _key({"format": CACHE_FORMAT, "tokenizer": pretrained.tokenizer.to_str()})
+        return _Plan(cache_dir, corpus, cache_dir / f"tokenizer-{key}" / "tokenizer.json", False, 0, pretrained)
     if cfg.tokenizer.path:
         return _Plan(cache_dir, corpus, tokenizer_file(cfg.tokenizer.path), False, 0)
     key = _key({"format": CACHE_FORMAT, "corpus": corpus.fingerprint(), "vocab_size": cfg.tokenizer.vocab_size})
@@ -111,9 +119,12 @@ def _data_files(tokens_dir: Path, tokenizer_json: Path) -> DataFiles:
                      val_tokens=tokens_dir / "val.npy", eos_id=meta["eos_id"], vocab_size=meta["vocab_size"])
 
 
-def prepare_data(cfg: Config, run_dir: Path, log: Callable[[str], None] = print) -> DataFiles:
-    """Resolve sources, train or load the tokenizer, tokenize once into cached token files (run on one rank)."""
-    plan = _plan(cfg, run_dir)
+def prepare_data(cfg: Config, run_dir: Path, log: Callable[[str], None] = print,
+                 pretrained: Pretrained | None = None) -> DataFiles:
+    """Resolve sources, train or load the tokenizer, tokenize once into cached token files (run on one rank).
+    With ``pretrained`` (model.init's checkpoint) its tokenizer is used, and ``training.task="sft"`` renders
+    chat conversations with its chat template instead of packing text."""
+    plan = _plan(cfg, run_dir, pretrained)
     plan.cache_dir.mkdir(parents=True, exist_ok=True)
     log(f"data: {plan.corpus.description}")
     if plan.trains_tokenizer:
@@ -121,6 +132,10 @@ def prepare_data(cfg: Config, run_dir: Path, log: Callable[[str], None] = print)
             log(f"tokenizer: cache hit {plan.tokenizer_json}")
         else:
             _train_tokenizer(plan, log)
+    elif pretrained is not None:
+        if not plan.tokenizer_json.is_file():
+            _save_tokenizer(pretrained, plan.tokenizer_json.parent)
+        log(f"tokenizer: from {pretrained.path} ({plan.tokenizer_json})")
     else:
         log(f"tokenizer: {plan.tokenizer_json}")
     tokens_dir = _tokens_dir(plan, cfg)
@@ -133,9 +148,9 @@ def prepare_data(cfg: Config, run_dir: Path, log: Callable[[str], None] = print)
     return _data_files(tokens_dir, plan.tokenizer_json)
 
 
-def open_data(cfg: Config, run_dir: Path) -> DataFiles:
+def open_data(cfg: Config, run_dir: Path, pretrained: Pretrained | None = None) -> DataFiles:
     """Find the token files prepare_data made for this config (cheap; every rank, after a barrier)."""
-    plan = _plan(cfg, run_dir)
+    plan = _plan(cfg, run_dir, pretrained)
     if plan.trains_tokenizer and not plan.tokenizer_json.is_file():
         raise UserError(f"no trained tokenizer in {plan.cache_dir} for this corpus and vocab size: "
                         f"prepare_data must run (on rank 0) before open_data")
@@ -214,14 +229,34 @@ def _write_stream(corpus: Corpus, tokenizer, eos: int, dtype, path: Path) -> _Te
     return counter
 
 
+def _build_entry(final: Path, fill: Callable[[Path], T]) -> T:
+    """Let ``fill`` write a temporary folder, then publish it as ``final`` (nothing half-written is ever
+    seen); returns what ``fill`` returns."""
+    tmp = _new_tmp(final)
+    try:
+        result = fill(tmp)
+        _publish(tmp, final)
+        return result
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when published
+
+
+def _save_tokenizer(pretrained: Pretrained, folder: Path) -> None:
+    """The checkpoint's tokenizer as a cache entry; its config goes alongside, where ``eos_token_id`` looks."""
+    def fill(tmp: Path) -> None:
+        pretrained.tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / TOKENIZER_CONFIG).write_text(json.dumps(pretrained.tokenizer_config, indent=2))
+    _build_entry(folder, fill)
+
+
 def _tokenize(plan: _Plan, val_fraction: float, tokens_dir: Path, log: Callable[[str], None]) -> None:
     start = time.perf_counter()
     tokenizer = load_tokenizer(plan.tokenizer_json)
     eos = eos_token_id(tokenizer, plan.tokenizer_json.parent)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab_size < 1 << 16 else np.uint32)
-    tmp = _new_tmp(tokens_dir)
-    try:
+
+    def fill(tmp: Path) -> tuple[_TextCounter, int, int]:
         counter = _write_stream(plan.corpus, tokenizer, eos, dtype, tmp / "stream.bin")
         total = (tmp / "stream.bin").stat().st_size // dtype.itemsize
         if total == 0:
@@ -237,8 +272,8 @@ def _tokenize(plan: _Plan, val_fraction: float, tokens_dir: Path, log: Callable[
             "val_tokens": n_val, "documents": counter.documents, "characters": counter.chars,
             "sources": plan.corpus.description, "tokenizer": str(plan.tokenizer_json),
         }, indent=2))
-        _publish(tmp, tokens_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already when published
+        return counter, total, n_val
+
+    counter, total, n_val = _build_entry(tokens_dir, fill)
     log(f"tokens: read {counter.summary(plan.corpus)}; tokenized {total:,} tokens ({total - n_val:,} train, "
         f"{n_val:,} val) in {time.perf_counter() - start:.1f}s (cached at {tokens_dir})")

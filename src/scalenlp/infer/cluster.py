@@ -325,10 +325,10 @@ def start(args, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
     """Start (or join) Ray and deploy. Returns the HTTP address, and whether the Serve instance is
     ours to shut down when we stop (not when it already ran on a joined cluster)."""
     ray, serve = _import_ray()
-    from scalenlp.infer.engine import resolve_export
     from scalenlp.infer.server import default_model_name
+    from scalenlp.models.loader import checkpoint_kind
 
-    export = resolve_export(args.checkpoint)  # fail here, not inside a replica
+    _, checkpoint = checkpoint_kind(args.checkpoint)  # fail here, not inside a replica
     if not ray.is_initialized():
         _init_ray(ray, args.ray_address, ray_init_kwargs or {})
     before = serve.status()
@@ -349,7 +349,7 @@ def start(args, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
             print(f"note: the cluster's Ray Serve already listens on {config.host}:{config.port}; --host and --port "
                   "apply only where scalenlp starts Serve", file=sys.stderr, flush=True)
             host, port = config.host, config.port
-    options = {"checkpoint": str(export.resolve()), "dtype": args.dtype, "device": args.device,
+    options = {"checkpoint": str(checkpoint.resolve()), "dtype": args.dtype, "device": args.device,
                "max_batch": args.max_batch, "max_seq_len": args.max_seq_len, "compile": args.compile,
                "max_queue": args.max_queue, "tp": args.tp}
     app = build_application(options, args.model_name or default_model_name(args.checkpoint), args.api_key,

@@ -20,7 +20,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 
@@ -90,14 +90,16 @@ def pick_device() -> torch.device:
 
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 64, token_budget: int = 2048,
-                 max_seq_len: int | None = None, eos_id: int | None = None, compile: bool = False,
-                 cache_dtype: torch.dtype | None = None, pack_weights: bool = True):
+                 max_seq_len: int | None = None, eos_id: int | None = None, stop_ids: Collection[int] = (),
+                 compile: bool = False, cache_dtype: torch.dtype | None = None, pack_weights: bool = True,
+                 tokenizer_config: dict | None = None):
         """model: a Transformer (or anything with its ``setup_kv_cache`` and forward signature, like a
         sharded one). tokenizer: a ``tokenizers.Tokenizer``. max_seq_len: positions per cache row
         (prompt + output), at most the model's. token_budget: tokens one step may process
         (decode rows + prefill prompts); a prompt longer than it is still admitted alone.
         pack_weights: on CPU with bf16 weights, pre-pack the linear layers for oneDNN (the model
-        is changed in place and is for inference only afterwards)."""
+        is changed in place and is for inference only afterwards). tokenizer_config: the checkpoint's
+        special tokens and chat template, for whoever renders conversations into prompts."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
@@ -105,6 +107,8 @@ class Engine:
         self.token_budget = token_budget
         self.max_seq_len = min(max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
         self.eos_id = eos_id
+        self.stop_ids = frozenset(stop_ids) | ({eos_id} if eos_id is not None else set())
+        self.tokenizer_config = tokenizer_config or {}
         ref = next(model.parameters())
         self.device = ref.device
         model.setup_kv_cache(max_batch, self.max_seq_len, cache_dtype or ref.dtype)
@@ -203,8 +207,9 @@ class Engine:
         with self._wake:
             self._wake.notify()
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[str]:
-        """Blocking helper: the completion text of each prompt, all run as one continuous batch."""
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[str]:
+        """Blocking helper: the completion text of each prompt (text or token ids), all run as one continuous
+        batch."""
         done = [threading.Event() for _ in prompts]
         texts = [""] * len(prompts)
 
@@ -215,7 +220,8 @@ class Engine:
                     done[i].set()
             return on_event
 
-        self.submit_many([(self.encode(p), params) for p in prompts], [collector(i) for i in range(len(prompts))],
+        self.submit_many([(self.encode(p) if isinstance(p, str) else p, params) for p in prompts],
+                         [collector(i) for i in range(len(prompts))],
                          bypass_queue_limit=True)
         for event in done:
             while not event.wait(1.0):
@@ -330,7 +336,7 @@ class Engine:
 
     def _advance(self, r: Request, token: int) -> None:
         """Extend the request's text by its newest token and decide whether it is finished."""
-        if token == self.eos_id and not r.params.ignore_eos:
+        if token in self.stop_ids and not r.params.ignore_eos:
             r.finish_reason = "stop"
             return
         # Decode from a few settled tokens back: byte-level BPE splits a character across tokens,
@@ -355,21 +361,6 @@ class Engine:
         if r.finish_reason is None and r.params.stop:
             end = max(r.sent, end - (max(map(len, r.params.stop)) - 1))
         return r.text[r.sent:end]
-
-
-def resolve_export(path: str) -> "Path":
-    """A run folder (its export/) or an export folder itself -> the export folder."""
-    from pathlib import Path
-
-    from scalenlp.errors import UserError
-    from scalenlp.models.io import ARGS
-
-    root = Path(path)
-    for candidate in (root, root / "export"):
-        if (candidate / ARGS).is_file():
-            return candidate
-    raise UserError(f"no exported model in {path} (looked for {ARGS} there and in export/); "
-                    "pass a training run folder or its export/ folder")
 
 
 def load_tokenizer_for(export_dir):

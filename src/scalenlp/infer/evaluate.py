@@ -15,9 +15,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 from scalenlp.errors import UserError
 
 
@@ -45,31 +42,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-@torch.inference_mode()
 def perplexity(model, ids: list[int], seq: int, stride: int) -> Perplexity:
     """Sliding-window perplexity of ``ids`` under ``model`` (a decoder returning logits)."""
+    import torch  # here, not at the top: `scalenlp --help` imports every command module
+    import torch.nn.functional as F
+
     device = next(model.parameters()).device
     tokens = torch.tensor(ids, device=device)
     nll, counted, windows, prev_end = 0.0, 0, 0, 0
     start = time.perf_counter()
-    for begin in range(0, len(ids), stride):
-        end = min(begin + seq, len(ids))
-        # Targets are positions begin+1 .. end-1 of the window; only those past prev_end are new.
-        first = max(prev_end, begin + 1)
-        if first < end:
-            logits = model(tokens[None, begin:end - 1]).float()[0, first - begin - 1:]
-            nll += F.cross_entropy(logits, tokens[first:end], reduction="sum").item()
-            counted += end - first
-            windows += 1
-        prev_end = end
-        if end == len(ids):
-            break
+    with torch.inference_mode():
+        for begin in range(0, len(ids), stride):
+            end = min(begin + seq, len(ids))
+            # Targets are positions begin+1 .. end-1 of the window; only those past prev_end are new.
+            first = max(prev_end, begin + 1)
+            if first < end:
+                logits = model(tokens[None, begin:end - 1]).float()[0, first - begin - 1:]
+                nll += F.cross_entropy(logits, tokens[first:end], reduction="sum").item()
+                counted += end - first
+                windows += 1
+            prev_end = end
+            if end == len(ids):
+                break
     seconds = time.perf_counter() - start
     mean = nll / counted
     return Perplexity(math.exp(mean), mean, counted, windows, seconds, counted / seconds)
 
 
 def run(args) -> int:
+    import torch
+
     from scalenlp.infer.engine import pick_device, pick_dtype
     from scalenlp.models.decoder import Transformer
     from scalenlp.models.loader import load

@@ -8,7 +8,8 @@ import sys
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by `generate` and `serve`."""
-    parser.add_argument("--checkpoint", required=True, help="a training run folder or its export/ folder")
+    parser.add_argument("--checkpoint", required=True,
+                        help="a run folder, an export folder, a Hugging Face model folder or a .gguf file")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weight dtype; auto = bf16 where the device computes in it natively (default)")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
@@ -33,36 +34,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args, max_queue: int = 64):
-    """Load the checkpoint named by the engine options and start an engine on it."""
-    import torch
+    """The engine the engine options name (see ``add_engine_arguments``), built as the Python API builds it."""
+    from scalenlp.infer.llm import engine_from_checkpoint
 
-    from scalenlp.data.tokenizer import find_eos_token_id
-    from scalenlp.errors import UserError
-    from scalenlp.infer.engine import Engine, load_tokenizer_for, pick_device, pick_dtype, resolve_export
-    from scalenlp.models.io import load_pretrained
+    return engine_from_checkpoint(args.checkpoint, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
+                                  max_seq_len=args.max_seq_len, compile=args.compile, tp=args.tp, max_queue=max_queue)
 
-    export = resolve_export(args.checkpoint)
-    device = torch.device(args.device) if args.device else pick_device()
-    dtype = pick_dtype(device, args.dtype)
-    tokenizer = load_tokenizer_for(export)
-    if args.max_batch < 1:
-        raise UserError(f"--max-batch must be at least 1, got {args.max_batch}")
-    if args.tp > 1:
-        if args.compile:
-            raise UserError("--compile is not supported with --tp yet; drop one of them")
-        from scalenlp.infer.sharded import start_sharded
 
-        model = start_sharded(export, args.tp, args.dtype)
-    else:
-        model = load_pretrained(export, device=device, dtype=dtype)
-    return Engine(model, tokenizer, max_batch=args.max_batch, max_queue=max_queue, max_seq_len=args.max_seq_len,
-                  eos_id=find_eos_token_id(tokenizer, export),  # none: every request runs to max_tokens
-                  compile=args.compile).start()
+def stream_to_stdout(engine, prompt_ids: list[int], params) -> tuple[str, str]:
+    """Run one request, writing its text to stdout as it comes: (the text, the finish reason). Raises
+    RequestError when the request cannot be served."""
+    import queue
+
+    events: queue.Queue = queue.Queue()
+    engine.submit(prompt_ids, params, events.put)
+    text, finish = "", None
+    while finish is None:
+        delta = events.get()
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        text += delta.text
+        finish = delta.finish_reason
+    return text, finish
 
 
 def run(args) -> int:
-    import queue
-
     from scalenlp.errors import UserError
     from scalenlp.infer.engine import RequestError
     from scalenlp.infer.sampling import SamplingParams
@@ -70,22 +66,17 @@ def run(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop)
     engine = build_engine(args)
-    events: queue.Queue = queue.Queue()
     try:
         for i, prompt in enumerate(args.prompt):
+            ids = engine.encode(prompt)
             try:
-                engine.submit(engine.encode(prompt), params, events.put)
+                engine.check(ids, params)
             except RequestError as e:
                 raise UserError(str(e)) from None
             if len(args.prompt) > 1:
                 sys.stdout.write(("\n" if i else "") + f"--- sample {i + 1} of {len(args.prompt)} ---\n")
             sys.stdout.write(prompt)
-            finish = None
-            while finish is None:
-                delta = events.get()
-                sys.stdout.write(delta.text)
-                sys.stdout.flush()
-                finish = delta.finish_reason
+            _, finish = stream_to_stdout(engine, ids, params)
             sys.stdout.write("\n")
             if finish == "abort":
                 break

@@ -4,7 +4,7 @@ Two layers: ``create_app`` speaks HTTP (routing, auth, error shapes, SSE, client
 *backend*, which turns a validated ``CompletionRequest`` into a response or a stream of chunks.
 ``LocalBackend`` drives an engine in this process (itself possibly tensor-parallel); the Ray
 backend in ``cluster.py`` forwards to replicas. A backend has ``complete``, ``stream``,
-``health``, ``metrics`` and ``model_name``.
+``health``, ``metrics`` and ``model_name``, and ``chat_prompt`` where it serves chat completions.
 """
 
 
@@ -15,7 +15,7 @@ import hmac
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from scalenlp.infer.generate import add_engine_arguments
 
@@ -51,16 +51,15 @@ class APIError(Exception):
 
 
 @functools.cache
-def _request_model():
-    """The request schema, built on first use so that `scalenlp --help` does not import pydantic."""
+def _sampling_request():
+    """What completion and chat requests share; the schemas are built on first use so that `scalenlp --help`
+    does not import pydantic."""
     from pydantic import BaseModel, ConfigDict
 
-    class CompletionRequest(BaseModel):
+    class SamplingRequest(BaseModel):
         model_config = ConfigDict(extra="forbid")
 
         model: str
-        prompt: str | list[str] | list[int] | list[list[int]]
-        max_tokens: int | None = 16
         temperature: float = 1.0
         top_p: float = 1.0
         n: int = 1
@@ -68,19 +67,44 @@ def _request_model():
         stream_options: dict[str, Any] | None = None
         stop: str | list[str] | None = None
         seed: int | None = None
-        logprobs: int | None = None
-        echo: bool = False
-        best_of: int | None = None
         presence_penalty: float = 0.0
         frequency_penalty: float = 0.0
         logit_bias: dict[str, float] | None = None
         user: str | None = None
-        suffix: str | None = None
         # Extensions, as in vLLM:
         top_k: int = 0
         ignore_eos: bool = False
 
+    return SamplingRequest
+
+
+@functools.cache
+def _request_model():
+    """OpenAI's (legacy) completion request."""
+
+    class CompletionRequest(_sampling_request()):
+        prompt: str | list[str] | list[int] | list[list[int]]
+        max_tokens: int | None = 16
+        logprobs: int | None = None
+        echo: bool = False
+        best_of: int | None = None
+        suffix: str | None = None
+
     return CompletionRequest
+
+
+@functools.cache
+def _chat_request_model():
+    """OpenAI's chat request; messages are checked by the chat renderer, which names what is wrong."""
+
+    class ChatRequest(_sampling_request()):
+        messages: list[Any]
+        max_tokens: int | None = None  # the older name of max_completion_tokens
+        max_completion_tokens: int | None = None
+        logprobs: bool = False
+        top_logprobs: int | None = None
+
+    return ChatRequest
 
 
 def check_request(req) -> None:
@@ -152,6 +176,12 @@ class LocalBackend:
         seed = None if req.seed is None else req.seed + index
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                               seed=seed, stop=stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos)
+
+    def chat_prompt(self, messages: list) -> list[int]:
+        """The prompt ids of a conversation, by the checkpoint's chat template (ChatError when it cannot)."""
+        from scalenlp.data.chat import encode_chat
+
+        return encode_chat(self.engine.tokenizer, messages, self.engine.tokenizer_config)
 
     async def _events(self, req) -> AsyncIterator[tuple[int, Any, int]]:
         """Submit every choice of the request; yield (choice index, Delta, prompt length) as they come.
@@ -308,12 +338,83 @@ def completion_object(model: str, choices: list[dict], usage_: dict | None, cid:
             "model": model, "choices": choices, "usage": usage_}
 
 
+
+# ---- chat completions: a conversation is rendered by the model's chat template into a prompt of token ids,
+# completed as any prompt is, and the completion objects are reshaped into chat objects. ----
+
+def completion_for_chat(req, backend):
+    """The completion request that answers the chat request ``req``."""
+    from scalenlp.data.chat import ChatError
+
+    if req.logprobs or req.top_logprobs is not None:
+        raise APIError(400, "logprobs are not supported for chat completions", param="logprobs")
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise APIError(400, "max_tokens and max_completion_tokens are the same setting; send only one",
+                       param="max_tokens")
+    chat_prompt = getattr(backend, "chat_prompt", None)
+    if chat_prompt is None:
+        raise APIError(501, "chat completions are not served with --replicas yet; use /v1/completions",
+                       type="server_error")
+    try:
+        ids = chat_prompt(req.messages)
+    except ChatError as e:
+        raise APIError(400, str(e), param="messages") from None
+    fields = req.model_dump(exclude={"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+    fields["max_tokens"] = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    completion = _request_model()(**fields, prompt=ids)
+    check_request(completion)
+    return completion
+
+
+def _on_messages(e: APIError) -> APIError:
+    """A prompt error of the completion behind a chat request is an error in the request's messages."""
+    if e.param == "prompt":
+        e.param = "messages"
+    return e
+
+
+def chat_object(completion: dict, message_key: str, messages: list[dict]) -> dict:
+    """A completion object (or chunk) as a chat completion (or chunk) whose choices carry ``messages``."""
+    choices = [{"index": c["index"], message_key: m, "logprobs": None, "finish_reason": c["finish_reason"]}
+               for c, m in zip(completion["choices"], messages)]
+    return {"id": "chat" + completion["id"], "created": completion["created"], "model": completion["model"],
+            "object": "chat.completion" if message_key == "message" else "chat.completion.chunk",
+            "choices": choices, "usage": completion["usage"]}
+
+
+async def complete_chat(backend, req) -> dict:
+    try:
+        out = await backend.complete(req)
+    except APIError as e:
+        raise _on_messages(e) from None
+    return chat_object(out, "message", [{"role": "assistant", "content": c["text"]} for c in out["choices"]])
+
+
+async def stream_chat(backend, req) -> AsyncIterator[dict]:
+    """chat.completion.chunk objects: each choice's first delta carries the assistant role, its last the
+    finish reason (with an empty delta when no text came with it)."""
+    started: set[int] = set()
+    try:
+        async for chunk in backend.stream(req):
+            deltas = []
+            for c in chunk["choices"]:
+                delta = {"content": c["text"]} if c["text"] or c["index"] not in started else {}
+                if c["index"] not in started:
+                    started.add(c["index"])
+                    delta = {"role": "assistant", **delta}
+                deltas.append(delta)
+            yield chat_object(chunk, "delta", deltas)
+    except APIError as e:
+        raise _on_messages(e) from None
+
+
 def create_app(backend, api_key: str | None = None):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     CompletionRequest = _request_model()
+    ChatRequest = _chat_request_model()
     app = FastAPI(title="scalenlp", docs_url=None, redoc_url=None)
 
     def error_response(e: APIError) -> JSONResponse:
@@ -361,14 +462,15 @@ def create_app(backend, api_key: str | None = None):
         return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "created": 0,
                                             "owned_by": "scalenlp"}]}
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        check_request(req)
+    def check_model(req) -> None:
         if req.model != backend.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {backend.model_name!r}",
                            param="model", code="model_not_found")
-        if req.stream:
-            chunks = backend.stream(req)
+
+    async def answer(request: Request, stream: bool, complete, chunks: Callable[[], AsyncIterator[dict]]):
+        """The awaited ``complete()``, or an SSE stream of ``chunks()``."""
+        if stream:
+            chunks = chunks()
             # Wait for the first chunk before answering, so that errors before any output (queue full,
             # prompt too long) get their status code instead of a 200 stream.
             first = await _unless_disconnected(request, _first(chunks))
@@ -376,7 +478,20 @@ def create_app(backend, api_key: str | None = None):
                 await chunks.aclose()
                 return first
             return StreamingResponse(_sse(first, chunks), media_type="text/event-stream")
-        return await _unless_disconnected(request, backend.complete(req))
+        return await _unless_disconnected(request, complete())
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_request(req)
+        check_model(req)
+        return await answer(request, req.stream, lambda: backend.complete(req), lambda: backend.stream(req))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        check_model(req)
+        completion = completion_for_chat(req, backend)
+        return await answer(request, req.stream, lambda: complete_chat(backend, completion),
+                            lambda: stream_chat(backend, completion))
 
     return app
 

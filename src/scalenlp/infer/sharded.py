@@ -38,26 +38,24 @@ def init_process_group(rank: int, world_size: int, port: int) -> torch.device:
     return device
 
 
-def check_tp(export_dir, tp: int) -> None:
-    """Before any process starts: every sharded dimension must split evenly."""
+def check_tp(args, tp: int) -> None:
+    """Before any process starts: every sharded dimension of the model (its ModelArgs) must split evenly."""
     from scalenlp.errors import UserError
-    from scalenlp.models.io import load_model_args
 
-    a = load_model_args(export_dir)
-    for what, n in (("n_heads", a.n_heads), ("n_kv_heads", a.n_kv_heads), ("ffn_dim", a.ffn_dim),
-                    ("vocab_size", a.vocab_size)):
+    for what, n in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("ffn_dim", args.ffn_dim),
+                    ("vocab_size", args.vocab_size)):
         if n % tp:
             raise UserError(f"--tp {tp} does not divide the model's {what} ({n}); pick a divisor of it")
 
 
-def load_sharded(export_dir, device: torch.device, dtype: torch.dtype):
-    """Every rank loads the export and keeps its shard of each weight."""
+def load_sharded(pre, device: torch.device, dtype: torch.dtype):
+    """Every rank builds the model from the checkpoint it read (a ``Pretrained``) and keeps its shard of each weight."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from scalenlp.models.io import load_pretrained
+    from scalenlp.models.loader import instantiate
     from scalenlp.parallel.tensor_parallel import apply_tp
 
-    model = load_pretrained(export_dir, device=device, dtype=dtype)
+    model = instantiate(pre, device=device, dtype=dtype)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
     apply_tp(model, mesh, sequence_parallel=False)
     return model.eval()
@@ -146,31 +144,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _follower_main(rank: int, world_size: int, port: int, export_dir: str, dtype_name: str) -> None:
+def _follower_main(rank: int, world_size: int, port: int, checkpoint: str, dtype_name: str) -> None:
     from scalenlp.infer.engine import pick_dtype
+    from scalenlp.models.loader import read
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     device = init_process_group(rank, world_size, port)
-    model = load_sharded(export_dir, device, pick_dtype(device, dtype_name))
+    model = load_sharded(read(checkpoint), device, pick_dtype(device, dtype_name))
     try:
         follow(model)
     finally:
         dist.destroy_process_group()
 
 
-def start_sharded(export_dir, tp: int, dtype_name: str) -> ShardedModel:
-    """Spawn ranks 1..tp-1, become rank 0, and return the handle the engine drives."""
+def start_sharded(pre, tp: int, dtype_name: str) -> ShardedModel:
+    """Spawn ranks 1..tp-1, each reading the checkpoint ``pre`` was read from, become rank 0 with ``pre``
+    (a ``Pretrained``), and return the handle the engine drives."""
     import multiprocessing
 
     from scalenlp.infer.engine import pick_dtype
 
-    check_tp(export_dir, tp)
+    check_tp(pre.args, tp)
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
-    followers = [ctx.Process(target=_follower_main, args=(r, tp, port, str(export_dir), dtype_name), daemon=True)
+    followers = [ctx.Process(target=_follower_main, args=(r, tp, port, str(pre.path), dtype_name), daemon=True)
                  for r in range(1, tp)]
     for p in followers:
         p.start()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
     device = init_process_group(0, tp, port)
-    return ShardedModel(load_sharded(export_dir, device, pick_dtype(device, dtype_name)), followers)
+    return ShardedModel(load_sharded(pre, device, pick_dtype(device, dtype_name)), followers)

@@ -8,9 +8,6 @@ chat template, so llama.cpp-based tools run the model.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 from pathlib import Path
 
 from scalenlp.errors import UserError
@@ -28,17 +25,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def write_hf_folder(model, pre, out: Path) -> None:
-    """A decoder as a transformers folder, with the tokenizer and its config beside the weights."""
-    from scalenlp.models.hf import to_hf  # imports transformers
+    """A model as a transformers folder, with the tokenizer and its config (chat template) beside the weights."""
+    from scalenlp.models.encoder import Encoder
+    from scalenlp.models.hf_bert import write_bert_folder
+    from scalenlp.models.io import replacing_folder, write_tokenizer
 
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    to_hf(model).save_pretrained(tmp, safe_serialization=True)
-    pre.tokenizer.save(str(tmp / "tokenizer.json"))
-    # transformers' fast tokenizer reads its class and special tokens from here.
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **pre.tokenizer_config}
-    (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    os.replace(tmp, out)
+    # transformers' fast tokenizer reads its class and special tokens from the tokenizer config.
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **pre.tokenizer_config}
+    if isinstance(model, Encoder):
+        write_bert_folder(model, pre.tokenizer, tokenizer_config, out)
+        return
+    from scalenlp.models.hf import to_hf  # builds a transformers model
+
+    with replacing_folder(out) as tmp:
+        to_hf(model).save_pretrained(tmp, safe_serialization=True)
+        write_tokenizer(tmp, pre.tokenizer, tokenizer_config)
 
 
 def run(args) -> int:

@@ -11,10 +11,12 @@ import shutil
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
+from scalenlp.data.tokenizer import load_tokenizer
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
-from scalenlp.models.loader import Pretrained
+from scalenlp.models.pretrained import Pretrained, read_tokenizer_config
 
 GPT2_SHAPE = dict(norm="layernorm", activation="gelu", position="learned", bias=True)
 LLAMA_SHAPE = dict(norm="rmsnorm", activation="swiglu", position="rope")
@@ -79,23 +81,32 @@ def args_from_hf(config) -> ModelArgs:
                          bias=c.get("attention_bias", False), tie_embeddings=c.get("tie_word_embeddings", False),
                          **LLAMA_SHAPE)
     raise UserError(f"cannot load a Hugging Face {model_type!r} model; supported: gpt2 (GPT2LMHeadModel), "
-                    f"llama (LlamaForCausalLM and its relatives)")
+                    f"llama (LlamaForCausalLM and its relatives), bert (BertModel, BertForSequenceClassification, "
+                    f"BertForTokenClassification)")
 
 
-def read_hf_folder(folder: Path) -> Pretrained:
-    """A local Hugging Face model folder: ``config.json``, ``*.safetensors`` (one file or shards, memory-mapped)
-    and ``tokenizer.json``. Never touches the hub."""
+def read_hf_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
+
+
+def read_hf_folder(folder: Path, config: dict) -> Pretrained:
+    """A local Hugging Face decoder folder (its ``config.json`` already parsed): ``*.safetensors`` (one file
+    or shards, memory-mapped) and ``tokenizer.json``. Never touches the hub."""
+    args = args_from_hf(config)
+    hf = read_safetensors(folder)
+    if config.get("model_type") == "gpt2":  # GPT2Model (no LM head) saves its weights without the prefix
+        hf = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in hf.items()}
+    return Pretrained(args, from_hf_state_dict(args, hf), *read_hf_tokenizer(folder), "hf", folder)
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor in the folder's ``*.safetensors`` files (one file or shards), memory-mapped."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from scalenlp.data.tokenizer import load_tokenizer
-    from scalenlp.models.loader import read_tokenizer_config
-
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
-    args = args_from_hf(config)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise UserError(f"{folder} has a config.json but no .safetensors weights; save the model with "
@@ -106,12 +117,14 @@ def read_hf_folder(folder: Path) -> Pretrained:
             hf.update(load_file(str(f)))
         except (SafetensorError, OSError) as e:
             raise UserError(f"cannot read {f}: {e}") from None
-    if config.get("model_type") == "gpt2":  # GPT2Model (no LM head) saves its weights without the prefix
-        hf = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in hf.items()}
+    return hf
+
+
+def read_hf_tokenizer(folder: Path) -> tuple[Tokenizer, dict]:
+    """The folder's ``tokenizer.json`` and its ``tokenizer_config.json``."""
     if not (folder / "tokenizer.json").is_file():
         raise UserError(f"{folder} has no tokenizer.json; only fast (tokenizers-library) tokenizers are supported")
-    return Pretrained(args, from_hf_state_dict(args, hf), load_tokenizer(folder), read_tokenizer_config(folder),
-                      "hf", folder)
+    return load_tokenizer(folder), read_tokenizer_config(folder)
 
 
 def _gpt2_pairs(n_layers: int):

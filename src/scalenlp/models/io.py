@@ -1,5 +1,6 @@
 """Exported models: ``model.safetensors`` + ``model_args.json`` + ``tokenizer.json`` (+ ``tokenizer_config.json``
-with BOS, EOS and the chat template) in one folder.
+with BOS, EOS and the chat template) in one folder. Decoders and encoders share the format; an encoder's
+``model_args.json`` carries ``"architecture": "bert"``.
 
 This is what training hands to inference and to Hugging Face conversion. Loading builds the model on
 the meta device and assigns the tensors read from safetensors, so nothing is allocated twice and
@@ -8,46 +9,54 @@ no pickle is ever read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from scalenlp.data.tokenizer import load_tokenizer
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
-from scalenlp.models.loader import TOKENIZER_CONFIG, Pretrained, read_tokenizer_config
+from scalenlp.models.encoder import Encoder, EncoderArgs
+from scalenlp.models.pretrained import TOKENIZER_CONFIG, Pretrained, read_tokenizer_config
 
 WEIGHTS, ARGS, TOKENIZER = "model.safetensors", "model_args.json", "tokenizer.json"
 
 
-def save_pretrained(model: Transformer, out_dir: str | Path, tokenizer: Tokenizer | str | Path | None = None,
+def save_pretrained(model: Transformer | Encoder, out_dir: str | Path, tokenizer: Tokenizer | str | Path | None = None,
                     extra_files: dict[str, str] | None = None, tokenizer_config: dict | None = None) -> Path:
     """Write to a temporary sibling folder, then rename over ``out_dir``: a crash leaves the old export intact.
     ``tokenizer`` is a ``Tokenizer`` or a ``tokenizer.json`` path; ``tokenizer_config`` (BOS, EOS, chat
     template) is written as ``tokenizer_config.json``; ``extra_files`` maps file names to text written
     alongside (for example the resolved config)."""
+    with replacing_folder(out_dir) as tmp:
+        state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+        if getattr(model.args, "tie_embeddings", False):
+            state.pop("output.weight", None)  # the same storage as tok_embeddings.weight; safetensors rejects aliases
+        save_file(state, str(tmp / WEIGHTS))
+        (tmp / ARGS).write_text(json.dumps(dataclasses.asdict(model.args), indent=2))
+        write_tokenizer(tmp, tokenizer, tokenizer_config)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+    return Path(out_dir)
+
+
+@contextlib.contextmanager
+def replacing_folder(out_dir: str | Path) -> Iterator[Path]:
+    """An empty temporary sibling of ``out_dir`` to write into, renamed over ``out_dir`` when the block
+    finishes: a crash leaves the old folder intact."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    if model.args.tie_embeddings:
-        state.pop("output.weight", None)  # the same storage as tok_embeddings.weight; safetensors rejects aliases
-    save_file(state, str(tmp / WEIGHTS))
-    (tmp / ARGS).write_text(json.dumps(dataclasses.asdict(model.args), indent=2))
-    if isinstance(tokenizer, Tokenizer):
-        tokenizer.save(str(tmp / TOKENIZER))
-    elif tokenizer is not None:
-        shutil.copyfile(tokenizer, tmp / TOKENIZER)
-    if tokenizer_config:
-        (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2))
-    for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
+    yield tmp
     if out.exists():
         old = out.with_name(out.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -56,20 +65,30 @@ def save_pretrained(model: Transformer, out_dir: str | Path, tokenizer: Tokenize
         shutil.rmtree(old)
     else:
         os.replace(tmp, out)
-    return out
 
 
-def load_model_args(path: str | Path) -> ModelArgs:
+def write_tokenizer(folder: Path, tokenizer: Tokenizer | str | Path | None, tokenizer_config: dict | None) -> None:
+    """``tokenizer.json`` (from a ``Tokenizer`` or a copy of a file) and ``tokenizer_config.json``, where given."""
+    if isinstance(tokenizer, Tokenizer):
+        tokenizer.save(str(folder / TOKENIZER))
+    elif tokenizer is not None:
+        shutil.copyfile(tokenizer, folder / TOKENIZER)
+    if tokenizer_config:
+        (folder / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2))
+
+
+def load_model_args(path: str | Path) -> ModelArgs | EncoderArgs:
     file = Path(path) / ARGS
     if not file.is_file():
         raise UserError(f"{path} is not an exported model (no {ARGS}); pass a run's export/ folder")
     try:
-        return ModelArgs(**json.loads(file.read_text()))
+        fields = json.loads(file.read_text())
+        return (EncoderArgs if fields.get("architecture") == "bert" else ModelArgs)(**fields)
     except (json.JSONDecodeError, TypeError) as e:
         raise UserError(f"{file} is corrupt ({e}); re-export the model") from None
 
 
-def read_weights(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+def read_weights(path: str | Path) -> tuple[ModelArgs | EncoderArgs, dict[str, torch.Tensor]]:
     """An export folder's model arguments and weights; safetensors are memory-mapped, not copied."""
     args = load_model_args(path)
     weights = Path(path) / WEIGHTS
@@ -83,8 +102,6 @@ def read_weights(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
 
 def read_export(path: str | Path) -> Pretrained:
     """An export folder as a ``Pretrained`` (weights, tokenizer and its config)."""
-    from scalenlp.data.tokenizer import load_tokenizer
-
     folder = Path(path)
     args, state = read_weights(folder)
     if not (folder / TOKENIZER).is_file():
@@ -98,14 +115,10 @@ def build_decoder(args: ModelArgs, state: dict[str, torch.Tensor], device: str |
     they differ); ``dtype`` casts floating weights (RoPE tables stay float32)."""
     with torch.device("meta"):
         model = Transformer(args)
-    state = {k: v.to(device=device, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
-             for k, v in state.items()}
+    state = cast_state(state, device, dtype)
     if args.tie_embeddings:
         state["output.weight"] = state.get("tok_embeddings.weight")
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except (RuntimeError, TypeError) as e:
-        raise UserError(f"the weights in {where} do not match its model arguments: {str(e).splitlines()[0]}") from None
+    assign_state(model, state, where)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     if args.position == "rope":  # non-persistent buffers are still on meta
@@ -113,7 +126,37 @@ def build_decoder(args: ModelArgs, state: dict[str, torch.Tensor], device: str |
     return model.eval()
 
 
+def build_encoder(args: EncoderArgs, state: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                  dtype: torch.dtype | None = None, where: str = "the checkpoint") -> Encoder:
+    """An encoder built on the meta device with ``state`` assigned; ``dtype`` casts floating weights."""
+    with torch.device("meta"):
+        model = Encoder(args)
+    assign_state(model, cast_state(state, device, dtype), where)
+    return model.eval()
+
+
+def build(args: ModelArgs | EncoderArgs, state: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+          dtype: torch.dtype | None = None, where: str = "the checkpoint") -> Transformer | Encoder:
+    """The model ``args`` describe, a decoder or an encoder, with ``state`` assigned."""
+    return (build_encoder if isinstance(args, EncoderArgs) else build_decoder)(args, state, device, dtype, where)
+
+
+def cast_state(state: dict[str, torch.Tensor], device: str | torch.device,
+               dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """``state`` on ``device`` with floating tensors in ``dtype`` (tensors already there are not copied)."""
+    return {k: v.to(device=device, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
+            for k, v in state.items()}
+
+
+def assign_state(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Assign every tensor of ``state`` to a model built on the meta device; a mismatch is the checkpoint's fault."""
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except (RuntimeError, TypeError) as e:
+        raise UserError(f"the weights in {where} do not match its model arguments: {str(e).splitlines()[0]}") from None
+
+
 def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None) -> Transformer:
+                    dtype: torch.dtype | None = None) -> Transformer | Encoder:
     """Load an export folder's model; ``dtype`` casts floating weights (RoPE tables stay float32)."""
-    return build_decoder(*read_weights(path), device, dtype, where=str(path))
+    return build(*read_weights(path), device, dtype, where=str(path))

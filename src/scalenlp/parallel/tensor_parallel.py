@@ -1,4 +1,5 @@
-"""Tensor parallelism (Megatron-style) and sequence parallelism for the decoder family.
+"""Tensor parallelism (Megatron-style) and sequence parallelism for the decoder family, and tensor
+parallelism for the encoder (BERT) family, whose blocks use the same plan.
 
 Each block is split so that it needs one all-reduce (or, with sequence parallelism, one
 all-gather + one reduce-scatter) for attention and one for the MLP:
@@ -28,6 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
+
+from scalenlp.models.encoder import Encoder
 
 
 class RelayoutHiddenInput(ParallelStyle):
@@ -93,7 +96,14 @@ def outer_plan(model: nn.Module, sequence_parallel: bool, shard_logits: bool = F
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, shard_logits: bool = False) -> None:
     """Shard ``model`` (a Transformer or a pipeline stage of one) in place over ``tp_mesh``; its logits
-    are vocabulary-sharded DTensors with ``shard_logits``, full tensors on every rank without."""
+    are vocabulary-sharded DTensors with ``shard_logits``, full tensors on every rank without.
+    An ``Encoder`` goes to ``apply_tp_encoder`` (``shard_logits`` does not apply: it has no vocabulary head)."""
+    if isinstance(model, Encoder):
+        if sequence_parallel:
+            raise ValueError("sequence parallelism is not implemented for encoders; shard them with "
+                             "sequence_parallel=False")
+        apply_tp_encoder(model, tp_mesh)
+        return
     blocks = list(model.layers.values())
     for block in blocks:
         parallelize_module(block, tp_mesh, block_plan(sequence_parallel, block.feed_forward.w3 is not None))
@@ -109,6 +119,19 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, sha
         if model.norm is None:
             parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
                 output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
+
+
+def apply_tp_encoder(model: Encoder, tp_mesh: DeviceMesh) -> None:
+    """Shard an ``Encoder`` in place: each block as a decoder block (column-parallel q/k/v and w1,
+    row-parallel o and w2, one all-reduce each; the post-norm LayerNorms act on the reduced, replicated
+    stream) and the token embedding vocabulary-parallel, its largest matrix. Position and type
+    embeddings, the pooler and the classifier are small and stay replicated, so hidden states, sentence
+    vectors and logits come out whole on every rank. Sequence parallelism would leave the last hidden
+    states sharded on the sequence, which pooling reads whole; it is not offered."""
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel=False, has_w3=False))
+    parallelize_module(model, tp_mesh, {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(),
+                                                                          output_layouts=Replicate())})
 
 
 def vocab_parallel_loss(enabled: bool) -> contextlib.AbstractContextManager:

@@ -9,6 +9,7 @@ and every ``log_every`` steps reduce the loss over data-parallel ranks and write
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -26,7 +27,9 @@ from scalenlp.data import DataLoader, TokenDataset, open_data, prepare_data
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.flavors import FLAVORS, build_model, model_args
-from scalenlp.models.io import save_pretrained
+from scalenlp.models.io import build_decoder, save_pretrained
+from scalenlp.models.loader import read
+from scalenlp.models.pretrained import Pretrained
 from scalenlp.parallel.mesh import ParallelDims, barrier, build_mesh, device_type, dp_rank, init_distributed
 from scalenlp.parallel.data_parallel import skip_gradient_sync
 from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, loss_context, parallelize
@@ -36,24 +39,48 @@ from scalenlp.train.metrics import MetricsWriter, peak_flops, peak_memory_bytes
 from scalenlp.train.optim import build_optimizer, build_scheduler
 
 
-def resolve_model_args(cfg: Config, vocab_size: int | None = None) -> ModelArgs:
-    """The model this config trains; ``vocab_size`` is the tokenizer's when known."""
+def _checkpoint_args(cfg: Config, pretrained: Pretrained) -> ModelArgs:
+    """The checkpoint's architecture; model.* keys may restate it but not change it."""
+    args = pretrained.args
+    for key in ("vocab_size", "max_seq_len"):
+        value = getattr(cfg.model, key)
+        if value and value != getattr(args, key):
+            raise ConfigError(f"model.{key}={value} contradicts model.init={cfg.model.init!r}, whose model has "
+                              f"{key}={getattr(args, key)}; remove model.{key} (0 follows the checkpoint)")
+    vocab = pretrained.tokenizer.get_vocab_size(with_added_tokens=True)
+    if vocab > args.vocab_size:
+        raise ConfigError(f"model.init={cfg.model.init!r} has a tokenizer of {vocab} tokens but a model of only "
+                          f"{args.vocab_size}; the checkpoint is inconsistent")
+    return dataclasses.replace(args, dropout=cfg.model.dropout)
+
+
+def resolve_model_args(cfg: Config, vocab_size: int | None = None, pretrained: Pretrained | None = None) -> ModelArgs:
+    """The model this config trains: model.init's (``pretrained``), or the flavor's with ``vocab_size``,
+    the tokenizer's when known."""
+    if pretrained is not None:
+        args = _checkpoint_args(cfg, pretrained)
+    else:
+        args = _flavor_args(cfg, vocab_size)
+    if cfg.training.seq_len > args.max_seq_len:
+        raise ConfigError(f"training.seq_len={cfg.training.seq_len} is over the model's max_seq_len "
+                          f"{args.max_seq_len}; lower training.seq_len"
+                          + ("" if pretrained else " or raise model.max_seq_len"))
+    try:
+        args.check()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return args
+
+
+def _flavor_args(cfg: Config, vocab_size: int | None) -> ModelArgs:
     if cfg.model.flavor not in FLAVORS:
         raise ConfigError(f"model.flavor={cfg.model.flavor!r} is unknown; choose one of {', '.join(FLAVORS)}")
     vocab = cfg.model.vocab_size or vocab_size or FLAVORS[cfg.model.flavor].vocab_size
     if vocab_size and vocab < vocab_size:
         raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {vocab_size} tokens; "
                           f"set it to 0 to follow the tokenizer")
-    args = model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.model.max_seq_len or None,
+    return model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.model.max_seq_len or None,
                       dropout=cfg.model.dropout)
-    if cfg.training.seq_len > args.max_seq_len:
-        raise ConfigError(f"training.seq_len={cfg.training.seq_len} is over the model's max_seq_len "
-                          f"{args.max_seq_len}; lower training.seq_len or raise model.max_seq_len")
-    try:
-        args.check()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return args
 
 
 def batch_shape(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
@@ -72,10 +99,13 @@ def batch_shape(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
     return mb, local // mb
 
 
-def validate_run(cfg: Config, world_size: int) -> ParallelDims:
-    """Every check that needs no process group and no data, so a launcher can fail before starting N processes."""
+def validate_run(cfg: Config, world_size: int, pretrained: Pretrained | None = None) -> ParallelDims:
+    """Every check that needs no process group and no data, so a launcher can fail before starting N processes.
+    With model.init the checkpoint is read here unless given (``pretrained``)."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
-    check_layout(resolve_model_args(cfg), dims, cfg)
+    if cfg.model.init and pretrained is None:
+        pretrained = read(cfg.model.init)
+    check_layout(resolve_model_args(cfg, pretrained=pretrained), dims, cfg)
     batch_shape(cfg, dims)
     return dims
 
@@ -116,7 +146,11 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.rank, self.world = init_distributed(cfg.training.timeout_s)
-        self.dims = validate_run(cfg, self.world)
+        # model.init: every rank reads the checkpoint (memory-mapped where the format allows); its
+        # tokenizer tokenizes the data, its weights are assigned below, its tokenizer config is exported.
+        pretrained = read(cfg.model.init) if cfg.model.init else None
+        self.tokenizer_config = pretrained.tokenizer_config if pretrained else {}
+        self.dims = validate_run(cfg, self.world, pretrained)
         self.device = pick_device(cfg)
         self.mesh = build_mesh(self.dims)
         self.dp_group = None if self.mesh is None or self.dims.dp == 1 else dp_mesh(self.mesh, flat=True).get_group()
@@ -135,19 +169,26 @@ class Trainer:
 
         # Data: one process per node tokenizes (the cache makes later runs instant), all memory-map.
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            prepare_data(cfg, self.run_dir, log=self.log)
+            prepare_data(cfg, self.run_dir, log=self.log, pretrained=pretrained)
         barrier()
-        self.data = open_data(cfg, self.run_dir)
+        self.data = open_data(cfg, self.run_dir, pretrained)
         t = cfg.training
         self.micro_batch, self.accum = batch_shape(cfg, self.dims)
         self.loader = DataLoader(TokenDataset(self.data.train_tokens, t.seq_len), t.global_batch_size,
                                  dp_rank(self.mesh), self.dims.dp, t.seed)
         self.val = TokenDataset(self.data.val_tokens, t.seq_len) if t.eval_every else None
 
-        # Model: same seed everywhere, so every layout starts from the weights of the single-process run.
-        self.model_args = resolve_model_args(cfg, self.data.vocab_size)
+        # Model: the checkpoint's weights, or the same seed everywhere, so every layout starts from the
+        # weights of the single-process run. Either way the full model is built on every rank and then
+        # parallelized (sharded, split into stages) exactly as a randomly initialised one.
+        self.model_args = resolve_model_args(cfg, self.data.vocab_size, pretrained)
         torch.manual_seed(t.seed)
-        model = build_model(self.model_args, self.device)
+        if pretrained is not None:  # fp32 master weights, whatever the checkpoint's dtype
+            model = build_decoder(self.model_args, pretrained.state, self.device, torch.float32,
+                                  where=cfg.model.init).train()
+            del pretrained  # the model holds the weights now
+        else:
+            model = build_model(self.model_args, self.device)
         self.n_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
         if self.dims.pp > 1:
@@ -256,14 +297,15 @@ class Trainer:
             model = Transformer(self.model_args)
             load_full_model(checkpoint, model)
             out = save_pretrained(model, self.run_dir / "export", self.data.tokenizer_json,
-                                  {"config.toml": (self.run_dir / "config.toml").read_text()})
+                                  {"config.toml": (self.run_dir / "config.toml").read_text()},
+                                  tokenizer_config=self.tokenizer_config)
             self.log(f"exported final weights: {out}")
         barrier()
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
         cfg, t = self.cfg, self.cfg.training
-        self.log(f"model {cfg.model.flavor}: {self.n_params / 1e6:.2f}M parameters, "
+        self.log(f"model {cfg.model.init or cfg.model.flavor}: {self.n_params / 1e6:.2f}M parameters, "
                  f"{self.flops_per_token / 1e6:.1f} MFLOPs/token | layout "
                  + " ".join(f"{n}={s}" for n, s in self.dims.names_and_sizes())
                  + (f" ({cfg.parallel.data_parallel})" if self.dims.dp > 1 else "")

@@ -1,0 +1,83 @@
+"""`scalenlp chat`: talk to a chat model in the terminal.
+
+Each line read from stdin is a user message; the answer streams to stdout and both join the history,
+which the model's chat template renders into the next prompt. ``/reset`` starts a new conversation,
+``/exit`` or end of input ends. Answers go to stdout and notices to stderr, so piped input gives
+a transcript of the answers alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from scalenlp.infer.generate import add_engine_arguments
+
+RESET, EXIT = "/reset", "/exit"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--system", default=None, help="a system message that opens every conversation")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="longest answer in tokens (default: the rest of the model's context)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None, help="same seed, same answers")
+
+
+def read_lines(interactive: bool):
+    """User lines, with a prompt when a person is typing."""
+    while True:
+        try:
+            line = input("> ") if interactive else sys.stdin.readline()
+        except EOFError:
+            return
+        if not interactive and not line:
+            return
+        yield line.rstrip("\n")
+
+
+def run(args) -> int:
+    from scalenlp.data.chat import ChatError, chat_template, encode_chat
+    from scalenlp.errors import UserError
+    from scalenlp.infer.engine import RequestError
+    from scalenlp.infer.generate import build_engine, stream_to_stdout
+    from scalenlp.infer.sampling import SamplingParams
+
+    engine = build_engine(args)
+    chat_template(engine.tokenizer_config)  # a model without a template fails here, before any input
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(opening)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {args.checkpoint}; {RESET} starts over, {EXIT} or Ctrl-D ends", file=sys.stderr)
+    try:
+        for line in read_lines(interactive):
+            if line.strip() == EXIT:
+                break
+            if line.strip() == RESET:
+                history = list(opening)
+                print("(new conversation)", file=sys.stderr)
+                continue
+            if not line.strip():
+                continue
+            turn = history + [{"role": "user", "content": line}]
+            try:
+                ids = encode_chat(engine.tokenizer, turn, engine.tokenizer_config)
+                rest = max(1, engine.max_seq_len - len(ids))
+                max_tokens = args.max_tokens if args.max_tokens is not None else rest
+                params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                        top_p=args.top_p, seed=args.seed)
+                answer, finish = stream_to_stdout(engine, ids, params)
+            except (ChatError, RequestError) as e:
+                print(f"error: {e}; {RESET} starts a new conversation", file=sys.stderr)
+                continue
+            print(flush=True)
+            if finish == "abort":
+                raise UserError(f"generation failed: {engine.error!r}")
+            history = turn + [{"role": "assistant", "content": answer}]
+    finally:
+        engine.stop()
+    return 0

@@ -1,0 +1,186 @@
+"""Bidirectional encoder: the BERT family (BERT, MiniLM and sentence-transformers models built on them).
+
+Learned absolute positions, token type embeddings, post-LayerNorm blocks (the residual sum is
+normalised, not the block input), exact (erf) GELU and a pooler (dense + tanh over the first token).
+One model serves three tasks: sentence embeddings (pooled hidden states), sequence classification
+(a linear head on the pooler output, as Hugging Face's ``BertForSequenceClassification``) and token
+classification (a linear head on every hidden state).
+
+Pure PyTorch, no torch.distributed, named like the decoder so that parallelism applies from outside:
+attention reshapes with ``view(B, T, -1, head_dim)`` (a tensor-parallel shard holds n_heads / tp
+heads), ``layers`` is a ModuleDict keyed by layer index, q/k/v/o are ``wq``/``wk``/``wv``/``wo`` and
+the MLP ``w1``/``w2``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+POOLINGS = ("mean", "cls", "pooler")
+TASKS = ("embedding", "classification", "token_classification")
+
+
+@dataclass
+class EncoderArgs:
+    vocab_size: int = 30522
+    dim: int = 384
+    n_layers: int = 6
+    n_heads: int = 12
+    ffn_dim: int = 1536
+    max_seq_len: int = 512
+    type_vocab_size: int = 2
+    norm_eps: float = 1e-12
+    dropout: float = 0.0
+    pad_token_id: int = 0
+    pooling: str = "mean"
+    """How ``embed`` pools hidden states into one vector: mean over real tokens, the first ([CLS]) token,
+    or the pooler's output (dense + tanh over [CLS])."""
+    normalize: bool = False
+    """Scale sentence embeddings to unit length (so a dot product is the cosine similarity)."""
+    task: str = "embedding"
+    """What ``forward`` returns: hidden states, per-sequence logits or per-token logits."""
+    labels: list[str] = field(default_factory=list)
+    """Class names in logit order (id -> label), for the classification tasks."""
+    pooler: bool = True
+    """Whether the model has a pooler; token classification checkpoints are saved without one."""
+    architecture: str = "bert"
+    """Written to ``model_args.json``: it tells the loader to build an ``Encoder``, not a decoder."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def check(self) -> None:
+        """Raise ValueError with a readable reason for a model that cannot be built."""
+        if self.dim % self.n_heads:
+            raise ValueError(f"model dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        for name, value, allowed in (("pooling", self.pooling, POOLINGS), ("task", self.task, TASKS),
+                                     ("architecture", self.architecture, ("bert",))):
+            if value not in allowed:
+                raise ValueError(f"encoder {name}={value!r} is not one of {allowed}")
+        if self.task != "embedding" and not self.labels:
+            raise ValueError(f"task={self.task!r} needs the class names (labels)")
+        if not self.pooler and (self.pooling == "pooler" or self.task == "classification"):
+            raise ValueError("pooling='pooler' and task='classification' need a pooler (pooler=True)")
+
+
+class Attention(nn.Module):
+    def __init__(self, args: EncoderArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.dropout = args.dropout
+        self.wq = nn.Linear(args.dim, args.dim)
+        self.wk = nn.Linear(args.dim, args.dim)
+        self.wv = nn.Linear(args.dim, args.dim)
+        self.wo = nn.Linear(args.dim, args.dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x: (B, T, dim); mask: (B, 1, 1, T), True for the keys every query may see, or None."""
+        B, T, _ = x.shape
+        q, k, v = (w(x).view(B, T, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: EncoderArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))  # exact (erf) GELU, as BERT's "gelu"
+
+
+class Block(nn.Module):
+    def __init__(self, args: EncoderArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.attention_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args)
+        self.ffn_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.drop = nn.Dropout(args.dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        h = self.attention_norm(x + self.drop(self.attention(x, mask)))
+        return self.ffn_norm(h + self.drop(self.feed_forward(h)))
+
+
+class Encoder(nn.Module):
+    def __init__(self, args: EncoderArgs):
+        super().__init__()
+        args.check()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim)
+        self.type_embeddings = nn.Embedding(args.type_vocab_size, args.dim)
+        self.emb_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.drop = nn.Dropout(args.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.pooler = nn.Linear(args.dim, args.dim) if args.pooler else None
+        self.classifier = nn.Linear(args.dim, len(args.labels)) if args.task != "embedding" else None
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """BERT's init: N(0, 0.02) for matrices and embeddings, zero biases, unit LayerNorms."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, 0.0, 0.02)
+            if isinstance(module, nn.Linear):
+                module.bias.zero_()
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: (B, T); attention_mask: (B, T), 1 for real tokens and 0 for padding (None: no padding);
+        token_type_ids: (B, T) segment ids (None: all segment 0). Returns (B, T, dim)."""
+        T = input_ids.shape[1]
+        if T > self.args.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than the model's max_seq_len {self.args.max_seq_len}")
+        positions = torch.arange(T, device=input_ids.device)
+        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        h = self.tok_embeddings(input_ids) + self.pos_embeddings(positions) + self.type_embeddings(types)
+        h = self.drop(self.emb_norm(h))
+        # Padded keys are hidden from every query; padded queries still compute (and are ignored by pooling).
+        mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        for block in self.layers.values():
+            h = block(h, mask)
+        return h
+
+    def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """(B, dim) sentence vectors from (B, T, dim) hidden states, per ``args.pooling``."""
+        if self.args.pooling == "mean":
+            if attention_mask is None:
+                return hidden.mean(dim=1)
+            weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+        if self.args.pooling == "cls":
+            return hidden[:, 0]
+        return self.pooled(hidden)
+
+    def pooled(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The pooler's output: dense + tanh over the first ([CLS]) token."""
+        return torch.tanh(self.pooler(hidden[:, 0]))
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+              token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, dim) sentence embeddings, pooled per ``args.pooling`` and unit length with ``args.normalize``."""
+        vectors = self.pool(self.hidden_states(input_ids, attention_mask, token_type_ids), attention_mask)
+        return F.normalize(vectors, p=2, dim=-1) if self.args.normalize else vectors
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states (B, T, dim) for ``task="embedding"``, logits (B, labels) for classification,
+        logits (B, T, labels) for token classification."""
+        h = self.hidden_states(input_ids, attention_mask, token_type_ids)
+        if self.args.task == "embedding":
+            return h
+        if self.args.task == "classification":
+            h = self.pooled(h)
+        return self.classifier(self.drop(h))

