@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -24,8 +25,10 @@ from tqdm import tqdm
 
 from scalenlp.config import Config, ConfigError, save_config
 from scalenlp.data import DataLoader, TokenDataset, open_data, prepare_data
+from scalenlp.data.labeled import LabeledLoader
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer
+from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.flavors import FLAVORS, build_model, model_args
 from scalenlp.models.io import build_decoder, save_pretrained
 from scalenlp.models.loader import read
@@ -35,6 +38,8 @@ from scalenlp.parallel.data_parallel import skip_gradient_sync
 from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, loss_context, parallelize
 from scalenlp.parallel.pipeline import build_pipeline
 from scalenlp.train.checkpoint import Checkpointer, load_full_model
+from scalenlp.train.classify import (build_classifier, classification_loss, classifier_args, evaluate_classifier,
+                                     load_classification_data)
 from scalenlp.train.metrics import MetricsWriter, peak_flops, peak_memory_bytes
 from scalenlp.train.optim import build_optimizer, build_scheduler
 
@@ -42,6 +47,12 @@ from scalenlp.train.optim import build_optimizer, build_scheduler
 def _checkpoint_args(cfg: Config, pretrained: Pretrained) -> ModelArgs:
     """The checkpoint's architecture; model.* keys may restate it but not change it."""
     args = pretrained.args
+    classify = cfg.training.task == "classification"
+    if classify != isinstance(args, EncoderArgs):
+        raise ConfigError(f"model.init={cfg.model.init!r} is " + (
+            "a decoder; training.task=\"classification\" needs an encoder (a BERT-family checkpoint)" if classify else
+            f"an encoder; training.task={cfg.training.task!r} needs a decoder (encoders train with "
+            f"training.task=\"classification\")"))
     for key in ("vocab_size", "max_seq_len"):
         value = getattr(cfg.model, key)
         if value and value != getattr(args, key):
@@ -167,28 +178,41 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.toml")
         barrier()
 
-        # Data: one process per node tokenizes (the cache makes later runs instant), all memory-map.
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            prepare_data(cfg, self.run_dir, log=self.log, pretrained=pretrained)
-        barrier()
-        self.data = open_data(cfg, self.run_dir, pretrained)
         t = cfg.training
         self.micro_batch, self.accum = batch_shape(cfg, self.dims)
-        self.loader = DataLoader(TokenDataset(self.data.train_tokens, t.seq_len), t.global_batch_size,
-                                 dp_rank(self.mesh), self.dims.dp, t.seed)
-        self.val = TokenDataset(self.data.val_tokens, t.seq_len) if t.eval_every else None
-
-        # Model: the checkpoint's weights, or the same seed everywhere, so every layout starts from the
-        # weights of the single-process run. Either way the full model is built on every rank and then
-        # parallelized (sharded, split into stages) exactly as a randomly initialised one.
-        self.model_args = resolve_model_args(cfg, self.data.vocab_size, pretrained)
+        self.classify = t.task == "classification"
         torch.manual_seed(t.seed)
-        if pretrained is not None:  # fp32 master weights, whatever the checkpoint's dtype
-            model = build_decoder(self.model_args, pretrained.state, self.device, torch.float32,
-                                  where=cfg.model.init).train()
-            del pretrained  # the model holds the weights now
+        if self.classify:
+            # Labelled rows are few and quick to tokenize: every rank reads them, nothing is cached.
+            self.task_data = load_classification_data(cfg, pretrained.tokenizer, self.log)
+            self.tokenizer = pretrained.tokenizer
+            self.loader = LabeledLoader(self.task_data.train, t.global_batch_size, dp_rank(self.mesh), self.dims.dp,
+                                        t.seed)
+            self.val = None
+            self.model_args = classifier_args(cfg, pretrained, self.task_data.labels)
+            model = build_classifier(self.model_args, pretrained, self.device, where=cfg.model.init)
+            del pretrained
         else:
-            model = build_model(self.model_args, self.device)
+            # Data: one process per node tokenizes (the cache makes later runs instant), all memory-map.
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                prepare_data(cfg, self.run_dir, log=self.log, pretrained=pretrained)
+            barrier()
+            self.data = open_data(cfg, self.run_dir, pretrained)
+            self.tokenizer = self.data.tokenizer_json
+            self.loader = DataLoader(TokenDataset(self.data.train_tokens, t.seq_len), t.global_batch_size,
+                                     dp_rank(self.mesh), self.dims.dp, t.seed)
+            self.val = TokenDataset(self.data.val_tokens, t.seq_len) if t.eval_every else None
+
+            # Model: the checkpoint's weights, or the same seed everywhere, so every layout starts from the
+            # weights of the single-process run. Either way the full model is built on every rank and then
+            # parallelized (sharded, split into stages) exactly as a randomly initialised one.
+            self.model_args = resolve_model_args(cfg, self.data.vocab_size, pretrained)
+            if pretrained is not None:  # fp32 master weights, whatever the checkpoint's dtype
+                model = build_decoder(self.model_args, pretrained.state, self.device, torch.float32,
+                                      where=cfg.model.init).train()
+                del pretrained  # the model holds the weights now
+            else:
+                model = build_model(self.model_args, self.device)
         self.n_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
         if self.dims.pp > 1:
@@ -201,6 +225,8 @@ class Trainer:
         self.scheduler = self.schedulers[0]  # all parts follow the same schedule
         torch.manual_seed(t.seed + 1 + self.rank)  # dropout streams differ per rank, reproducibly
         self.step = 0
+        self.tokens_seen = 0  # by this rank since the last metrics record
+        self.best: dict | None = None  # {"step", keep_best's metric: value} of the best evaluation so far
         latest = self.checkpointer.latest() if cfg.checkpoint.resume else None
         if latest is not None:
             self._resume(latest)
@@ -218,7 +244,7 @@ class Trainer:
         t = self.cfg.training
         return {"data": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "global_batch_size": t.global_batch_size, "seq_len": t.seq_len, "world_size": self.world,
-                "layout": self.dims.names_and_sizes()}
+                "layout": self.dims.names_and_sizes(), "best": self.best}
 
     def _resume(self, path: Path) -> None:
         state = self.checkpointer.load(path, self.model_parts, self.optimizers)
@@ -231,23 +257,25 @@ class Trainer:
             scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
         self.step = state["step"]
+        self.best = state.get("best")
         self.log(f"resumed from {path} at step {self.step} (saved on {state['world_size']} process(es))")
 
     # -- the step ---------------------------------------------------------------------------------
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's share of the global batch; (loss, grad norm) on this rank."""
-        inputs, targets = (x.to(self.device, non_blocking=True) for x in self.loader.next_batch())
+        batch = [x.to(self.device, non_blocking=True) for x in self.loader.next_batch()]
+        self.tokens_seen += batch[0].numel()
         loss_sum = torch.zeros((), device=self.device)
         if self.pipeline is not None:  # the schedule runs the micro-batches (pp_microbatches) itself
             with autocast(self.device, self.cfg.training.mixed_precision):
-                loss_sum += self.pipeline.step(inputs, targets)
+                loss_sum += self.pipeline.step(*batch)
         else:
-            for i, (x, y) in enumerate(zip(inputs.split(self.micro_batch), targets.split(self.micro_batch))):
+            for i, micro in enumerate(zip(*(x.split(self.micro_batch) for x in batch))):
                 # Gradients are reduced across data-parallel ranks only after the last micro-batch.
                 with contextlib.nullcontext() if i == self.accum - 1 else skip_gradient_sync(self.model_parts):
                     with loss_context(self.dims, self.cfg):
                         with autocast(self.device, self.cfg.training.mixed_precision):
-                            loss = cross_entropy(self.model_parts[0](x), y) / self.accum
+                            loss = self.micro_batch_loss(micro) / self.accum
                         loss.backward()
                 loss_sum += loss.detach()
         params = [p for part in self.model_parts for p in part.parameters()]
@@ -259,6 +287,25 @@ class Trainer:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
+
+    def micro_batch_loss(self, micro: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Mean loss of one micro-batch: next-token (inputs, targets), or classification (input_ids,
+        attention_mask, token_type_ids, labels)."""
+        if self.classify:
+            return classification_loss(self.model_parts[0], micro)
+        inputs, targets = micro
+        return cross_entropy(self.model_parts[0](inputs), targets)
+
+    def evaluate_classifier(self) -> dict[str, float]:
+        """eval_loss, accuracy and macro_f1 on the whole eval file."""
+        model = self.model_parts[0]
+        model.eval()
+        scores = evaluate_classifier(model, self.task_data.eval, self.cfg.training.global_batch_size,
+                                     dp_rank(self.mesh), self.dims.dp, self.device, self.dp_group,
+                                     len(self.task_data.labels),
+                                     lambda: autocast(self.device, self.cfg.training.mixed_precision))
+        model.train()
+        return scores
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -290,17 +337,44 @@ class Trainer:
         self.log(f"checkpoint saved: {path}")
         return path
 
-    def export(self, checkpoint: Path) -> None:
-        """Rank 0 reads the final checkpoint into one unsharded model (DCP reshards from any layout)
-        and writes safetensors + model args + tokenizer + resolved config."""
+    def export(self, checkpoint: Path, folder: str = "export", extra_files: dict[str, str] | None = None) -> None:
+        """Rank 0 reads a checkpoint into one unsharded model (DCP reshards from any layout) and writes
+        safetensors + model args (an encoder's with its labels) + tokenizer + resolved config to
+        <run_dir>/<folder>."""
         if self.is_main:
-            model = Transformer(self.model_args)
+            model = (Encoder if self.classify else Transformer)(self.model_args)
             load_full_model(checkpoint, model)
-            out = save_pretrained(model, self.run_dir / "export", self.data.tokenizer_json,
-                                  {"config.toml": (self.run_dir / "config.toml").read_text()},
+            out = save_pretrained(model, self.run_dir / folder, self.tokenizer,
+                                  {"config.toml": (self.run_dir / "config.toml").read_text(), **(extra_files or {})},
                                   tokenizer_config=self.tokenizer_config)
-            self.log(f"exported final weights: {out}")
+            self.log(f"exported weights of {checkpoint.name}: {out}")
         barrier()
+
+    def keep_if_best(self, scores: dict[str, float]) -> Path | None:
+        """Save and export to <run_dir>/best when ``scores`` beat the best so far by checkpoint.keep_best;
+        the checkpoint saved, if any."""
+        metric = self.cfg.checkpoint.keep_best
+        if not metric or self.best is not None and scores[metric] <= self.best[metric]:
+            return None
+        self.best = {"step": self.step, metric: scores[metric]}
+        path = self.save()
+        self.export(path, "best", {"best.json": json.dumps({**self.best, "scores": scores}, indent=1)})
+        return path
+
+    def evaluate_and_record(self) -> Path | None:
+        """Evaluate, write the record to metrics.jsonl and log it; the checkpoint saved as the new best, if any."""
+        if self.classify:
+            if self.task_data.eval is None:
+                return None
+            scores = self.evaluate_classifier()
+            self.metrics.write({"step": self.step, **scores})
+            self.log(f"step {self.step:>6} | eval loss {scores['eval_loss']:.4f} | accuracy {scores['accuracy']:.4f}"
+                     f" | macro-F1 {scores['macro_f1']:.4f}")
+            return self.keep_if_best(scores)
+        val = self.evaluate()
+        self.metrics.write({"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
+        self.log(f"step {self.step:>6} | eval loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
+        return None
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -328,7 +402,8 @@ class Trainer:
             self.step += 1
             bar.update(1)
             if self.step % t.log_every == 0 or self.step == t.steps:
-                tokens_per_sec = window_steps * t.global_batch_size * t.seq_len / window_time
+                # Tokens the model ran on: classification batches are padded to their longest row, not seq_len.
+                tokens_per_sec = self.tokens_seen * self.dims.dp / window_time
                 record = {
                     "step": self.step,
                     "loss": _mean_over(window_loss / window_steps, self.dp_group),
@@ -338,6 +413,7 @@ class Trainer:
                     "mfu": tokens_per_sec / self.world * self.flops_per_token / self.peak_flops,
                     "peak_mem_bytes": peak_memory_bytes(self.device),
                     "step_time_s": window_time / window_steps,
+                    "samples_per_sec": window_steps * t.global_batch_size / window_time,
                 }
                 records.append(record)
                 self.metrics.write(record)
@@ -346,12 +422,13 @@ class Trainer:
                          f"{record['grad_norm']:.3f} | {tokens_per_sec:,.0f} tok/s | MFU {record['mfu']:.1%} | "
                          f"peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB")
                 window_loss.zero_()
-                window_steps, window_time = 0, 0.0
+                window_steps, window_time, self.tokens_seen = 0, 0.0, 0
+            saved_best = None
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                val = self.evaluate()
-                self.metrics.write({"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
-                self.log(f"step {self.step:>6} | eval loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
-            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or self.step == t.steps:
+                saved_best = self.evaluate_and_record()
+            if saved_best is not None:
+                last_saved = saved_best
+            elif cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or self.step == t.steps:
                 last_saved = self.save()
         bar.close()
         if last_saved is None:  # resumed at the final step: nothing new was trained
