@@ -17,6 +17,10 @@ from typing import Any, get_type_hints
 from scalenlp.errors import UserError
 
 
+# Classification scores checkpoint.keep_best may judge by (higher is better).
+KEEP_BEST = ("accuracy", "macro_f1")
+
+
 class ConfigError(UserError):
     """A problem the user can fix in their config or command line; printed as one `error:` line."""
 
@@ -42,7 +46,13 @@ class ModelConfig:
 class DataConfig:
     path: str = opt("", "file, folder or glob of .txt/.jsonl/.parquet/.tsv; empty uses the built-in corpus "
                         "(docstrings of the Python standard library)")
-    text_field: str = opt("text", "field holding the text in .jsonl and .parquet records")
+    text_field: str = opt("text", "field holding the text in .jsonl and .parquet records (for classification, "
+                                  "also .tsv/.csv columns; failing it, sentence/content/text are tried)")
+    label_field: str = opt("label", "classification: field or column holding the label")
+    text_pair_field: str = opt("", "classification: field or column holding a second text (sentence pairs); "
+                                   "empty for single texts")
+    eval_path: str = opt("", "classification: labelled .tsv/.csv/.jsonl/.parquet file scored every "
+                             "training.eval_every steps and at the end (accuracy, macro-F1)")
     val_fraction: float = opt(0.05, "fraction of the token stream held out for evaluation")
     cache_dir: str = opt("", "where tokenized token files are cached; empty: <run_dir>/../.token_cache")
 
@@ -77,7 +87,9 @@ class TrainingConfig:
     timeout_s: int = opt(300, "process-group timeout: a rank that waits longer fails instead of hanging")
     task: str = opt("lm", "lm: next-token loss on packed text | sft: supervised fine-tuning on chat JSONL "
                           "(a `messages` list per line, rendered with model.init's chat template; loss on "
-                          "assistant tokens only)")
+                          "assistant tokens only) | classification: an encoder (model.init) with a sequence "
+                          "classification head on labelled rows (data.path, data.eval_path); training.seq_len is "
+                          "the longest row, in tokens")
     on_nonfinite: str = opt("stop", "a step whose loss or gradient is not finite: stop (error naming step and "
                                     "rank; nothing saved from it) | skip (drop its update) | rollback (reload the "
                                     "newest checkpoint, read on with the next data)")
@@ -89,6 +101,8 @@ class CheckpointConfig:
     keep: int = opt(2, "number of newest checkpoints kept")
     resume: bool = opt(False, "continue from the newest complete checkpoint in <run_dir>/checkpoints")
     export: bool = opt(True, "write final weights as safetensors + config to <run_dir>/export")
+    keep_best: str = opt("", "classification: also export the model at its best evaluation to <run_dir>/best, "
+                             "judged by accuracy or macro_f1; empty keeps no best")
 
 
 @dataclass
@@ -280,7 +294,16 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_task(cfg: Config) -> None:
-    _choice(cfg.training.task, ("lm", "sft"), "training.task")
+    _choice(cfg.training.task, ("lm", "sft", "classification"), "training.task")
+    if cfg.training.task == "classification":
+        if not cfg.model.init or not cfg.data.path:
+            raise ConfigError("training.task=\"classification\" needs model.init (an encoder checkpoint, e.g. a "
+                              "BERT folder) and data.path (a labelled .tsv/.csv/.jsonl/.parquet file)")
+        if cfg.checkpoint.keep_best and not cfg.data.eval_path:
+            raise ConfigError("checkpoint.keep_best needs data.eval_path: the best checkpoint is judged on it")
+    elif cfg.checkpoint.keep_best:
+        raise ConfigError("checkpoint.keep_best applies to training.task=\"classification\"; remove it")
+    _choice(cfg.checkpoint.keep_best, ("",) + KEEP_BEST, "checkpoint.keep_best")
     if cfg.training.task == "sft":
         if not cfg.model.init:
             raise ConfigError("training.task=\"sft\" needs model.init: the chat template and tokenizer come from "

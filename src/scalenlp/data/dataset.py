@@ -67,11 +67,14 @@ class TokenDataset:
                 f"training.global_batch_size / training.seq_len")
 
 
-class DataLoader:
-    """This rank's share of each global batch, epoch after epoch, resumable at any batch. ``dataset`` is a
-    ``TokenDataset`` or any dataset with ``__len__``, ``seq_len``, ``batch`` and ``shortfall`` (``ChatDataset``)."""
+class GlobalBatchLoader:
+    """The position of a loader of global batches, epoch after epoch: which batch comes next, and what a saved
+    position must match to mean the same batches. The position is global, so it resumes with any dp_size."""
 
-    def __init__(self, dataset, global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
+    # The name under which the number of items (windows, rows) is saved with the position.
+    size_key = "num_items"
+
+    def __init__(self, num_items: int, global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is not a rank of dp_size={dp_size}")
         if seed < 0:
@@ -79,14 +82,50 @@ class DataLoader:
         if global_batch_size % dp_size:
             raise UserError(f"training.global_batch_size={global_batch_size} is not divisible by the "
                             f"data-parallel size {dp_size}; make it a multiple of {dp_size}")
-        if len(dataset) < global_batch_size:
-            raise UserError(dataset.shortfall(global_batch_size))
-        self.dataset = dataset
+        self.num_items = num_items
         self.global_batch_size = global_batch_size
         self.local_batch_size = global_batch_size // dp_size
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.batches_per_epoch = len(dataset) // global_batch_size  # the incomplete last batch is dropped
+        self.batches_per_epoch = num_items // global_batch_size  # the incomplete last batch is dropped
         self.epoch, self.batch = 0, 0
+
+    def advance(self) -> tuple[int, int]:
+        """The (epoch, batch) to serve now; the position moves on to the one after."""
+        if self.batch >= self.batches_per_epoch:
+            self.epoch, self.batch = self.epoch + 1, 0
+        self.batch += 1
+        return self.epoch, self.batch - 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its first batch."""
+        self.epoch, self.batch = epoch, 0
+
+    def state_dict(self) -> dict:
+        """The global position (independent of dp_size) plus what must match for it to mean the same batches."""
+        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed,
+                "global_batch_size": self.global_batch_size, self.size_key: self.num_items}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, mine in ((self.size_key, self.num_items), ("global_batch_size", self.global_batch_size),
+                          ("seed", self.seed)):
+            if key in state and state[key] != mine:
+                raise UserError(f"cannot resume the data position: the checkpoint has {key}={state[key]} but this "
+                                f"run has {mine}; resume with the same data, seq_len, global_batch_size and seed")
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+
+
+class DataLoader(GlobalBatchLoader):
+    """This rank's share of each global batch of token windows, epoch after epoch, resumable at any batch.
+    ``dataset`` is a ``TokenDataset`` or any dataset with ``__len__``, ``seq_len``, ``batch`` and ``shortfall``
+    (``ChatDataset``)."""
+
+    size_key = "num_windows"
+
+    def __init__(self, dataset, global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
+        super().__init__(len(dataset), global_batch_size, dp_rank, dp_size, seed)
+        if len(dataset) < global_batch_size:
+            raise UserError(dataset.shortfall(global_batch_size))
+        self.dataset = dataset
         self._order: tuple[int, np.ndarray] | None = None
 
     def window_order(self, epoch: int) -> np.ndarray:
@@ -102,26 +141,6 @@ class DataLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each a LongTensor (global_batch_size / dp_size, seq_len); targets are the next
         tokens, -100 (ignored by the loss) where none is trained on."""
-        if self.batch >= self.batches_per_epoch:
-            self.epoch, self.batch = self.epoch + 1, 0
-        indices = self.global_batch_indices(self.epoch, self.batch)
+        indices = self.global_batch_indices(*self.advance())
         mine = indices[self.dp_rank * self.local_batch_size:(self.dp_rank + 1) * self.local_batch_size]
-        self.batch += 1
         return self.dataset.batch(mine)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its first batch."""
-        self.epoch, self.batch = epoch, 0
-
-    def state_dict(self) -> dict:
-        """The global position (independent of dp_size) plus what must match for it to mean the same batches."""
-        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed,
-                "global_batch_size": self.global_batch_size, "num_windows": len(self.dataset)}
-
-    def load_state_dict(self, state: dict) -> None:
-        for key, mine in (("num_windows", len(self.dataset)), ("global_batch_size", self.global_batch_size),
-                          ("seed", self.seed)):
-            if key in state and state[key] != mine:
-                raise UserError(f"cannot resume the data position: the checkpoint has {key}={state[key]} but this "
-                                f"run has {mine}; resume with the same data, seq_len, global_batch_size and seed")
-        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])

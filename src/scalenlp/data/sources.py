@@ -23,7 +23,7 @@ import os
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from scalenlp.errors import UserError
 
@@ -163,8 +163,10 @@ def _read_parquet(f: Path, text_field: str) -> Iterator[Piece]:
                 yield Piece(text)
 
 
-def read_tsv(f: Path) -> tuple[list[str], Iterator[list[str]]]:
-    """Header and rows of a tab-separated file without quoting (GLUE style); rows are checked for width."""
+def read_tsv(f: Path, on_bad_row: Callable[[int, str], None] | None = None
+             ) -> tuple[list[str], Iterator[tuple[int, list[str]]]]:
+    """Header and (line number, row) pairs of a tab-separated file without quoting (GLUE style). A row whose
+    width differs from the header's is an error, or, given ``on_bad_row``, reported to it and skipped."""
     fh = _open_text(f)
     try:
         header = fh.readline().rstrip("\n").split("\t")
@@ -172,7 +174,7 @@ def read_tsv(f: Path) -> tuple[list[str], Iterator[list[str]]]:
         fh.close()
         raise _decode_error(f, e) from None
 
-    def rows() -> Iterator[list[str]]:
+    def rows() -> Iterator[tuple[int, list[str]]]:
         with fh:
             try:
                 for lineno, line in enumerate(fh, 2):
@@ -181,9 +183,12 @@ def read_tsv(f: Path) -> tuple[list[str], Iterator[list[str]]]:
                         continue
                     row = line.split("\t")
                     if len(row) != len(header):
-                        raise UserError(f"{f}:{lineno}: {len(row)} tab-separated fields, the header has "
-                                        f"{len(header)}; fix or remove the line")
-                    yield row
+                        problem = f"{len(row)} tab-separated fields, the header has {len(header)}"
+                        if on_bad_row is None:
+                            raise UserError(f"{f}:{lineno}: {problem}; fix or remove the line")
+                        on_bad_row(lineno, problem)
+                        continue
+                    yield lineno, row
             except UnicodeDecodeError as e:
                 raise _decode_error(f, e) from None
 
@@ -201,7 +206,7 @@ def tsv_text_column(f: Path, header: list[str], text_field: str) -> int:
 def _read_tsv(f: Path, text_field: str) -> Iterator[Piece]:
     header, rows = read_tsv(f)
     column = tsv_text_column(f, header, text_field)
-    for row in rows:
+    for _, row in rows:
         yield Piece(row[column])
 
 

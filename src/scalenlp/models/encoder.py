@@ -136,6 +136,18 @@ class Encoder(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
 
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameters; with exclude_embedding, only those that take part in matmuls (not the lookup tables)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding:
+            n -= sum(e.weight.numel() for e in (self.tok_embeddings, self.pos_embeddings, self.type_embeddings))
+        return n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token, 6N + 12·L·H·Q·T, as the decoder counts them (PaLM, appendix B)."""
+        a = self.args
+        return 6 * self.num_params(exclude_embedding=True) + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                       token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids: (B, T); attention_mask: (B, T), 1 for real tokens and 0 for padding (None: no padding);

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from scalenlp.config import Config, ConfigError
 from scalenlp.models.decoder import ModelArgs
+from scalenlp.models.encoder import EncoderArgs
 from scalenlp.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, zero1_optimizer
 from scalenlp.parallel.mesh import ParallelDims
 from scalenlp.parallel.tensor_parallel import apply_tp, vocab_parallel_loss
@@ -44,10 +45,14 @@ _OPS_TO_SAVE = [op for op in (
 )]
 
 
-def check_layout(model_args: ModelArgs, dims: ParallelDims, cfg: Config) -> None:
+def check_layout(model_args: ModelArgs | EncoderArgs, dims: ParallelDims, cfg: Config) -> None:
     """Raise ConfigError for a layout this model cannot run, before any process-group work."""
     p, t = cfg.parallel, cfg.training
-    for name, heads in (("n_heads", model_args.n_heads), ("n_kv_heads", model_args.n_kv_heads)):
+    if isinstance(model_args, EncoderArgs):
+        if dims.pp > 1 or p.sequence_parallel and dims.tp > 1:
+            raise ConfigError("encoders are not pipelined and have no sequence parallelism (their pooling reads "
+                              "the whole sequence); set parallel.pp=1 and parallel.sequence_parallel=false")
+    for name, heads in (("n_heads", model_args.n_heads), ("n_kv_heads", getattr(model_args, "n_kv_heads", model_args.n_heads))):
         if heads % dims.tp:
             raise ConfigError(f"parallel.tp={dims.tp} does not divide the model's {name}={heads}; "
                               f"choose a tp degree that divides {heads}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -25,8 +26,10 @@ from tqdm import tqdm
 from scalenlp.config import Config, ConfigError, save_config
 from scalenlp.data import DataLoader, TokenDataset, open_data, prepare_data
 from scalenlp.data.sft import IGNORE_INDEX, ChatDataset
+from scalenlp.data.labeled import LabeledLoader
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer
+from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.flavors import FLAVORS, build_model, model_args
 from scalenlp.models.io import build_decoder, save_pretrained
 from scalenlp.models.loader import read
@@ -37,6 +40,8 @@ from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh
 from scalenlp.parallel.pipeline import build_pipeline
 from scalenlp.train.checkpoint import Checkpointer, load_full_model, read_train_state
 from scalenlp.train.guard import StepCheck, StopRequest, check_step, weights_finite
+from scalenlp.train.classify import (build_classifier, classification_loss, classifier_args, evaluate_classifier,
+                                     load_classification_data)
 from scalenlp.train.metrics import MetricsWriter, peak_flops, peak_memory_bytes
 from scalenlp.train.optim import build_optimizer, build_scheduler
 
@@ -44,6 +49,12 @@ from scalenlp.train.optim import build_optimizer, build_scheduler
 def _checkpoint_args(cfg: Config, pretrained: Pretrained) -> ModelArgs:
     """The checkpoint's architecture; model.* keys may restate it but not change it."""
     args = pretrained.args
+    classify = cfg.training.task == "classification"
+    if classify != isinstance(args, EncoderArgs):
+        raise ConfigError(f"model.init={cfg.model.init!r} is " + (
+            "a decoder; training.task=\"classification\" needs an encoder (a BERT-family checkpoint)" if classify else
+            f"an encoder; training.task={cfg.training.task!r} needs a decoder (encoders train with "
+            f"training.task=\"classification\")"))
     for key in ("vocab_size", "max_seq_len"):
         value = getattr(cfg.model, key)
         if value and value != getattr(args, key):
@@ -176,29 +187,42 @@ class Trainer:
                 self._check_resumable(latest, read_train_state(latest))
         barrier()
 
-        # Data: one process per node tokenizes (the cache makes later runs instant), all memory-map.
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            prepare_data(cfg, self.run_dir, log=self.log, pretrained=pretrained)
-        barrier()
-        self.data = open_data(cfg, self.run_dir, pretrained)
         t = cfg.training
         self.micro_batch, self.accum = batch_shape(cfg, self.dims)
-        dataset = ChatDataset if t.task == "sft" else TokenDataset
-        self.loader = DataLoader(dataset(self.data.train_tokens, t.seq_len), t.global_batch_size,
-                                 dp_rank(self.mesh), self.dims.dp, t.seed)
-        self.val = dataset(self.data.val_tokens, t.seq_len) if t.eval_every else None
-
-        # Model: the checkpoint's weights, or the same seed everywhere, so every layout starts from the
-        # weights of the single-process run. Either way the full model is built on every rank and then
-        # parallelized (sharded, split into stages) exactly as a randomly initialised one.
-        self.model_args = resolve_model_args(cfg, self.data.vocab_size, pretrained)
+        self.classify = t.task == "classification"
         torch.manual_seed(t.seed)
-        if pretrained is not None:  # fp32 master weights, whatever the checkpoint's dtype
-            model = build_decoder(self.model_args, pretrained.state, self.device, torch.float32,
-                                  where=cfg.model.init).train()
-            del pretrained  # the model holds the weights now
+        if self.classify:
+            # Labelled rows are few and quick to tokenize: every rank reads them, nothing is cached.
+            self.task_data = load_classification_data(cfg, pretrained.tokenizer, self.log)
+            self.tokenizer = pretrained.tokenizer
+            self.loader = LabeledLoader(self.task_data.train, t.global_batch_size, dp_rank(self.mesh), self.dims.dp,
+                                        t.seed)
+            self.val = None
+            self.model_args = classifier_args(cfg, pretrained, self.task_data.labels)
+            model = build_classifier(self.model_args, pretrained, self.device, where=cfg.model.init)
+            del pretrained
         else:
-            model = build_model(self.model_args, self.device)
+            # Data: one process per node tokenizes (the cache makes later runs instant), all memory-map.
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                prepare_data(cfg, self.run_dir, log=self.log, pretrained=pretrained)
+            barrier()
+            self.data = open_data(cfg, self.run_dir, pretrained)
+            self.tokenizer = self.data.tokenizer_json
+            dataset = ChatDataset if t.task == "sft" else TokenDataset
+            self.loader = DataLoader(dataset(self.data.train_tokens, t.seq_len), t.global_batch_size,
+                                     dp_rank(self.mesh), self.dims.dp, t.seed)
+            self.val = dataset(self.data.val_tokens, t.seq_len) if t.eval_every else None
+
+            # Model: the checkpoint's weights, or the same seed everywhere, so every layout starts from the
+            # weights of the single-process run. Either way the full model is built on every rank and then
+            # parallelized (sharded, split into stages) exactly as a randomly initialised one.
+            self.model_args = resolve_model_args(cfg, self.data.vocab_size, pretrained)
+            if pretrained is not None:  # fp32 master weights, whatever the checkpoint's dtype
+                model = build_decoder(self.model_args, pretrained.state, self.device, torch.float32,
+                                      where=cfg.model.init).train()
+                del pretrained  # the model holds the weights now
+            else:
+                model = build_model(self.model_args, self.device)
         self.n_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
         self.loss_weight = torch.ones((), device=self.device)  # see _weigh_loss
@@ -212,6 +236,8 @@ class Trainer:
         self.scheduler = self.schedulers[0]  # all parts follow the same schedule
         torch.manual_seed(t.seed + 1 + self.rank)  # dropout streams differ per rank, reproducibly
         self.step = 0
+        self.tokens_seen = 0  # by this rank since the last metrics record
+        self.best: dict | None = None  # {"step", keep_best's metric: value} of the best evaluation so far
         if latest is not None:
             self._resume(latest)
             self.log(f"resumed from {latest} at step {self.step}")
@@ -233,7 +259,7 @@ class Trainer:
         t = self.cfg.training
         return {"data": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "global_batch_size": t.global_batch_size, "seq_len": t.seq_len, "world_size": self.world,
-                "layout": self.dims.names_and_sizes()}
+                "layout": self.dims.names_and_sizes(), "best": self.best}
 
     def _check_resumable(self, path: Path, state: dict) -> None:
         t = self.cfg.training
@@ -248,6 +274,7 @@ class Trainer:
             scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
         self.step = state["step"]
+        self.best = state.get("best")
 
     def _roll_back(self, check: StepCheck) -> None:
         """training.on_nonfinite=rollback: the newest checkpoint's weights, optimizer and schedule, with the
@@ -288,19 +315,20 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, StepCheck]:
         """One optimizer step over this rank's share of the global batch; (loss, grad norm) on this rank and
         what every rank agreed on. A step whose loss or gradient is not finite updates nothing."""
-        inputs, targets = (x.to(self.device, non_blocking=True) for x in self.loader.next_batch())
-        self._weigh_loss(targets)
+        batch = [x.to(self.device, non_blocking=True) for x in self.loader.next_batch()]
+        self.tokens_seen += batch[0].numel()
+        self._weigh_loss(batch[-1])  # the targets (next token) or labels (classification) come last
         loss_sum = torch.zeros((), device=self.device)
         if self.pipeline is not None:  # the schedule runs the micro-batches (pp_microbatches) itself
             with autocast(self.device, self.cfg.training.mixed_precision):
-                loss_sum += self.pipeline.step(inputs, targets)
+                loss_sum += self.pipeline.step(*batch)
         else:
-            for i, (x, y) in enumerate(zip(inputs.split(self.micro_batch), targets.split(self.micro_batch))):
+            for i, micro in enumerate(zip(*(x.split(self.micro_batch) for x in batch))):
                 # Gradients are reduced across data-parallel ranks only after the last micro-batch.
                 with contextlib.nullcontext() if i == self.accum - 1 else skip_gradient_sync(self.model_parts):
                     with loss_context(self.dims, self.cfg):
                         with autocast(self.device, self.cfg.training.mixed_precision):
-                            loss = cross_entropy(self.model_parts[0](x), y, reduction="sum") * self.loss_weight
+                            loss = self.micro_batch_loss(micro) * self.loss_weight
                         loss.backward()
                 loss_sum += loss.detach()
         params = [p for part in self.model_parts for p in part.parameters()]
@@ -314,6 +342,25 @@ class Trainer:
             scheduler.step()  # a skipped step still counts: the schedule stays a function of the step
             optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm, check
+
+    def micro_batch_loss(self, micro: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Summed loss of one micro-batch (``_weigh_loss`` turns it into its share of the global mean):
+        next-token (inputs, targets), or classification (input_ids, attention_mask, token_type_ids, labels)."""
+        if self.classify:
+            return classification_loss(self.model_parts[0], micro)
+        inputs, targets = micro
+        return cross_entropy(self.model_parts[0](inputs), targets, reduction="sum")
+
+    def evaluate_classifier(self) -> dict[str, float]:
+        """eval_loss, accuracy and macro_f1 on the whole eval file."""
+        model = self.model_parts[0]
+        model.eval()
+        scores = evaluate_classifier(model, self.task_data.eval, self.cfg.training.global_batch_size,
+                                     dp_rank(self.mesh), self.dims.dp, self.device, self.dp_group,
+                                     len(self.task_data.labels),
+                                     lambda: autocast(self.device, self.cfg.training.mixed_precision))
+        model.train()
+        return scores
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -350,17 +397,44 @@ class Trainer:
                             f"exported (newest good checkpoint: {latest or 'none'}). Lower training.lr")
         return self.checkpointer.save(self.step, self.model_parts, self.optimizers, self._train_state())
 
-    def export(self, checkpoint: Path) -> None:
-        """Rank 0 reads the final checkpoint into one unsharded model (DCP reshards from any layout)
-        and writes safetensors + model args + tokenizer + resolved config."""
+    def export(self, checkpoint: Path, folder: str = "export", extra_files: dict[str, str] | None = None) -> None:
+        """Rank 0 reads a checkpoint into one unsharded model (DCP reshards from any layout) and writes
+        safetensors + model args (an encoder's with its labels) + tokenizer + resolved config to
+        <run_dir>/<folder>."""
         if self.is_main:
-            model = Transformer(self.model_args)
+            model = (Encoder if self.classify else Transformer)(self.model_args)
             load_full_model(checkpoint, model)
-            out = save_pretrained(model, self.run_dir / "export", self.data.tokenizer_json,
-                                  {"config.toml": (self.run_dir / "config.toml").read_text()},
+            out = save_pretrained(model, self.run_dir / folder, self.tokenizer,
+                                  {"config.toml": (self.run_dir / "config.toml").read_text(), **(extra_files or {})},
                                   tokenizer_config=self.tokenizer_config)
-            self.log(f"exported final weights: {out}")
+            self.log(f"exported weights of {checkpoint.name}: {out}")
         barrier()
+
+    def keep_if_best(self, scores: dict[str, float]) -> Path | None:
+        """Save and export to <run_dir>/best when ``scores`` beat the best so far by checkpoint.keep_best;
+        the checkpoint saved, if any."""
+        metric = self.cfg.checkpoint.keep_best
+        if not metric or self.best is not None and scores[metric] <= self.best[metric]:
+            return None
+        self.best = {"step": self.step, metric: scores[metric]}
+        path = self.save()
+        self.export(path, "best", {"best.json": json.dumps({**self.best, "scores": scores}, indent=1)})
+        return path
+
+    def evaluate_and_record(self) -> Path | None:
+        """Evaluate, write the record to metrics.jsonl and log it; the checkpoint saved as the new best, if any."""
+        if self.classify:
+            if self.task_data.eval is None:
+                return None
+            scores = self.evaluate_classifier()
+            self.metrics.write({"step": self.step, **scores})
+            self.log(f"step {self.step:>6} | eval loss {scores['eval_loss']:.4f} | accuracy {scores['accuracy']:.4f}"
+                     f" | macro-F1 {scores['macro_f1']:.4f}")
+            return self.keep_if_best(scores)
+        val = self.evaluate()
+        self.metrics.write({"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
+        self.log(f"step {self.step:>6} | eval loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
+        return None
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -401,7 +475,8 @@ class Trainer:
                     continue
                 self.log(f"{check.describe(self.step)}; its update is skipped (training.on_nonfinite=skip)")
             if self.step % t.log_every == 0 or self.step == t.steps:
-                tokens_per_sec = window_steps * t.global_batch_size * t.seq_len / window_time
+                # Tokens the model ran on: classification batches are padded to their longest row, not seq_len.
+                tokens_per_sec = self.tokens_seen * self.dims.dp / window_time
                 record = {
                     "step": self.step,
                     "loss": _mean_over(window_loss / window_steps, self.dp_group),
@@ -411,6 +486,7 @@ class Trainer:
                     "mfu": tokens_per_sec / self.world * self.flops_per_token / self.peak_flops,
                     "peak_mem_bytes": peak_memory_bytes(self.device),
                     "step_time_s": window_time / window_steps,
+                    "samples_per_sec": window_steps * t.global_batch_size / window_time,
                 }
                 records.append(record)
                 self.metrics.write(record)
@@ -419,13 +495,14 @@ class Trainer:
                          f"{record['grad_norm']:.3f} | {tokens_per_sec:,.0f} tok/s | MFU {record['mfu']:.1%} | "
                          f"peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB")
                 window_loss.zero_()
-                window_steps, window_time = 0, 0.0
+                window_steps, window_time, self.tokens_seen = 0, 0.0, 0
+            saved_best = None
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                val = self.evaluate()
-                self.metrics.write({"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
-                self.log(f"step {self.step:>6} | eval loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
+                saved_best = self.evaluate_and_record()
             stopping = check.stop and self.step < t.steps  # at the last step the run simply ends
-            if stopping or cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or self.step == t.steps:
+            if saved_best is not None:
+                last_saved = saved_best
+            elif stopping or cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or self.step == t.steps:
                 last_saved = self.save()
                 if not stopping:
                     self.log(f"checkpoint saved: {last_saved}")
