@@ -183,9 +183,11 @@ def test_chat_rows_train_on_assistant_tokens_only(tmp_path, chats, hf_llama):
     decode = lambda ids: pretrained.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     assert decode(targets[1][targets[1] != -100].tolist()) == "1 plus 3 is 4 and so on.<|im_end|>"
     assert decode(inputs[1].tolist()).startswith("<|im_start|>user\nWhat is 1 plus 3?<|im_end|>\n<|im_start|>assistant")
-    # Line 1: a system turn and two exchanges, cut at seq_len + 1 tokens within the first answer.
+    # Line 1: a system turn and two exchanges, longer than a row: cut at seq_len + 1 tokens, its targets
+    # the start of the assistant turns (where the cut falls depends on the test tokenizer's merges).
     cut = decode(targets[0][targets[0] != -100].tolist())
-    assert cut and "0 plus 0 is 0.<|im_end|>".startswith(cut) and targets[0][-1] != -100
+    whole = "0 plus 0 is 0.<|im_end|>red<|im_end|>"
+    assert cut and whole.startswith(cut) and cut != whole
     assert decode(inputs[0].tolist()).startswith("<|im_start|>system\nAnswer briefly.<|im_end|>\n")
     for row_inputs, row_targets in zip(inputs, targets):
         mask = row_targets != -100
