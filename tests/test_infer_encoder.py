@@ -270,3 +270,15 @@ def test_serve_command_picks_the_encoder(classifier, tmp_path):
     finally:
         proc.terminate()
         proc.wait()
+
+
+def test_a_batch_takes_the_oldest_text_and_its_nearest_lengths():
+    from scalenlp.infer.encoder_engine import Job, split_batch
+
+    job = Job("embed", [[0] * n for n in (9, 1, 30, 8, 10, 2, 11)])
+    queue = [(job, i) for i in range(len(job.ids))]
+    batch, rest = split_batch(queue, 3)
+    assert [len(job.ids[i]) for _, i in batch] == [9, 10, 11] and len(rest) == 4
+    batch, rest = split_batch(rest, 3)
+    assert [len(job.ids[i]) for _, i in batch] == [1, 8, 2]
+    assert split_batch(rest, 3) == (rest, [])

@@ -3,8 +3,8 @@
 Each request's texts become units in a queue. A worker thread takes up to ``batch_texts`` units of one
 kind (embed or classify), waiting at most ``max_wait_s`` after the oldest one arrived for more to come,
 pads them to the longest, runs one forward and hands each row back; a request's future completes
-when its last row does. A request's texts are queued shortest first, so that a request of many texts
-is cut into batches of similar lengths (little padding), as sentence-transformers sorts its input.
+when its last row does. With more texts queued than a batch holds, a batch gathers texts of similar
+lengths (little padding), as sentence-transformers sorts its input by length.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,7 +77,7 @@ class EncoderEngine:
         self.prefix, self.suffix = probe.ids[:content[0]], probe.ids[content[-1] + 1:]
         self.batch_texts, self.max_wait_s = batch_texts, max_wait_s
         self.max_queue, self.max_request_texts = max_queue, max_request_texts
-        self.queues: dict[str, deque[tuple[Job, int]]] = {k: deque() for k in KINDS}
+        self.queues: dict[str, list[tuple[Job, int]]] = {k: [] for k in KINDS}  # (job, row), in arrival order
         self.waiting_jobs = 0  # jobs with units still queued
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
@@ -152,7 +151,7 @@ class EncoderEngine:
                 raise QueueFull(f"{self.waiting_jobs} requests are already waiting; retry later")
             self.waiting_jobs += 1
             self.requests += 1
-            self.queues[kind].extend((job, i) for i in sorted(range(len(ids)), key=lambda i: len(ids[i])))
+            self.queues[kind].extend((job, i) for i in range(len(ids)))
             self.cond.notify()
         return job.future
 
@@ -177,7 +176,7 @@ class EncoderEngine:
                 if len(queue) < self.batch_texts and wait > 0:
                     self.cond.wait(wait)
                     continue
-                batch = [queue.popleft() for _ in range(min(self.batch_texts, len(queue)))]
+                batch, self.queues[kind] = split_batch(queue, self.batch_texts)
                 for job, _ in batch:
                     job.queued -= 1
                     self.waiting_jobs -= job.queued == 0
@@ -226,6 +225,17 @@ class EncoderEngine:
                     for job, _ in queue:
                         _settle(job.future, exception=EngineDead(f"the encoder stopped: {self.error!r}"))
                     queue.clear()
+
+
+def split_batch(queue: list[tuple[Job, int]], size: int) -> tuple[list, list]:
+    """(the next batch, what stays queued). The batch holds the oldest text and the texts nearest above it in
+    length: similar lengths waste little on padding, and taking the oldest each time lets every request finish."""
+    if len(queue) <= size:
+        return queue, []
+    order = sorted(range(len(queue)), key=lambda u: len(queue[u][0].ids[queue[u][1]]))
+    start = min(order.index(0), len(queue) - size)
+    chosen = set(order[start:start + size])
+    return [queue[u] for u in sorted(chosen)], [unit for u, unit in enumerate(queue) if u not in chosen]
 
 
 def _settle(future: Future, result=None, exception: BaseException | None = None) -> None:
