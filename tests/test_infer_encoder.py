@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -282,3 +283,62 @@ def test_a_batch_takes_the_oldest_text_and_its_nearest_lengths():
     batch, rest = split_batch(rest, 3)
     assert [len(job.ids[i]) for _, i in batch] == [1, 8, 2]
     assert split_batch(rest, 3) == (rest, [])
+
+
+@pytest.mark.slow
+def test_replicas_on_ray_serve(classifier):
+    """Two encoder replicas behind the router: concurrent classify and embeddings requests are answered (as one
+    process answers them), both replicas serve, the generation routes are refused and the key is required."""
+    import argparse
+    import os
+
+    pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
+    from scalenlp.infer import cluster
+    from scalenlp.infer.sharded import free_port
+
+    os.environ.update(cluster.LOCAL_RAY_ENV)
+    args = argparse.Namespace(checkpoint=str(classifier), dtype="float32", device="cpu", max_batch=8, max_seq_len=None,
+                              compile=False, max_queue=64, model_name="cls", api_key=KEY, replicas=2,
+                              max_replicas=None, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
+                              ray_address=None, forward_batch=4, batch_wait_ms=2.0, max_batch_texts=8)
+    url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
+                                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
+    headers = {"Authorization": f"Bearer {KEY}"}
+    try:
+        engine = encoder_from_checkpoint(classifier, dtype="float32")
+        expected = engine.run("classify", SENTENCES)
+        engine.stop()
+        results = [None] * 16
+
+        def one(i):
+            body = {"model": "cls", "input": SENTENCES[i % len(SENTENCES)]}
+            results[i] = httpx.post(url + "/v1/classify", json=body, headers=headers, timeout=600)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(results))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(r.status_code == 200 for r in results), [r.text for r in results if r.status_code != 200]
+        for i, r in enumerate(results):
+            got = torch.tensor(list(r.json()["data"][0]["probabilities"].values()))
+            torch.testing.assert_close(got, expected[i % len(SENTENCES)], atol=1e-6, rtol=0)
+        out = httpx.post(url + "/v1/embeddings", json={"model": "cls", "input": SENTENCES[:2]}, headers=headers,
+                         timeout=600)
+        assert out.status_code == 200 and len(out.json()["data"]) == 2
+        too_many = httpx.post(url + "/v1/embeddings", json={"model": "cls", "input": ["a"] * 9}, headers=headers)
+        assert too_many.status_code == 400 and "--max-batch-texts" in too_many.json()["error"]["message"]
+        refused = httpx.post(url + "/v1/completions", json={"model": "cls", "prompt": "a"}, headers=headers)
+        assert refused.status_code == 400 and "encoder" in refused.json()["error"]["message"]
+        assert httpx.post(url + "/v1/classify", json={"model": "cls", "input": "a"}).status_code == 401
+        # Each replica reports its batcher's counters to the router; both took requests.
+        while True:
+            served = {line.split('replica="')[1].split('"')[0]: float(line.split()[-1])
+                      for line in httpx.get(url + "/metrics", headers=headers).text.splitlines()
+                      if line.startswith("scalenlp_encoder_requests_total{")}
+            if sum(served.values()) >= len(results) + 1:
+                break
+            time.sleep(0.5)
+        assert len(served) == 2 and all(served.values()), served
+    finally:
+        cluster.stop(owns_serve)
