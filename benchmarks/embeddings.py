@@ -2,7 +2,7 @@
 ``/v1/embeddings`` (a `scalenlp serve` process, concurrent clients), on the same SST-2 sentences, the same
 model (all-MiniLM-L6-v2, float32) and the same number of torch threads, measured in one run.
 
-    python benchmarks/embeddings.py [--texts 2000] [--threads 1] [--clients 4] [--request-texts 32]
+    python benchmarks/embeddings.py [--texts 2000] [--threads 1] [--clients 4] [--request-texts 128]
 
 Prints sentences/s for each, each one's ratio to sentence-transformers, and the largest difference of
 our vectors from theirs (they must agree: same model, same pooling).
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads, for every contender")
     parser.add_argument("--batch", type=int, default=32, help="sentence-transformers' batch size and our forward batch")
     parser.add_argument("--clients", type=int, default=4, help="concurrent HTTP clients")
-    parser.add_argument("--request-texts", type=int, default=32, help="texts per HTTP request")
+    parser.add_argument("--request-texts", type=int, default=128, help="texts per HTTP request")
     args = parser.parse_args()
 
     import httpx

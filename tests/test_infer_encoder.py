@@ -273,15 +273,15 @@ def test_serve_command_picks_the_encoder(classifier, tmp_path):
         proc.wait()
 
 
-def test_a_batch_takes_the_oldest_text_and_its_nearest_lengths():
+def test_a_batch_takes_the_oldest_requests_shortest_texts():
     from scalenlp.infer.encoder_engine import Job, split_batch
 
-    job = Job("embed", [[0] * n for n in (9, 1, 30, 8, 10, 2, 11)])
-    queue = [(job, i) for i in range(len(job.ids))]
+    first, second = Job("embed", [[0] * n for n in (9, 1, 30, 8)]), Job("embed", [[0] * n for n in (29, 2, 10, 31)])
+    queue = [(first, i) for i in range(4)] + [(second, i) for i in range(4)]
     batch, rest = split_batch(queue, 3)
-    assert [len(job.ids[i]) for _, i in batch] == [9, 10, 11] and len(rest) == 4
-    batch, rest = split_batch(rest, 3)
-    assert [len(job.ids[i]) for _, i in batch] == [1, 8, 2]
+    assert [(job, len(job.ids[i])) for job, i in batch] == [(first, 9), (first, 1), (first, 8)]
+    batch, rest = split_batch(rest, 3)  # the first request's last text, and the two nearest it in length
+    assert [(job, len(job.ids[i])) for job, i in batch] == [(first, 30), (second, 29), (second, 31)]
     assert split_batch(rest, 3) == (rest, [])
 
 

@@ -228,13 +228,24 @@ class EncoderEngine:
 
 
 def split_batch(queue: list[tuple[Job, int]], size: int) -> tuple[list, list]:
-    """(the next batch, what stays queued). The batch holds the oldest text and the texts nearest above it in
-    length: similar lengths waste little on padding, and taking the oldest each time lets every request finish."""
+    """(the next batch, what stays queued). The oldest request's texts go first, shortest first: requests then
+    finish one after another (a client waits for its whole request) and a batch holds similar lengths (little
+    padding). When fewer than ``size`` of them are left, the queued texts nearest their longest fill the batch."""
     if len(queue) <= size:
         return queue, []
-    order = sorted(range(len(queue)), key=lambda u: len(queue[u][0].ids[queue[u][1]]))
-    start = min(order.index(0), len(queue) - size)
-    chosen = set(order[start:start + size])
+
+    def length(u: int) -> int:
+        job, row = queue[u]
+        return len(job.ids[row])
+
+    own = [u for u, (job, _) in enumerate(queue) if job is queue[0][0]]
+    if len(own) >= size:
+        chosen = set(sorted(own, key=length)[:size])
+    else:
+        longest = max(map(length, own))
+        others = sorted((u for u, (job, _) in enumerate(queue) if job is not queue[0][0]),
+                        key=lambda u: abs(length(u) - longest))
+        chosen = set(own) | set(others[:size - len(own)])
     return [queue[u] for u in sorted(chosen)], [unit for u, unit in enumerate(queue) if u not in chosen]
 
 
