@@ -19,6 +19,8 @@ COMMANDS = {
     "chat": ("scalenlp.infer.chat", "talk to a chat model in the terminal (its chat template, streaming answers)"),
     "serve": ("scalenlp.infer.server", "OpenAI-compatible HTTP server (sharded with --tp, replicas with --replicas)"),
     "eval": ("scalenlp.infer.evaluate", "perplexity of a language model over a text file (sliding windows)"),
+    "classify": ("scalenlp.infer.encode", "label texts with a classification encoder (label and probabilities)"),
+    "embed": ("scalenlp.infer.encode", "sentence embeddings of texts from an encoder (pooled as its folder says)"),
     "export": ("scalenlp.models.export", "write a checkpoint as a Hugging Face folder or a GGUF file"),
     "plan": ("scalenlp.plan.command", "which parallel layout fits a model on a cluster, and how fast it runs"),
 }

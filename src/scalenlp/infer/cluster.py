@@ -62,20 +62,25 @@ class EngineReplica:
     """One engine (loaded from the checkpoint) serving completion requests handed over by the router."""
 
     def __init__(self, engine_options: dict, model_name: str):
-        import argparse
-
         import torch
 
-        from scalenlp.infer.generate import build_engine
-        from scalenlp.infer.server import LocalBackend
-
         torch.set_num_threads(max(1, int(engine_options.pop("threads", 1))))
-        self.engine = build_engine(argparse.Namespace(**engine_options), max_queue=engine_options["max_queue"])
-        self.backend = LocalBackend(self.engine, model_name)
+        self.backend = self.local_backend(engine_options, model_name)
+        self.engine = self.backend.engine
         from ray import serve
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id  # answered as system_fingerprint
         threading.Thread(target=self._report_metrics, name="scalenlp-metrics", daemon=True).start()
+
+    @staticmethod
+    def local_backend(engine_options: dict, model_name: str):
+        import argparse
+
+        from scalenlp.infer.generate import build_engine
+        from scalenlp.infer.server import LocalBackend
+
+        engine = build_engine(argparse.Namespace(**engine_options), max_queue=engine_options["max_queue"])
+        return LocalBackend(engine, model_name)
 
     def _report_metrics(self) -> None:
         from ray import serve
@@ -201,10 +206,14 @@ class RayBackend:
             await asyncio.sleep(0.1 * 2 ** n)
 
     async def complete(self, req) -> dict:
-        body, start = self._body(req), time.perf_counter()
+        return await self.call("complete", self._body(req))
+
+    async def call(self, method: str, body: dict) -> dict:
+        """A replica's ``method`` on ``body``, retried as ``_retrying`` says, counted in the router's metrics."""
+        start = time.perf_counter()
 
         async def attempt():
-            out = await self.handle.complete.remote(body)
+            out = await getattr(self.handle, method).remote(body)
             _raise_if_error(out)
             return out
 
@@ -271,10 +280,11 @@ class RayBackend:
 class Router:
     """The ingress deployment: the FastAPI app of `scalenlp serve`, forwarding to the replicas."""
 
-    def __init__(self, replicas, model_name: str, api_key: str | None):
+    def __init__(self, replicas, model_name: str, api_key: str | None, encoder: bool = False):
+        from scalenlp.infer.encoder_api import RayEncoderBackend
         from scalenlp.infer.server import create_app
 
-        self.backend = RayBackend(replicas, model_name)
+        self.backend = (RayEncoderBackend if encoder else RayBackend)(replicas, model_name)
         self.fastapi_app = create_app(self.backend, api_key)
 
     def __serve_build_asgi_app__(self):
@@ -299,15 +309,19 @@ def replica_options(replicas: int, max_replicas: int | None, max_batch: int, rep
 
 
 def build_application(engine_options: dict, model_name: str, api_key: str | None, replicas: int,
-                      max_replicas: int | None, replica_cpus: float):
-    """The Ray Serve application: Router -> EngineReplica deployment."""
+                      max_replicas: int | None, replica_cpus: float, encoder: bool = False):
+    """The Ray Serve application: Router -> EngineReplica (or EncoderReplica) deployment."""
     _, serve = _import_ray()
-    replica = serve.deployment(EngineReplica, name="EngineReplica", health_check_period_s=2,
-                               **replica_options(replicas, max_replicas, engine_options["max_batch"], replica_cpus))
+    from scalenlp.infer.encoder_api import EncoderReplica
+
+    replica_class, batch = ((EncoderReplica, engine_options["batch_texts"]) if encoder else
+                            (EngineReplica, engine_options["max_batch"]))
+    replica = serve.deployment(replica_class, name=replica_class.__name__, health_check_period_s=2,
+                               **replica_options(replicas, max_replicas, batch, replica_cpus))
     router = serve.deployment(serve.ingress()(Router), name=ROUTER_NAME, num_replicas=1,  # gets every metrics report
                               max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
     options = {**engine_options, "threads": max(1, int(replica_cpus))}
-    return router.bind(replica.bind(options, model_name), model_name, api_key)
+    return router.bind(replica.bind(options, model_name), model_name, api_key, encoder)
 
 
 def _init_ray(ray, address: str | None, init_kwargs: dict) -> None:
@@ -325,10 +339,16 @@ def start(args, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
     """Start (or join) Ray and deploy. Returns the HTTP address, and whether the Serve instance is
     ours to shut down when we stop (not when it already ran on a joined cluster)."""
     ray, serve = _import_ray()
+    from scalenlp.infer.encoder_api import engine_options as encoder_options
+    from scalenlp.infer.encoder_engine import is_encoder
     from scalenlp.infer.server import default_model_name
     from scalenlp.models.loader import checkpoint_kind
 
     _, checkpoint = checkpoint_kind(args.checkpoint)  # fail here, not inside a replica
+    encoder = is_encoder(checkpoint)
+    options = {"checkpoint": str(checkpoint.resolve()), **(encoder_options(args) if encoder else {
+               "dtype": args.dtype, "device": args.device, "max_batch": args.max_batch, "max_seq_len": args.max_seq_len,
+               "compile": args.compile, "max_queue": args.max_queue, "tp": args.tp})}
     if not ray.is_initialized():
         _init_ray(ray, args.ray_address, ray_init_kwargs or {})
     before = serve.status()
@@ -349,11 +369,8 @@ def start(args, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
             print(f"note: the cluster's Ray Serve already listens on {config.host}:{config.port}; --host and --port "
                   "apply only where scalenlp starts Serve", file=sys.stderr, flush=True)
             host, port = config.host, config.port
-    options = {"checkpoint": str(checkpoint.resolve()), "dtype": args.dtype, "device": args.device,
-               "max_batch": args.max_batch, "max_seq_len": args.max_seq_len, "compile": args.compile,
-               "max_queue": args.max_queue, "tp": args.tp}
     app = build_application(options, args.model_name or default_model_name(args.checkpoint), args.api_key,
-                            args.replicas, args.max_replicas, args.replica_cpus)
+                            args.replicas, args.max_replicas, args.replica_cpus, encoder)
     serve.run(app, name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}", owns_serve
 

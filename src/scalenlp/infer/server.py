@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     parser.add_argument("--replica-cpus", type=float, default=1.0,
                         help="with --replicas: CPUs Ray reserves for each replica (also its torch threads)")
+    from scalenlp.infer.encoder_api import add_encoder_arguments  # it imports this module
+
+    add_encoder_arguments(parser)
 
 
 class APIError(Exception):
@@ -493,6 +496,9 @@ def create_app(backend, api_key: str | None = None):
         return await answer(request, req.stream, lambda: complete_chat(backend, completion),
                             lambda: stream_chat(backend, completion))
 
+    from scalenlp.infer.encoder_api import add_encoder_routes  # it imports this module
+
+    add_encoder_routes(app, backend, check_model)
     return app
 
 
@@ -547,14 +553,19 @@ def run(args) -> int:
         return serve_replicas(args)
     import uvicorn
 
+    from scalenlp.infer.encoder_api import build_encoder_backend
+    from scalenlp.infer.encoder_engine import is_encoder
     from scalenlp.infer.generate import build_engine
 
-    engine = build_engine(args, max_queue=args.max_queue)
-    backend = LocalBackend(engine, args.model_name or default_model_name(args.checkpoint))
+    model_name = args.model_name or default_model_name(args.checkpoint)
+    if is_encoder(args.checkpoint):
+        backend = build_encoder_backend(args, model_name)
+    else:
+        backend = LocalBackend(build_engine(args, max_queue=args.max_queue), model_name)
     try:
         uvicorn.run(create_app(backend, args.api_key), host=args.host, port=args.port, log_level="warning")
     finally:
-        engine.stop()
+        backend.engine.stop()
     return 0
 
 

@@ -1,0 +1,237 @@
+"""The encoder routes of `scalenlp serve`: ``POST /v1/embeddings`` (OpenAI's embeddings API) and
+``POST /v1/classify`` (label and probabilities per text), on the same app, auth and error shapes as
+generation.
+
+A backend that serves an encoder has ``embeddings`` and ``classify``; ``EncoderBackend`` runs them on an
+``EncoderEngine`` in this process, the Ray backend forwards them to replicas. The routes answer a
+decoder's backend, which has neither, with a 400 that says which routes it serves, and an encoder's
+backend answers the generation routes the same way.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the request types from the route functions'
+# annotations, which must then be the classes, not their names.
+import argparse
+import asyncio
+import base64
+import functools
+from typing import Any, Literal
+
+from scalenlp.errors import UserError
+from scalenlp.infer.cluster import EngineReplica, RayBackend
+from scalenlp.infer.server import APIError
+
+ENCODER_ONLY = "this model is an encoder: use /v1/embeddings or /v1/classify"
+DECODER_ONLY = "this model is a decoder (it generates text): use /v1/completions or /v1/chat/completions"
+
+
+def add_encoder_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("encoders (embeddings and classification)")
+    group.add_argument("--forward-batch", type=int, default=32,
+                       help="most texts in one forward pass; concurrent requests share it (default 32)")
+    group.add_argument("--batch-wait-ms", type=float, default=2.0,
+                       help="how long a text waits for others to fill its forward pass (default 2)")
+    group.add_argument("--max-batch-texts", type=int, default=2048,
+                       help="most inputs one request may carry; more is answered 400 (default 2048)")
+
+
+def engine_options(args) -> dict:
+    """The ``encoder_from_checkpoint`` options that the command line names, for this process or a replica."""
+    if args.tp > 1 or args.compile:
+        raise UserError("--tp and --compile are for decoders; serve an encoder without them")
+    return {"dtype": args.dtype, "device": args.device, "batch_texts": args.forward_batch,
+            "max_wait_s": args.batch_wait_ms / 1000, "max_queue": args.max_queue,
+            "max_request_texts": args.max_batch_texts, "max_len": args.max_seq_len}
+
+
+@functools.cache
+def request_models():
+    """(EmbeddingRequest, ClassifyRequest), built on first use so that `scalenlp --help` does not import pydantic."""
+    from pydantic import BaseModel, ConfigDict
+
+    class EmbeddingRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        model: str
+        input: str | list[str] | list[int] | list[list[int]]
+        encoding_format: Literal["float", "base64"] = "float"
+        dimensions: int | None = None
+        user: str | None = None
+
+    class ClassifyRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        model: str
+        input: str | list[str]
+        user: str | None = None
+
+    return EmbeddingRequest, ClassifyRequest
+
+
+def inputs_of(value: str | list) -> list[str | list[int]]:
+    """The request's inputs, each a text or token ids."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(x, int) for x in value):
+        return [list(value)]
+    return list(value)
+
+
+def usage_of(rows: list[list[int]]) -> dict:
+    tokens = sum(map(len, rows))
+    return {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+class EncoderOnly:
+    """The generation routes, answered for an encoder."""
+
+    def complete(self, req):
+        raise APIError(400, ENCODER_ONLY)
+
+    stream = complete
+
+    def chat_prompt(self, messages):
+        raise APIError(400, ENCODER_ONLY, param="messages")
+
+
+class EncoderBackend(EncoderOnly):
+    """Requests go to an ``EncoderEngine`` in this process; its counters are the /metrics."""
+
+    def __init__(self, engine, model_name: str):
+        from prometheus_client import CollectorRegistry
+
+        self.engine = engine
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCounters(engine))
+
+    async def _run(self, kind: str, inputs: list[str | list[int]]):
+        """(rows of the engine's output, the token ids they came from)."""
+        from scalenlp.infer.engine import EngineDead, QueueFull, RequestError
+
+        try:
+            # Tokenizing thousands of texts takes a while, and the tokenizer lets go of the GIL meanwhile.
+            ids = await asyncio.to_thread(self.engine.encode, inputs)
+            future = self.engine.submit(kind, ids)
+        except RequestError as e:
+            raise APIError(400, str(e), param="input") from None
+        except QueueFull as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+        except EngineDead as e:
+            raise APIError(503, str(e), type="server_error") from None
+        try:
+            return await asyncio.wrap_future(future), ids
+        except EngineDead as e:
+            raise APIError(503, str(e), type="server_error") from None
+
+    async def embeddings(self, req) -> dict:
+        dim = self.engine.args.dim
+        if req.dimensions is not None and req.dimensions != dim:
+            raise APIError(400, f"dimensions={req.dimensions} is not supported: this model's embeddings have {dim} "
+                                f"dimensions; omit the field or send {dim}", param="dimensions")
+        rows, ids = await self._run("embed", inputs_of(req.input))
+        data = [{"object": "embedding", "index": i, "embedding": vector(row, req.encoding_format)}
+                for i, row in enumerate(rows)]
+        return {"object": "list", "data": data, "model": self.model_name, "usage": usage_of(ids)}
+
+    async def classify(self, req) -> dict:
+        labels = self.engine.labels
+        rows, ids = await self._run("classify", inputs_of(req.input))
+        data = [{"index": i, "label": labels[int(row.argmax())],
+                 "probabilities": dict(zip(labels, row.tolist()))} for i, row in enumerate(rows)]
+        return {"object": "list", "data": data, "model": self.model_name, "usage": usage_of(ids)}
+
+    async def health(self) -> tuple[bool, str]:
+        return (True, "ok") if self.engine.alive else (False, f"encoder stopped: {self.engine.error!r}")
+
+    def metrics(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class EngineCounters:
+    """A Prometheus collector reading the engine's own counters at scrape time."""
+
+    COUNTERS = {"requests": "requests queued", "forwards": "forward passes run", "texts": "texts encoded",
+                "tokens": "real tokens encoded", "padded_tokens": "token positions computed, padding included",
+                "truncated": "texts cut to the model's length"}
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for name, doc in self.COUNTERS.items():
+            yield CounterMetricFamily(f"scalenlp_encoder_{name}", doc, value=getattr(self.engine, name))
+        yield GaugeMetricFamily("scalenlp_encoder_texts_waiting", "texts queued for a forward pass",
+                                value=self.engine.num_waiting)
+
+
+def vector(row, encoding_format: str) -> list[float] | str:
+    """One embedding as OpenAI sends it: floats, or base64 of little-endian float32."""
+    if encoding_format == "base64":
+        return base64.b64encode(row.numpy().astype("<f4").tobytes()).decode()
+    return row.tolist()
+
+
+def add_encoder_routes(app, backend, check_model) -> None:
+    """/v1/embeddings and /v1/classify on the server's app; ``check_model`` answers a wrong model name."""
+    from fastapi.responses import JSONResponse
+
+    EmbeddingRequest, ClassifyRequest = request_models()
+
+    def served(req, route: str) -> Any:
+        check_model(req)
+        method = getattr(backend, route, None)
+        if method is None:
+            raise APIError(400, DECODER_ONLY, param="model")
+        return method(req)
+
+    # JSONResponse serialises with json.dumps; FastAPI's default encoder walks every float, slow for vectors.
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest):
+        return JSONResponse(await served(req, "embeddings"))
+
+    @app.post("/v1/classify")
+    async def classify(req: ClassifyRequest):
+        return JSONResponse(await served(req, "classify"))
+
+
+class EncoderReplica(EngineReplica):
+    """A Ray Serve replica of an encoder (`scalenlp serve --replicas N` on an encoder checkpoint)."""
+
+    @staticmethod
+    def local_backend(engine_options: dict, model_name: str) -> EncoderBackend:
+        from scalenlp.infer.encoder_engine import encoder_from_checkpoint
+
+        options = dict(engine_options)
+        return EncoderBackend(encoder_from_checkpoint(options.pop("checkpoint"), **options), model_name)
+
+    async def _answer(self, route: str, request_model, body: dict) -> dict:
+        try:
+            return await getattr(self.backend, route)(request_model(**body))
+        except APIError as e:
+            return {"__error__": [e.status, e.body()]}
+
+    async def embeddings(self, body: dict) -> dict:
+        return await self._answer("embeddings", request_models()[0], body)
+
+    async def classify(self, body: dict) -> dict:
+        return await self._answer("classify", request_models()[1], body)
+
+
+class RayEncoderBackend(EncoderOnly, RayBackend):
+    """The router's backend for encoder replicas: requests are forwarded as they came, retried as generation's are."""
+
+    async def embeddings(self, req) -> dict:
+        return await self.call("embeddings", req.model_dump(exclude_none=True))
+
+    async def classify(self, req) -> dict:
+        return await self.call("classify", req.model_dump(exclude_none=True))
+
+
+def build_encoder_backend(args, model_name: str) -> EncoderBackend:
+    from scalenlp.infer.encoder_engine import encoder_from_checkpoint
+
+    return EncoderBackend(encoder_from_checkpoint(args.checkpoint, **engine_options(args)), model_name)

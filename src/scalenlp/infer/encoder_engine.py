@@ -1,0 +1,274 @@
+"""A batcher for encoders: concurrent embedding and classification requests share forward passes.
+
+Each request's texts become units in a queue. A worker thread takes up to ``batch_texts`` units of one
+kind (embed or classify), waiting at most ``max_wait_s`` after the oldest one arrived for more to come,
+pads them to the longest, runs one forward and hands each row back; a request's future completes
+when its last row does. With more texts queued than a batch holds, a batch gathers texts of similar
+lengths (little padding), as sentence-transformers sorts its input by length.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from scalenlp.errors import UserError
+from scalenlp.infer.engine import EngineDead, QueueFull, RequestError, pick_device, pick_dtype
+from scalenlp.models.encoder import EncoderArgs
+from scalenlp.models.hf import read_hf_config
+from scalenlp.models.io import load_model_args
+from scalenlp.models.loader import checkpoint_kind, instantiate, read
+
+KINDS = ("embed", "classify")
+
+
+def is_encoder(checkpoint: str | Path) -> bool:
+    """Whether the checkpoint holds an encoder, from its config alone (no weights read)."""
+    kind, path = checkpoint_kind(checkpoint)
+    if kind == "export":
+        return isinstance(load_model_args(path), EncoderArgs)
+    return kind == "hf" and read_hf_config(path).get("model_type") == "bert"
+
+
+def sentence_max_len(folder: Path) -> int | None:
+    """sentence-transformers' ``max_seq_length`` (it truncates there, below the position table), if set."""
+    file = folder / "sentence_bert_config.json"
+    try:
+        return int(json.loads(file.read_text())["max_seq_length"]) if file.is_file() else None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise UserError(f"cannot read max_seq_length from {file}: {e!r}") from None
+
+
+@dataclass
+class Job:
+    kind: str
+    ids: list[list[int]]
+    future: Future = field(default_factory=Future)
+    rows: list = field(default_factory=list)
+    left: int = 0  # rows not computed yet
+    queued: int = 0  # rows not taken into a batch yet
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+class EncoderEngine:
+    def __init__(self, model, tokenizer: Tokenizer, *, max_len: int | None = None, batch_texts: int = 32,
+                 max_wait_s: float = 0.002, max_queue: int = 64, max_request_texts: int = 2048):
+        if batch_texts < 1 or max_request_texts < 1:
+            raise UserError(f"the batch sizes must be at least 1, got {batch_texts} and {max_request_texts}")
+        self.model = model.eval()
+        self.args: EncoderArgs = model.args
+        self.device = next(model.parameters()).device
+        self.max_len = min(max_len or self.args.max_seq_len, self.args.max_seq_len)
+        # A copy: the checkpoint's tokenizer.json may pad every text to a fixed length (MiniLM's pads to 128);
+        # batches are padded here, to their longest text.
+        self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        self.tokenizer.no_padding()
+        self.tokenizer.enable_truncation(self.max_len)
+        # The special tokens wrapped around a text ([CLS] ... [SEP]), added to token-id inputs as well.
+        probe = self.tokenizer.encode("a")
+        content = [i for i, special in enumerate(probe.special_tokens_mask) if not special]
+        self.prefix, self.suffix = probe.ids[:content[0]], probe.ids[content[-1] + 1:]
+        self.batch_texts, self.max_wait_s = batch_texts, max_wait_s
+        self.max_queue, self.max_request_texts = max_queue, max_request_texts
+        self.queues: dict[str, list[tuple[Job, int]]] = {k: [] for k in KINDS}  # (job, row), in arrival order
+        self.waiting_jobs = 0  # jobs with units still queued
+        self.cond = threading.Condition()
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+        self.error: BaseException | None = None
+        # Counters, read by the server's /metrics and by tests and benchmarks.
+        self.requests = self.forwards = self.texts = self.tokens = self.padded_tokens = self.truncated = 0
+
+    @property
+    def labels(self) -> list[str]:
+        return self.args.labels if self.args.task == "classification" else []
+
+    def start(self) -> "EncoderEngine":
+        self.thread = threading.Thread(target=self._loop, name="scalenlp-encoder", daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def encode(self, inputs: list[str | list[int]]) -> list[list[int]]:
+        """Token ids per input, special tokens included, truncated to ``max_len``. Text is tokenized; token
+        ids are taken as the text's tokens and wrapped in the special tokens. RequestError for bad input."""
+        if not inputs:
+            raise RequestError("the input must not be empty")
+        if len(inputs) > self.max_request_texts:
+            raise RequestError(f"{len(inputs)} inputs in one request; this server takes at most "
+                               f"{self.max_request_texts} (--max-batch-texts)")
+        texts = [x for x in inputs if isinstance(x, str)]
+        for i, x in enumerate(inputs):
+            if not x or (isinstance(x, str) and not x.strip()):
+                raise RequestError(f"input {i} is empty; every input must hold some text or token ids")
+            if not isinstance(x, str) and not all(0 <= t < self.args.vocab_size for t in x):
+                raise RequestError(f"input {i} has token ids outside the vocabulary [0, {self.args.vocab_size})")
+        encoded = iter(self.tokenizer.encode_batch(texts))
+        out = []
+        room = self.max_len - len(self.prefix) - len(self.suffix)
+        for x in inputs:
+            if isinstance(x, str):
+                e = next(encoded)
+                self.truncated += bool(e.overflowing)
+                out.append(e.ids)
+            else:
+                self.truncated += len(x) > room
+                out.append(self.prefix + list(x[:room]) + self.suffix)
+        return out
+
+    def submit(self, kind: str, ids: list[list[int]]) -> Future:
+        """Queue encoded texts (see ``encode``); the future's result is a float32 tensor, one row per text:
+        the sentence embeddings, or the class probabilities."""
+        if kind == "classify" and not self.labels:
+            raise RequestError(f"this model is not a classifier (its task is {self.args.task!r}); classification "
+                               "needs a checkpoint fine-tuned for it")
+        job = Job(kind, ids, rows=[None] * len(ids), left=len(ids), queued=len(ids))
+        with self.cond:
+            if not self.alive:
+                raise EngineDead(f"the encoder is not running: {self.error!r}")
+            if self.waiting_jobs >= self.max_queue:
+                raise QueueFull(f"{self.waiting_jobs} requests are already waiting; retry later")
+            self.waiting_jobs += 1
+            self.requests += 1
+            self.queues[kind].extend((job, i) for i in range(len(ids)))
+            self.cond.notify()
+        return job.future
+
+    def run(self, kind: str, inputs: list[str | list[int]]) -> torch.Tensor:
+        """Encode, queue and wait: the rows of ``submit`` for these inputs."""
+        return self.submit(kind, self.encode(inputs)).result()
+
+    def _take(self) -> tuple[str, list[tuple[Job, int]]] | None:
+        """The next batch: units of the kind waiting longest, once ``batch_texts`` of them are queued or the
+        oldest has waited ``max_wait_s``. None when stopping."""
+        with self.cond:
+            while True:
+                if self.stopping:
+                    return None
+                heads = [(q[0][0].arrival, kind) for kind, q in self.queues.items() if q]
+                if not heads:
+                    self.cond.wait()
+                    continue
+                oldest, kind = min(heads)
+                queue = self.queues[kind]
+                wait = oldest + self.max_wait_s - time.perf_counter()
+                if len(queue) < self.batch_texts and wait > 0:
+                    self.cond.wait(wait)
+                    continue
+                batch, self.queues[kind] = split_batch(queue, self.batch_texts)
+                for job, _ in batch:
+                    job.queued -= 1
+                    self.waiting_jobs -= job.queued == 0
+                return kind, [(job, i) for job, i in batch if not job.future.cancelled()]
+
+    def _forward(self, kind: str, batch: list[tuple[Job, int]]) -> torch.Tensor:
+        rows = [job.ids[i] for job, i in batch]
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), self.args.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids[r, :len(row)] = torch.tensor(row)
+            mask[r, :len(row)] = 1
+        self.forwards += 1
+        self.texts += len(rows)
+        self.tokens += int(mask.sum())
+        self.padded_tokens += mask.numel()
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        with torch.inference_mode():
+            out = self.model.embed(ids, mask) if kind == "embed" else self.model(ids, mask).float().softmax(-1)
+        return out.float().cpu()
+
+    def _loop(self) -> None:
+        try:
+            while (taken := self._take()) is not None:
+                kind, batch = taken
+                if not batch:
+                    continue
+                try:
+                    out = self._forward(kind, batch)
+                except Exception as e:  # noqa: BLE001 - fail these requests, keep serving the others
+                    for job in {id(j): j for j, _ in batch}.values():
+                        _settle(job.future, exception=e)
+                    continue
+                for (job, i), row in zip(batch, out):
+                    job.rows[i] = row
+                    job.left -= 1
+                    if job.left == 0:
+                        _settle(job.future, result=torch.stack(job.rows))
+        except BaseException as e:
+            self.error = e
+            raise
+        finally:
+            with self.cond:
+                for queue in self.queues.values():
+                    for job, _ in queue:
+                        _settle(job.future, exception=EngineDead(f"the encoder stopped: {self.error!r}"))
+                    queue.clear()
+
+
+def split_batch(queue: list[tuple[Job, int]], size: int) -> tuple[list, list]:
+    """(the next batch, what stays queued). The oldest request's texts go first, shortest first: requests then
+    finish one after another (a client waits for its whole request) and a batch holds similar lengths (little
+    padding). When fewer than ``size`` of them are left, the queued texts nearest their longest fill the batch."""
+    if len(queue) <= size:
+        return queue, []
+
+    def length(u: int) -> int:
+        job, row = queue[u]
+        return len(job.ids[row])
+
+    own = [u for u, (job, _) in enumerate(queue) if job is queue[0][0]]
+    if len(own) >= size:
+        chosen = set(sorted(own, key=length)[:size])
+    else:
+        longest = max(map(length, own))
+        others = sorted((u for u, (job, _) in enumerate(queue) if job is not queue[0][0]),
+                        key=lambda u: abs(length(u) - longest))
+        chosen = set(own) | set(others[:size - len(own)])
+    return [queue[u] for u in sorted(chosen)], [unit for u, unit in enumerate(queue) if u not in chosen]
+
+
+def _settle(future: Future, result=None, exception: BaseException | None = None) -> None:
+    """Complete a future unless its caller cancelled it (gone) or it already failed."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+def encoder_from_checkpoint(checkpoint: str | Path, *, dtype: str = "auto", device: str | None = None,
+                            batch_texts: int = 32, max_wait_s: float = 0.002, max_queue: int = 64,
+                            max_request_texts: int = 2048, max_len: int | None = None) -> EncoderEngine:
+    """Load an encoder checkpoint and start a batcher on it. Texts are truncated at ``max_len``, else where
+    sentence-transformers truncates them for this folder, else at the model's position table."""
+    pre = read(checkpoint)
+    if not isinstance(pre.args, EncoderArgs):
+        raise UserError(f"{checkpoint} is a decoder (it generates text); embed and classify need an encoder")
+    torch_device = torch.device(device) if device else pick_device()
+    model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, dtype))
+    return EncoderEngine(model, pre.tokenizer, max_len=max_len or sentence_max_len(pre.path), batch_texts=batch_texts,
+                         max_wait_s=max_wait_s, max_queue=max_queue, max_request_texts=max_request_texts).start()

