@@ -47,6 +47,8 @@ def build_engine(args, max_queue: int = 64):
     tokenizer = load_tokenizer_for(export)
     if args.max_batch < 1:
         raise UserError(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.max_seq_len is not None and args.max_seq_len < 2:  # a prompt token and an output token
+        raise UserError(f"--max-seq-len must be at least 2, got {args.max_seq_len}")
     if args.tp > 1:
         if args.compile:
             raise UserError("--compile is not supported with --tp yet; drop one of them")
@@ -64,11 +66,20 @@ def run(args) -> int:
     import queue
 
     from scalenlp.errors import UserError
-    from scalenlp.infer.engine import RequestError
-    from scalenlp.infer.sampling import SamplingParams
+    from scalenlp.infer.engine import RequestError, check_text
+    from scalenlp.infer.sampling import InvalidParam, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop)
+    try:  # before the model is loaded
+        params.check()
+        for prompt in args.prompt:
+            # Bytes that are not UTF-8 reach Python's argv as lone surrogates.
+            check_text(prompt, "--prompt")
+    except InvalidParam as e:
+        raise UserError(f"--{e.param.replace('_', '-')}: {e}") from None
+    except RequestError as e:
+        raise UserError(str(e)) from None
     engine = build_engine(args)
     events: queue.Queue = queue.Queue()
     try:
