@@ -193,18 +193,19 @@ class LocalBackend:
         self.e2e = Histogram("scalenlp_e2e_request_latency_seconds", "arrival to last token",
                              buckets=buckets, registry=self.registry)
 
-    def _limited(self, params, n_choices: int):
-        """The request's settings under this server's limits; the limits no retry can meet are 400s."""
+    def _limited(self, params, n_choices: int, max_tokens_sent: bool):
+        """The request's settings under this server's limits; the limits no retry can meet are 400s.
+        A max_tokens over the cap is one only when the client sent it, not when it is the API's default."""
         if n_choices > self.engine.max_queue:
             raise APIError(400, f"the request asks for {n_choices} choices (prompts times n), more than this "
                            f"server ever queues ({self.engine.max_queue}); send fewer", param="n")
         cap = self.max_tokens_cap
         if cap is None:
             return params
-        if params.max_tokens is not None and params.max_tokens > cap:
+        if max_tokens_sent and params.max_tokens is not None and params.max_tokens > cap:
             raise APIError(400, f"max_tokens must be at most {cap} on this server, got {params.max_tokens}",
                            param="max_tokens")
-        return dataclasses.replace(params, max_tokens=params.max_tokens or cap)
+        return dataclasses.replace(params, max_tokens=min(params.max_tokens or cap, cap))
 
     def _check_prompt_length(self, ids: list[int]) -> None:
         if len(ids) > self.max_prompt_tokens:
@@ -229,7 +230,7 @@ class LocalBackend:
         from scalenlp.infer.engine import EngineDead, QueueFull, RequestError
 
         prompts = prompts_of(req)
-        params = self._limited(sampling_params(req), len(prompts) * req.n)
+        params = self._limited(sampling_params(req), len(prompts) * req.n, "max_tokens" in req.model_fields_set)
         texts = [p for p in prompts if isinstance(p, str)]
         for p in prompts:
             if not isinstance(p, str):
