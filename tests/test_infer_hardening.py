@@ -109,9 +109,11 @@ def _collect(engine, prompt_ids, params, on_event=None):
 
 
 def _drain(events) -> list:
-    deltas = [events.get()]
+    """Deltas up to the last. The wait is bounded only so that an engine that dies without telling
+    every request (as it did when a callback raised) fails the test instead of hanging it."""
+    deltas = [events.get(timeout=120)]
     while deltas[-1].finish_reason is None:
-        deltas.append(events.get())
+        deltas.append(events.get(timeout=120))
     return deltas
 
 
@@ -137,7 +139,7 @@ def test_a_failing_request_fails_alone(export, caplog):
                                raise_on_event)
         good = _drain(good_events)
         assert _drain(bad_events)[-1].finish_reason == "error"
-        assert gone_events.get().finish_reason is None  # it received its first token, and raised
+        assert gone_events.get(timeout=120).finish_reason is None  # it received its first token, and raised
         assert (len(good), good[-1].finish_reason) == (40, "length")
         assert engine.alive and engine.num_running == 0
         assert "request failed in the engine" in caplog.text
@@ -343,3 +345,14 @@ def test_generate_invalid_utf8_argv_is_one_error_line(export):
                         "--prompt", b"caf\xe9"], capture_output=True)
     assert r.returncode == 2 and r.stderr.startswith(b"error: --prompt is not valid Unicode"), r.stderr
     assert r.stderr.count(b"\n") == 1
+
+
+def test_a_replica_with_a_dead_engine_fails_its_health_check():
+    """Ray Serve calls check_health on each replica and replaces one that raises."""
+    from types import SimpleNamespace
+
+    from scalenlp.infer.cluster import EngineReplica
+
+    EngineReplica.check_health(SimpleNamespace(engine=SimpleNamespace(alive=True)))
+    with pytest.raises(RuntimeError, match="engine stopped"):
+        EngineReplica.check_health(SimpleNamespace(engine=SimpleNamespace(alive=False, error=ValueError("device lost"))))

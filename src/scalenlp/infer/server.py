@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import hmac
 import json
-import logging
 import os
 import sys
 import time
@@ -26,9 +25,8 @@ from scalenlp.infer.generate import add_engine_arguments
 
 MAX_N = 64
 MAX_TEMPERATURE = 2.0  # as the OpenAI API
-DEFAULT_MAX_BODY_BYTES = 4 << 20  # a full 128k-token context as JSON token ids (about 7 bytes each) fits
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # four 128k-token prompts as JSON token ids (up to 7 bytes each) fit
 API_KEY_ENV = "SCALENLP_API_KEY"
-log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
