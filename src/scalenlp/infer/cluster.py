@@ -123,6 +123,12 @@ class EngineReplica:
     async def health(self) -> tuple[bool, str]:
         return await self.backend.health()
 
+    def check_health(self) -> None:
+        """Called by Serve every few seconds: a replica whose engine loop died is replaced, as a
+        one-process server exits for its supervisor to restart it."""
+        if not self.engine.alive:
+            raise RuntimeError(f"the engine stopped: {self.engine.error!r}")
+
 
 def _raise_if_error(out: dict) -> None:
     from scalenlp.infer.server import APIError

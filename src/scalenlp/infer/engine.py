@@ -16,6 +16,8 @@ as a view, never gathered, and the step has few distinct shapes for ``torch.comp
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 import random
 import threading
 import time
@@ -25,8 +27,10 @@ from typing import Callable, Collection
 import torch
 
 from scalenlp.infer.packing import can_pack, pack_linears
-from scalenlp.infer.sampling import SamplingBatch, SamplingParams, sample
+from scalenlp.infer.sampling import InvalidParam, SamplingBatch, SamplingParams, sample
 from scalenlp.parallel.mesh import device_type
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
@@ -34,7 +38,12 @@ class QueueFull(RuntimeError):
 
 
 class RequestError(ValueError):
-    """A request that can never be served as asked (too long, bad sampling settings)."""
+    """A request that can never be served as asked (too long, bad sampling settings); ``param``
+    names the request field at fault."""
+
+    def __init__(self, message: str, param: str = "prompt"):
+        super().__init__(message)
+        self.param = param
 
 
 class EngineDead(RuntimeError):
@@ -49,8 +58,9 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float] | None  # the chosen tokens' logprobs, when asked for
     top_logprobs: list[dict[str, float]] | None
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    finish_reason: str | None  # None while running; "stop" | "length" | "error" (this request) | "abort" (engine)
     time: float  # time.perf_counter() when produced
+    error: str | None = None  # with finish_reason "error": what went wrong
 
 
 @dataclass
@@ -132,6 +142,8 @@ class Engine:
         self._stopping = False
         self.error: BaseException | None = None
         self.steps = 0  # completed loop steps; a health check watches it move
+        # Called with the error when the loop dies: a server exits then, so that its supervisor restarts it.
+        self.on_death: Callable[[BaseException], None] | None = None
 
     # ---- public API (any thread) ----
 
@@ -163,14 +175,17 @@ class Engine:
         return len(self._waiting)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        """Token ids of ``text``; RequestError if it is not Unicode text. Called off the event loop by
+        the server: ``encode_batch`` lets other threads run meanwhile, where ``encode`` holds the GIL."""
+        check_text(text, "the prompt")
+        return self.tokenizer.encode_batch([text])[0].ids
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError if the request can never be served."""
         try:
             params.check()
-        except ValueError as e:
-            raise RequestError(str(e)) from None
+        except InvalidParam as e:
+            raise RequestError(str(e), e.param) from None
         if not prompt_ids:
             raise RequestError("the prompt is empty; send at least one token")
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
@@ -187,7 +202,10 @@ class Engine:
 
     def submit_many(self, items: list[tuple[list[int], SamplingParams]], on_events: list[Callable[[Delta], None]],
                     bypass_queue_limit: bool = False) -> list[Request]:
-        """All or none: either every request is queued, or QueueFull / RequestError is raised."""
+        """All or none: either every request is queued, or QueueFull / RequestError is raised.
+        A request without max_tokens may run to the end of the context."""
+        items = [(p, params if params.max_tokens is not None else
+                  dataclasses.replace(params, max_tokens=max(1, self.max_seq_len - len(p)))) for p, params in items]
         for prompt_ids, params in items:
             self.check(prompt_ids, params)
         requests = [Request(list(p), params, cb, params.seed if params.seed is not None else random.getrandbits(62))
@@ -250,7 +268,9 @@ class Engine:
                 self._waiting.clear()
                 self._running.clear()
             for r in pending:
-                r.on_event(Delta("", [], None, None, "abort", time.perf_counter()))
+                _tell(r, Delta("", [], None, None, "abort", time.perf_counter()))
+            if self.error is not None and self.on_death is not None:
+                self.on_death(self.error)
 
     def step(self) -> None:
         for slot, r in list(self._running.items()):
@@ -308,26 +328,57 @@ class Engine:
         self._sample_and_emit(live, logits[index, -1])
 
     def _sample_and_emit(self, requests: list[Request], logits: torch.Tensor) -> None:
+        """Pick and hand out each request's next token. Whatever goes wrong here for one request (its
+        settings, its text, its callback) ends that request with finish_reason "error" and leaves the
+        others running; the batch forward before it has no such owner, and an error there ends the loop."""
+        try:
+            picks = self._sample(requests, logits)
+        except Exception:  # noqa: BLE001 - sample each request alone to find the one at fault
+            picks = []
+            for i, r in enumerate(requests):
+                try:
+                    picks += self._sample([r], logits[i:i + 1])
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                    self._fail(r, e)
+                    picks.append(None)
+        now = time.perf_counter()
+        for r, pick in zip(requests, picks):
+            if pick is None:
+                continue
+            try:
+                self._emit(r, *pick, now)
+            except Exception as e:  # noqa: BLE001 - as above
+                self._fail(r, e)
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[tuple]:
+        """(token, its logprob or None, top alternatives or None) for each request."""
         batch = SamplingBatch.build([r.params for r in requests], [r.seed for r in requests],
                                     [len(r.output_ids) for r in requests], self.device)
         tokens, chosen, top = sample(logits, batch)
         tokens = tokens.tolist()
-        chosen = chosen.tolist() if chosen is not None else None
-        top = (top.values.tolist(), top.indices.tolist()) if top is not None else None
-        now = time.perf_counter()
-        for i, (r, token) in enumerate(zip(requests, tokens)):
-            r.output_ids.append(token)
-            logprob = top_lp = None
-            if r.params.logprobs is not None:
-                logprob = [chosen[i]]
-                k = r.params.logprobs
-                top_lp = [{self._token_str(t): v for v, t in zip(top[0][i][:k], top[1][i][:k])}] if k else None
-            self._advance(r, token)
-            new_text = self._releasable_text(r)
-            r.sent += len(new_text)
-            r.on_event(Delta(new_text, [token], logprob, top_lp, r.finish_reason, now))
-            if r.finish_reason is not None:
-                self._running.pop(r.slot, None)
+        chosen = chosen.tolist() if chosen is not None else [None] * len(tokens)
+        top = list(zip(top.values.tolist(), top.indices.tolist())) if top is not None else [None] * len(tokens)
+        return list(zip(tokens, chosen, top))
+
+    def _emit(self, r: Request, token: int, chosen: float | None, top: tuple | None, now: float) -> None:
+        r.output_ids.append(token)
+        logprob = top_lp = None
+        if r.params.logprobs is not None:
+            logprob = [chosen]
+            k = r.params.logprobs
+            top_lp = [{self._token_str(t): v for v, t in zip(top[0][:k], top[1][:k])}] if k else None
+        self._advance(r, token)
+        new_text = self._releasable_text(r)
+        r.sent += len(new_text)
+        if r.finish_reason is not None:
+            self._running.pop(r.slot, None)
+        r.on_event(Delta(new_text, [token], logprob, top_lp, r.finish_reason, now))
+
+    def _fail(self, r: Request, error: Exception) -> None:
+        log.error("request failed in the engine; the others continue", exc_info=error)
+        r.finish_reason = "error"
+        self._running.pop(r.slot, None)
+        _tell(r, Delta("", [], None, None, "error", time.perf_counter(), f"{error.__class__.__name__}: {error}"))
 
     def _token_str(self, token: int) -> str:
         """A token's text; a token that is part of a character has none, so it keeps its vocabulary name."""
@@ -361,6 +412,24 @@ class Engine:
         if r.finish_reason is None and r.params.stop:
             end = max(r.sent, end - (max(map(len, r.params.stop)) - 1))
         return r.text[r.sent:end]
+
+
+def _tell(r: Request, delta: Delta) -> None:
+    """Send a request its last event, which may fail as the one before did (its caller is gone)."""
+    try:
+        r.on_event(delta)
+    except Exception:  # noqa: BLE001 - nobody is left to tell
+        log.warning("could not deliver a request's final event", exc_info=True)
+
+
+def check_text(text: str, what: str) -> None:
+    """RequestError unless ``text`` can be encoded as UTF-8: a lone surrogate (from JSON's "\\ud800",
+    or from undecodable bytes on a command line) cannot, and the tokenizer would fail on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{what} is not valid Unicode text (a lone surrogate at character {e.start}); "
+                           "send UTF-8 text") from None
 
 
 def load_tokenizer_for(export_dir):

@@ -60,11 +60,20 @@ def stream_to_stdout(engine, prompt_ids: list[int], params) -> tuple[str, str]:
 
 def run(args) -> int:
     from scalenlp.errors import UserError
-    from scalenlp.infer.engine import RequestError
-    from scalenlp.infer.sampling import SamplingParams
+    from scalenlp.infer.engine import RequestError, check_text
+    from scalenlp.infer.sampling import InvalidParam, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop)
+    try:  # before the model is loaded
+        params.check()
+        for prompt in args.prompt:
+            # Bytes that are not UTF-8 reach Python's argv as lone surrogates.
+            check_text(prompt, "--prompt")
+    except InvalidParam as e:
+        raise UserError(f"--{e.param.replace('_', '-')}: {e}") from None
+    except RequestError as e:
+        raise UserError(str(e)) from None
     engine = build_engine(args)
     try:
         for i, prompt in enumerate(args.prompt):

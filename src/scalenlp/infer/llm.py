@@ -30,6 +30,8 @@ def engine_from_checkpoint(checkpoint: str | Path, *, dtype: str = "auto", devic
     token and, for a chat model, at its template's end-of-turn tokens."""
     if max_batch < 1:
         raise UserError(f"--max-batch must be at least 1, got {max_batch}")
+    if max_seq_len is not None and max_seq_len < 2:  # a prompt token and an output token
+        raise UserError(f"--max-seq-len must be at least 2, got {max_seq_len}")
     if tp > 1 and compile:
         raise UserError("--compile is not supported with --tp yet; drop one of them")
     pre = read(checkpoint)

@@ -8,16 +8,26 @@ a Python loop.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 MAX_LOGPROBS = 5  # as the OpenAI completions API
+INT64_MAX = (1 << 63) - 1  # seeds and top_k become int64 tensors
+
+
+class InvalidParam(ValueError):
+    """A sampling setting out of range; ``param`` names it (the HTTP API reports it as such)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None = up to the end of the context
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = whole vocabulary
     top_p: float = 1.0
@@ -27,19 +37,24 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the end-of-text token (benchmarks)
 
     def check(self) -> None:
-        """Raise ValueError naming the first out-of-range field."""
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        """Raise InvalidParam naming the first out-of-range field. Written so that NaN fails every
+        range (a comparison with NaN is false), and so that no value can overflow the int64 tensors
+        the sampler builds from these settings."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not (0 <= self.temperature and math.isfinite(self.temperature)):
+            raise InvalidParam("temperature", f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 <= self.top_k <= INT64_MAX:
+            raise InvalidParam("top_k", f"top_k must be between 0 (off) and {INT64_MAX}, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not -INT64_MAX - 1 <= self.seed <= INT64_MAX:
+            raise InvalidParam("seed", f"seed must be a signed 64-bit integer, between {-INT64_MAX - 1} and "
+                               f"{INT64_MAX}, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+            raise InvalidParam("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+            raise InvalidParam("stop", "stop strings must not be empty")
 
 
 _MASK64 = (1 << 64) - 1
