@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from scalenlp.errors import UserError
 from scalenlp.infer.cluster import EngineReplica, RayBackend
-from scalenlp.infer.server import APIError
+from scalenlp.infer.server import APIError, error_responses
 
 ENCODER_ONLY = "this model is an encoder: use /v1/embeddings or /v1/classify"
 DECODER_ONLY = "this model is a decoder (it generates text): use /v1/completions or /v1/chat/completions"
@@ -189,11 +189,13 @@ def add_encoder_routes(app, backend, check_model) -> None:
         return method(req)
 
     # JSONResponse serialises with json.dumps; FastAPI's default encoder walks every float, slow for vectors.
-    @app.post("/v1/embeddings")
+    responses = error_responses(400, 401, 404, 413, 429, 500, 503)
+
+    @app.post("/v1/embeddings", responses=responses)
     async def embeddings(req: EmbeddingRequest):
         return JSONResponse(await served(req, "embeddings"))
 
-    @app.post("/v1/classify")
+    @app.post("/v1/classify", responses=responses)
     async def classify(req: ClassifyRequest):
         return JSONResponse(await served(req, "classify"))
 

@@ -500,7 +500,7 @@ ERRORS = {400: "invalid request", 401: "missing or wrong API key", 404: "no such
           500: "generating a choice failed", 501: "not served in this configuration", 503: "the engine stopped"}
 
 
-def _error_responses(*statuses: int) -> dict:
+def error_responses(*statuses: int) -> dict:
     """OpenAPI ``responses`` entries for errors answered in OpenAI's shape."""
     return {s: {"description": ERRORS[s], "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
             for s in statuses}
@@ -603,21 +603,21 @@ def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAUL
         ok, reason = await backend.health()
         return JSONResponse({"status": "ok" if ok else "unhealthy", "detail": reason}, status_code=200 if ok else 503)
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses=_error_responses(401),
+    @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401),
              description="Prometheus text exposition format")
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(backend.metrics(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", responses=_error_responses(401))
+    @app.get("/v1/models", responses=error_responses(401))
     async def models():
         return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "created": 0,
                                             "owned_by": "scalenlp"}]}
 
     completion_responses = {200: {"description": "a completion, or with `stream` a stream of server-sent events",
                                   "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-                            **_error_responses(400, 401, 404, 413, 429, 500, 503)}
+                            **error_responses(400, 401, 404, 413, 429, 500, 503)}
 
     def check_model(req) -> None:
         if req.model != backend.model_name:
@@ -643,7 +643,7 @@ def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAUL
         check_model(req)
         return await answer(request, req.stream, lambda: backend.complete(req), lambda: backend.stream(req))
 
-    @app.post("/v1/chat/completions", responses={**completion_responses, **_error_responses(501)})
+    @app.post("/v1/chat/completions", responses={**completion_responses, **error_responses(501)})
     async def chat_completions(req: ChatRequest, request: Request):
         check_model(req)
         completion = await asyncio.to_thread(completion_for_chat, req, backend)
