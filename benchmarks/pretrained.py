@@ -23,7 +23,7 @@ import torch
 
 from scalenlp.infer.evaluate import perplexity
 from scalenlp.models.loader import load
-from scalenlp.train.metrics import resident_bytes
+from scalenlp.hardware import resident_bytes
 
 WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2" / "test.txt"
 

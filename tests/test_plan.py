@@ -16,7 +16,7 @@ from scalenlp.plan.calibrate import A100_ROWS, H100_ROWS, best_layout, llama3_ro
 from scalenlp.plan.cost import (Layout, Workload, activation_bytes_per_layer, layers_per_rank, model_shape,
                                 model_state_bytes, predict, step_flops)
 from scalenlp.parallel.pipeline import layer_costs, split_layers
-from scalenlp.plan.devices import get_device
+from scalenlp.hardware import get_device
 
 
 def gpt(hidden, layers, heads, seq=2048, vocab=51200):

@@ -168,7 +168,7 @@ def test_a_crashed_rank_does_not_leave_the_others_hanging(tmp_path, corpus):
 def test_peak_memory_is_the_process_own_not_its_spawner():
     """Linux carries getrusage's peak across exec: a run started from a large process must not report it."""
     ballast = torch.ones(256 * 2**20)  # 1 GiB resident in this process
-    probe = "from scalenlp.train.metrics import resident_bytes; print(resident_bytes(peak=True))"
+    probe = "from scalenlp.hardware import resident_bytes; print(resident_bytes(peak=True))"
     child_peak = int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                                     check=True).stdout)
     assert child_peak < 0.8 * ballast.numel() * ballast.element_size()

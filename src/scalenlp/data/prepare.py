@@ -29,16 +29,15 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
 from scalenlp.config import Config
 from scalenlp.data.sft import chat_cache_key, write_chat_rows
 from scalenlp.data.sources import Corpus, Piece, open_corpus
-from scalenlp.data.tokenizer import eos_token_id, load_tokenizer, tokenizer_file, train_bpe
+from scalenlp.data.tokenizer import TOKENIZER_CONFIG, eos_token_id, load_tokenizer, tokenizer_file, train_bpe
 from scalenlp.errors import UserError
-from scalenlp.models.pretrained import TOKENIZER_CONFIG, Pretrained
 
 # Bump when the bytes a cache entry holds would change for the same inputs.
 CACHE_FORMAT = 1
@@ -64,7 +63,9 @@ class _Plan:
     tokenizer_json: Path
     trains_tokenizer: bool
     vocab_size: int
-    pretrained: Pretrained | None = None  # model.init's checkpoint, whose tokenizer is written to the cache
+    # model.init's checkpoint (a scalenlp.models.pretrained.Pretrained, read by the caller: the data layer uses
+    # only its tokenizer, tokenizer_config and path), whose tokenizer is written to the cache
+    pretrained: Any = None
 
 
 def _key(obj) -> str:
@@ -79,7 +80,7 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _plan(cfg: Config, run_dir: Path, pretrained: Pretrained | None) -> _Plan:
+def _plan(cfg: Config, run_dir: Path, pretrained: Any) -> _Plan:
     cache_dir = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else \
         Path(run_dir).resolve().parent / ".token_cache"
     corpus = open_corpus(cfg.data.path, cfg.data.text_field)
@@ -125,7 +126,7 @@ def _data_files(tokens_dir: Path, tokenizer_json: Path) -> DataFiles:
 
 
 def prepare_data(cfg: Config, run_dir: Path, log: Callable[[str], None] = print,
-                 pretrained: Pretrained | None = None) -> DataFiles:
+                 pretrained: Any = None) -> DataFiles:
     """Resolve sources, train or load the tokenizer, tokenize once into cached token files (run on one rank).
     With ``pretrained`` (model.init's checkpoint) its tokenizer is used, and ``training.task="sft"`` renders
     chat conversations with its chat template instead of packing text."""
@@ -156,7 +157,7 @@ def prepare_data(cfg: Config, run_dir: Path, log: Callable[[str], None] = print,
     return _data_files(tokens_dir, plan.tokenizer_json)
 
 
-def open_data(cfg: Config, run_dir: Path, pretrained: Pretrained | None = None) -> DataFiles:
+def open_data(cfg: Config, run_dir: Path, pretrained: Any = None) -> DataFiles:
     """Find the token files prepare_data made for this config (cheap; every rank, after a barrier)."""
     plan = _plan(cfg, run_dir, pretrained)
     if plan.trains_tokenizer and not plan.tokenizer_json.is_file():
@@ -249,7 +250,7 @@ def _build_entry(final: Path, fill: Callable[[Path], T]) -> T:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when published
 
 
-def _save_tokenizer(pretrained: Pretrained, folder: Path) -> None:
+def _save_tokenizer(pretrained: Any, folder: Path) -> None:
     """The checkpoint's tokenizer as a cache entry; its config goes alongside, where ``eos_token_id`` looks."""
     def fill(tmp: Path) -> None:
         pretrained.tokenizer.save(str(tmp / "tokenizer.json"))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -32,7 +32,6 @@ from scalenlp.data.chat import ChatError, chat_template, end_of_turn_ids, render
 from scalenlp.data.dataset import open_tokens
 from scalenlp.data.sources import Corpus
 from scalenlp.errors import UserError
-from scalenlp.models.pretrained import Pretrained
 
 # Bump when the rows written for the same inputs would change.
 SFT_FORMAT = 1
@@ -40,7 +39,7 @@ IGNORE_INDEX = -100  # targets the loss skips (F.cross_entropy's default ignore_
 REPORTED_PROBLEMS = 5  # skipped lines named in the log; the rest are counted
 
 
-def chat_cache_key(pretrained: Pretrained, cfg: Config) -> dict:
+def chat_cache_key(pretrained: Any, cfg: Config) -> dict:
     """What decides the rows besides the files and the tokenizer: the template, its variables, the row length."""
     return {"sft_format": SFT_FORMAT, "chat_template": chat_template(pretrained.tokenizer_config),
             "variables": template_variables(pretrained.tokenizer_config), "seq_len": cfg.training.seq_len}
@@ -73,7 +72,7 @@ def read_conversations(files: list[Path]) -> Iterator[tuple[str, list | str]]:
                 yield where, record["messages"]
 
 
-def write_chat_rows(corpus: Corpus, pretrained: Pretrained, cfg: Config, out_dir: Path,
+def write_chat_rows(corpus: Corpus, pretrained: Any, cfg: Config, out_dir: Path,
                     log: Callable[[str], None]) -> None:
     """Render, tokenize and label every conversation into ``train.npy`` / ``val.npy`` (int32, shape
     (conversations, 2, seq_len + 1): tokens, labels) and ``meta.json`` in ``out_dir``."""

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from scalenlp.errors import UserError
 
 EOS = "<|endoftext|>"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # BOS, EOS and the chat template, in Hugging Face's field names
 # Document-end tokens of common tokenizer families, tried before the tokenizer's own config files.
 EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>")
 MIN_VOCAB = 257  # the 256 byte symbols plus EOS

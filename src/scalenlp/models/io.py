@@ -21,11 +21,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from scalenlp.data.tokenizer import load_tokenizer
+from scalenlp.data.tokenizer import TOKENIZER_CONFIG, load_tokenizer
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
 from scalenlp.models.encoder import Encoder, EncoderArgs
-from scalenlp.models.pretrained import TOKENIZER_CONFIG, Pretrained, read_tokenizer_config
+from scalenlp.models.pretrained import Pretrained, read_tokenizer_config
 
 WEIGHTS, ARGS, TOKENIZER = "model.safetensors", "model_args.json", "tokenizer.json"
 

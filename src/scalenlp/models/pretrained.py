@@ -12,10 +12,8 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from scalenlp.data.tokenizer import TOKENIZER_CONFIG
 from scalenlp.errors import UserError
-
-TOKENIZER_CONFIG = "tokenizer_config.json"
-
 
 @dataclass
 class Pretrained:

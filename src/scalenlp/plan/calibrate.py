@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from scalenlp.plan.cost import Layout, Workload, model_shape, predict
-from scalenlp.plan.devices import DeviceSpec, get_device
+from scalenlp.hardware import DeviceSpec, get_device
 from scalenlp.plan.search import search
 
 

@@ -156,7 +156,7 @@ def _describe(p, device, rank: int | None) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from scalenlp.plan.cost import Workload, check_layout, fits, model_shape, predict
-    from scalenlp.plan.devices import get_device, parse_overrides
+    from scalenlp.hardware import get_device, parse_overrides
     from scalenlp.plan.search import MAX_DEVICES, search, smallest_device_count
 
     for name in ("seq", "global_batch", "devices", "top"):

@@ -69,7 +69,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from scalenlp.errors import UserError
-from scalenlp.plan.devices import DeviceSpec
+from scalenlp.hardware import DeviceSpec
 
 # Bytes an Adam step streams per local optimizer parameter: read grad, weights, m, v; write weights, m, v.
 OPTIMIZER_TRAFFIC = 28

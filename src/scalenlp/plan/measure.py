@@ -29,7 +29,7 @@ import time
 import torch
 
 from scalenlp.plan.cost import ring_time
-from scalenlp.plan.devices import GPU_ELEMENTWISE_TRAFFIC, DeviceSpec
+from scalenlp.hardware import GPU_ELEMENTWISE_TRAFFIC, DeviceSpec
 
 # (m, n, k): thin shapes like a small model's projections, up to square ones.
 MATMUL_SHAPES = ((2048, 64, 64), (2048, 256, 64), (2048, 64, 256), (512, 512, 512), (1024, 1024, 1024),
@@ -239,7 +239,7 @@ def _runtime_bytes() -> int:
     steps' own model and optimizer are freed."""
     from torch import nn
 
-    from scalenlp.train.metrics import resident_bytes
+    from scalenlp.hardware import resident_bytes
 
     model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
     optimizer = torch.optim.AdamW(model.parameters())

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from scalenlp.plan.cost import Layout, ModelShape, Prediction, Workload, check_layout, fits, predict
-from scalenlp.plan.devices import DeviceSpec
+from scalenlp.hardware import DeviceSpec
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MAX_DEVICES = 1 << 17  # the largest cluster planned for; the search enumerates the divisors of the count

@@ -8,17 +8,12 @@ says which, because an MFU is only as good as the peak it divides by.
 from __future__ import annotations
 
 import json
-import resource
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from scalenlp.plan.devices import DEVICES
-
-# CUDA device names -> the planner's datasheet entries (one table of peaks for the whole project).
-GPU_NAMES = {"H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb"}
+from scalenlp.hardware import DEVICES, GPU_NAMES, resident_bytes
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:
@@ -47,19 +42,6 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
                 return DEVICES[key].peak_flops(precision), f"datasheet {key} dense {precision}"
     flops = measure_matmul_flops(device, dtype, size=2048 if device.type == "cuda" else 1024)
     return flops, f"measured {str(dtype).removeprefix('torch.')} matmul on {device.type}"
-
-
-def resident_bytes(peak: bool) -> int:
-    """This process's resident set: its peak or its size now. On Linux from /proc (VmHWM, VmRSS), not
-    getrusage, whose peak Linux carries across exec from the spawning process: a run started from a
-    large Python process would report that process's size. Elsewhere getrusage's peak is all there is."""
-    try:
-        with open("/proc/self/status") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return int(fields["VmHWM" if peak else "VmRSS"].split()[0]) * 1024
-    except (OSError, KeyError):
-        usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return usage if sys.platform == "darwin" else usage * 1024  # macOS reports bytes, Linux KiB
 
 
 def peak_memory_bytes(device: torch.device) -> int:

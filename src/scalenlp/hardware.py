@@ -1,4 +1,5 @@
-"""Accelerator specs the cost model reads: one table, each value overridable from the command line.
+"""Hardware facts that training and planning both read: the accelerator table (each value overridable from
+the command line), the CUDA names that map onto it, and this process's resident memory.
 
 Peaks and memory are datasheet values. Bandwidths are what collectives achieve, not link maxima:
 ``intra_node_bw`` is the all-reduce bus bandwidth NCCL reaches over NVLink inside one 8-GPU node,
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import resource
+import sys
 from dataclasses import dataclass
 
 from scalenlp.errors import UserError
@@ -111,3 +114,20 @@ def get_device(name: str, overrides: dict[str, float] | None = None) -> DeviceSp
         raise UserError(f"unknown device {name!r}; choose one of {', '.join([*DEVICES, 'cpu'])} "
                         "(cpu measures this machine)")
     return dataclasses.replace(DEVICES[name], **(overrides or {}))
+
+
+# CUDA device names -> the datasheet entries above (one table of peaks for the whole project).
+GPU_NAMES = {"H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb"}
+
+
+def resident_bytes(peak: bool) -> int:
+    """This process's resident set: its peak or its size now. On Linux from /proc (VmHWM, VmRSS), not
+    getrusage, whose peak Linux carries across exec from the spawning process: a run started from a
+    large Python process would report that process's size. Elsewhere getrusage's peak is all there is."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["VmHWM" if peak else "VmRSS"].split()[0]) * 1024
+    except (OSError, KeyError):
+        usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return usage if sys.platform == "darwin" else usage * 1024  # macOS reports bytes, Linux KiB
