@@ -48,3 +48,14 @@ def test_an_encoder_is_refused_by_llm():
     minilm = packaged_model("minilm")
     with pytest.raises(scalenlp.UserError, match="encoder"):
         scalenlp.LLM(minilm)
+
+
+def test_a_trainer_from_a_python_config_is_validated_as_the_cli_validates(tmp_path):
+    cfg = scalenlp.Config()
+    cfg.training.mixed_precision = "fp16"
+    with pytest.raises(scalenlp.ConfigError) as from_python:
+        scalenlp.Trainer(cfg, tmp_path / "run")
+    with pytest.raises(scalenlp.ConfigError) as from_cli:
+        scalenlp.load_config(None, ["training.mixed_precision=fp16"])
+    assert str(from_python.value) == str(from_cli.value)
+    assert not (tmp_path / "run").exists()

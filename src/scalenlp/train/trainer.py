@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from scalenlp.config import Config, ConfigError, save_config
+from scalenlp.config import Config, ConfigError, save_config, validate
 from scalenlp.data import DataLoader, TokenDataset, open_data, prepare_data
 from scalenlp.data.sft import IGNORE_INDEX, ChatDataset
 from scalenlp.data.labeled import LabeledLoader
@@ -161,6 +161,7 @@ def _mean_over(value: torch.Tensor, group) -> float:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, stop: StopRequest | None = None):
+        validate(cfg)  # a Config built in Python gets the checks load_config gives the CLI's
         self.cfg, self.run_dir, self.stop = cfg, Path(run_dir), stop
         self.rank, self.world = init_distributed(cfg.training.timeout_s)
         # model.init: every rank reads the checkpoint (memory-mapped where the format allows); its
