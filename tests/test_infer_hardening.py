@@ -20,9 +20,11 @@ from scalenlp.cli import main
 from scalenlp.data.tokenizer import find_eos_token_id
 from scalenlp.errors import UserError
 from scalenlp.infer import generate
+from scalenlp.infer.backend import LocalBackend
 from scalenlp.infer.engine import Engine, load_tokenizer_for
 from scalenlp.infer.sampling import SamplingParams
-from scalenlp.infer.server import API_KEY_ENV, LocalBackend, api_key_of, create_app
+from scalenlp.infer.serve import API_KEY_ENV, api_key_of
+from scalenlp.infer.server import create_app
 from scalenlp.models.io import load_pretrained
 
 torch.set_num_threads(1)
