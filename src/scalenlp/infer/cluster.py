@@ -360,8 +360,9 @@ def _init_ray(ray, address: str | None, init_kwargs: dict) -> None:
 
 
 def start(args, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
-    """Start (or join) Ray and deploy. Returns the HTTP address, and whether the Serve instance is
-    ours to shut down when we stop (not when it already ran on a joined cluster)."""
+    """Start (or join) Ray and deploy ``args.model_name`` (which `scalenlp serve` has already defaulted).
+    Returns the HTTP address, and whether the Serve instance is ours to shut down when we stop (not when it
+    already ran on a joined cluster)."""
     ray, serve = _import_ray()
     _, checkpoint = checkpoint_kind(args.checkpoint)  # fail here, not inside a replica
     encoder = is_encoder(checkpoint)
