@@ -18,10 +18,11 @@ from tokenizers import Tokenizer
 
 from scalenlp.data.chat import (ChatError, chat_template, encode_chat, end_of_turn_ids, render_chat,
                                 render_with_assistant_mask)
+from scalenlp.infer.backend import LocalBackend
 from scalenlp.infer.engine import Engine, load_tokenizer_for
 from scalenlp.infer.generate import build_engine
 from scalenlp.infer.sampling import SamplingParams
-from scalenlp.infer.server import LocalBackend, create_app
+from scalenlp.infer.server import create_app
 from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained
 from scalenlp.models.packaged import packaged_model

@@ -19,10 +19,11 @@ import torch
 from infer_helpers import ServerThread, make_export, wait_healthy
 
 from scalenlp.cli import main
+from scalenlp.infer.backend import LocalBackend
 from scalenlp.infer.encoder_api import EncoderBackend
 from scalenlp.infer.encoder_engine import EncoderEngine, encoder_from_checkpoint
 from scalenlp.infer.engine import QueueFull
-from scalenlp.infer.server import LocalBackend, create_app
+from scalenlp.infer.server import create_app
 from scalenlp.models import loader
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.io import save_pretrained

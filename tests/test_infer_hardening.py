@@ -19,10 +19,12 @@ from infer_helpers import ServerThread, make_export
 from scalenlp.cli import main
 from scalenlp.data.tokenizer import find_eos_token_id
 from scalenlp.errors import UserError
-from scalenlp.infer import generate
+from scalenlp.infer import serve
+from scalenlp.infer.backend import LocalBackend
 from scalenlp.infer.engine import Engine, load_tokenizer_for
 from scalenlp.infer.sampling import SamplingParams
-from scalenlp.infer.server import API_KEY_ENV, LocalBackend, api_key_of, create_app
+from scalenlp.infer.serve import API_KEY_ENV, api_key_of
+from scalenlp.infer.server import create_app
 from scalenlp.models.io import load_pretrained
 
 torch.set_num_threads(1)
@@ -157,14 +159,14 @@ def _free_port() -> int:
 def test_server_exits_nonzero_when_the_engine_dies(export, monkeypatch, capsys):
     """A fault no request causes (the device fails in the forward): the engine loop ends, and so does
     the server, with exit code 1, so that its supervisor restarts it."""
-    real = generate.build_engine
+    real = serve.build_engine
 
     def broken_engine(args, max_queue):
         engine = real(args, max_queue=max_queue)
         engine.model.forward = None  # the next step fails
         return engine
 
-    monkeypatch.setattr(generate, "build_engine", broken_engine)
+    monkeypatch.setattr(serve, "build_engine", broken_engine)  # where `scalenlp serve` looks it up
     port = _free_port()
     result = []
     thread = threading.Thread(target=lambda: result.append(main(

@@ -11,8 +11,9 @@ import torch
 from infer_helpers import ServerThread, make_export
 
 from scalenlp.data.tokenizer import find_eos_token_id
+from scalenlp.infer.backend import LocalBackend
 from scalenlp.infer.engine import Engine, load_tokenizer_for
-from scalenlp.infer.server import LocalBackend, create_app
+from scalenlp.infer.server import create_app
 from scalenlp.models.io import load_pretrained
 
 torch.set_num_threads(1)

@@ -17,7 +17,7 @@ COMMANDS = {
     "train": ("scalenlp.train.command", "pre-train a language model (single process or --nproc N)"),
     "generate": ("scalenlp.infer.generate", "generate text from a checkpoint, streaming to the terminal"),
     "chat": ("scalenlp.infer.chat", "talk to a chat model in the terminal (its chat template, streaming answers)"),
-    "serve": ("scalenlp.infer.server", "OpenAI-compatible HTTP server (sharded with --tp, replicas with --replicas)"),
+    "serve": ("scalenlp.infer.serve", "OpenAI-compatible HTTP server (sharded with --tp, replicas with --replicas)"),
     "eval": ("scalenlp.infer.evaluate", "perplexity of a language model over a text file (sliding windows)"),
     "classify": ("scalenlp.infer.encode", "label texts with a classification encoder (label and probabilities)"),
     "embed": ("scalenlp.infer.encode", "sentence embeddings of texts from an encoder (pooled as its folder says)"),

@@ -25,6 +25,7 @@ Ray is an optional extra (``pip install scalenlp[cluster]``).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import random
@@ -34,7 +35,17 @@ import threading
 import time
 from typing import AsyncIterator
 
+import torch
+
 from scalenlp.errors import UserError
+from scalenlp.infer.api import APIError, _request_model, check_request
+from scalenlp.infer.backend import LocalBackend
+from scalenlp.infer.encoder_api import EncoderBackend, EncoderOnly, request_models
+from scalenlp.infer.encoder_api import engine_options as encoder_options
+from scalenlp.infer.encoder_engine import encoder_from_checkpoint, is_encoder
+from scalenlp.infer.generate import build_engine
+from scalenlp.infer.server import create_app
+from scalenlp.models.loader import checkpoint_kind
 
 RETRIES = 5
 APP_NAME = "scalenlp"
@@ -62,8 +73,6 @@ class EngineReplica:
     """One engine (loaded from the checkpoint) serving completion requests handed over by the router."""
 
     def __init__(self, engine_options: dict, model_name: str):
-        import torch
-
         torch.set_num_threads(max(1, int(engine_options.pop("threads", 1))))
         self.backend = self.local_backend(engine_options, model_name)
         self.engine = self.backend.engine
@@ -74,11 +83,6 @@ class EngineReplica:
 
     @staticmethod
     def local_backend(engine_options: dict, model_name: str):
-        import argparse
-
-        from scalenlp.infer.generate import build_engine
-        from scalenlp.infer.server import LocalBackend
-
         engine = build_engine(argparse.Namespace(**engine_options), max_queue=engine_options["max_queue"])
         return LocalBackend(engine, model_name)
 
@@ -94,15 +98,11 @@ class EngineReplica:
             time.sleep(METRICS_PERIOD_S)
 
     def _request(self, body: dict):
-        from scalenlp.infer.server import _request_model, check_request
-
         req = _request_model()(**body)
         check_request(req)
         return req
 
     async def complete(self, body: dict) -> dict:
-        from scalenlp.infer.server import APIError
-
         try:
             out = await self.backend.complete(self._request(body))
         except APIError as e:
@@ -111,8 +111,6 @@ class EngineReplica:
         return out
 
     async def stream(self, body: dict) -> AsyncIterator[dict]:
-        from scalenlp.infer.server import APIError
-
         try:
             async for chunk in self.backend.stream(self._request(body)):
                 chunk["system_fingerprint"] = self.replica_id
@@ -131,8 +129,6 @@ class EngineReplica:
 
 
 def _raise_if_error(out: dict) -> None:
-    from scalenlp.infer.server import APIError
-
     if "__error__" in out:
         status, body = out["__error__"]
         err = body["error"]
@@ -197,8 +193,6 @@ class RayBackend:
         """Run ``attempt()`` until it neither dies with its replica nor finds it full."""
         from ray.exceptions import RayActorError
 
-        from scalenlp.infer.server import APIError
-
         for n in range(RETRIES):
             try:
                 return await attempt()
@@ -234,8 +228,6 @@ class RayBackend:
 
     async def stream(self, req) -> AsyncIterator[dict]:
         from ray.exceptions import RayActorError
-
-        from scalenlp.infer.server import APIError
 
         body, start = self._body(req), time.perf_counter()
         delivered: dict[int, int] = {}  # choice index -> characters the client already has
@@ -283,13 +275,41 @@ class RayBackend:
         return generate_latest(self.registry)
 
 
+class EncoderReplica(EngineReplica):
+    """A Ray Serve replica of an encoder (`scalenlp serve --replicas N` on an encoder checkpoint)."""
+
+    @staticmethod
+    def local_backend(engine_options: dict, model_name: str) -> EncoderBackend:
+        options = dict(engine_options)
+        return EncoderBackend(encoder_from_checkpoint(options.pop("checkpoint"), **options), model_name)
+
+    async def _answer(self, route: str, request_model, body: dict) -> dict:
+        try:
+            return await getattr(self.backend, route)(request_model(**body))
+        except APIError as e:
+            return {"__error__": [e.status, e.body()]}
+
+    async def embeddings(self, body: dict) -> dict:
+        return await self._answer("embeddings", request_models()[0], body)
+
+    async def classify(self, body: dict) -> dict:
+        return await self._answer("classify", request_models()[1], body)
+
+
+class RayEncoderBackend(EncoderOnly, RayBackend):
+    """The router's backend for encoder replicas: requests are forwarded as they came, retried as generation's are."""
+
+    async def embeddings(self, req) -> dict:
+        return await self.call("embeddings", req.model_dump(exclude_none=True))
+
+    async def classify(self, req) -> dict:
+        return await self.call("classify", req.model_dump(exclude_none=True))
+
+
 class Router:
     """The ingress deployment: the FastAPI app of `scalenlp serve`, forwarding to the replicas."""
 
     def __init__(self, replicas, model_name: str, api_key: str | None, encoder: bool = False):
-        from scalenlp.infer.encoder_api import RayEncoderBackend
-        from scalenlp.infer.server import create_app
-
         self.backend = (RayEncoderBackend if encoder else RayBackend)(replicas, model_name)
         self.fastapi_app = create_app(self.backend, api_key)
 
@@ -318,8 +338,6 @@ def build_application(engine_options: dict, model_name: str, api_key: str | None
                       max_replicas: int | None, replica_cpus: float, encoder: bool = False):
     """The Ray Serve application: Router -> EngineReplica (or EncoderReplica) deployment."""
     _, serve = _import_ray()
-    from scalenlp.infer.encoder_api import EncoderReplica
-
     replica_class, batch = ((EncoderReplica, engine_options["batch_texts"]) if encoder else
                             (EngineReplica, engine_options["max_batch"]))
     replica = serve.deployment(replica_class, name=replica_class.__name__, health_check_period_s=2,
@@ -342,14 +360,10 @@ def _init_ray(ray, address: str | None, init_kwargs: dict) -> None:
 
 
 def start(args, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
-    """Start (or join) Ray and deploy. Returns the HTTP address, and whether the Serve instance is
-    ours to shut down when we stop (not when it already ran on a joined cluster)."""
+    """Start (or join) Ray and deploy ``args.model_name`` (which `scalenlp serve` has already defaulted).
+    Returns the HTTP address, and whether the Serve instance is ours to shut down when we stop (not when it
+    already ran on a joined cluster)."""
     ray, serve = _import_ray()
-    from scalenlp.infer.encoder_api import engine_options as encoder_options
-    from scalenlp.infer.encoder_engine import is_encoder
-    from scalenlp.infer.server import default_model_name
-    from scalenlp.models.loader import checkpoint_kind
-
     _, checkpoint = checkpoint_kind(args.checkpoint)  # fail here, not inside a replica
     encoder = is_encoder(checkpoint)
     options = {"checkpoint": str(checkpoint.resolve()), **(encoder_options(args) if encoder else {
@@ -375,7 +389,7 @@ def start(args, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
             print(f"note: the cluster's Ray Serve already listens on {config.host}:{config.port}; --host and --port "
                   "apply only where scalenlp starts Serve", file=sys.stderr, flush=True)
             host, port = config.host, config.port
-    app = build_application(options, args.model_name or default_model_name(args.checkpoint), args.api_key,
+    app = build_application(options, args.model_name, args.api_key,
                             args.replicas, args.max_replicas, args.replica_cpus, encoder)
     serve.run(app, name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}", owns_serve

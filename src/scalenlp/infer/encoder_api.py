@@ -17,8 +17,7 @@ import functools
 from typing import Any, Literal
 
 from scalenlp.errors import UserError
-from scalenlp.infer.cluster import EngineReplica, RayBackend
-from scalenlp.infer.server import APIError, error_responses
+from scalenlp.infer.api import APIError, error_responses
 
 ENCODER_ONLY = "this model is an encoder: use /v1/embeddings or /v1/classify"
 DECODER_ONLY = "this model is a decoder (it generates text): use /v1/completions or /v1/chat/completions"
@@ -198,39 +197,6 @@ def add_encoder_routes(app, backend, check_model) -> None:
     @app.post("/v1/classify", responses=responses)
     async def classify(req: ClassifyRequest):
         return JSONResponse(await served(req, "classify"))
-
-
-class EncoderReplica(EngineReplica):
-    """A Ray Serve replica of an encoder (`scalenlp serve --replicas N` on an encoder checkpoint)."""
-
-    @staticmethod
-    def local_backend(engine_options: dict, model_name: str) -> EncoderBackend:
-        from scalenlp.infer.encoder_engine import encoder_from_checkpoint
-
-        options = dict(engine_options)
-        return EncoderBackend(encoder_from_checkpoint(options.pop("checkpoint"), **options), model_name)
-
-    async def _answer(self, route: str, request_model, body: dict) -> dict:
-        try:
-            return await getattr(self.backend, route)(request_model(**body))
-        except APIError as e:
-            return {"__error__": [e.status, e.body()]}
-
-    async def embeddings(self, body: dict) -> dict:
-        return await self._answer("embeddings", request_models()[0], body)
-
-    async def classify(self, body: dict) -> dict:
-        return await self._answer("classify", request_models()[1], body)
-
-
-class RayEncoderBackend(EncoderOnly, RayBackend):
-    """The router's backend for encoder replicas: requests are forwarded as they came, retried as generation's are."""
-
-    async def embeddings(self, req) -> dict:
-        return await self.call("embeddings", req.model_dump(exclude_none=True))
-
-    async def classify(self, req) -> dict:
-        return await self.call("classify", req.model_dump(exclude_none=True))
 
 
 def build_encoder_backend(args, model_name: str) -> EncoderBackend:

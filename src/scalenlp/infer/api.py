@@ -1,0 +1,245 @@
+"""What the HTTP app and the Ray replicas share: OpenAI's request schemas and their checks, the errors in
+OpenAI's shape, and the response objects (completions, and chat completions reshaped from them).
+
+pydantic is imported where the schemas are first built, so that `scalenlp --help` (which imports the serve
+command and so this module) stays light.
+"""
+
+import dataclasses
+import functools
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+MAX_N = 64
+MAX_TEMPERATURE = 2.0  # as the OpenAI API
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@functools.cache
+def _sampling_request():
+    """What completion and chat requests share; the schemas are built on first use so that `scalenlp --help`
+    does not import pydantic."""
+    from pydantic import BaseModel, ConfigDict
+
+    class SamplingRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        model: str
+        temperature: float = 1.0
+        top_p: float = 1.0
+        n: int = 1
+        stream: bool = False
+        stream_options: dict[str, Any] | None = None
+        stop: str | list[str] | None = None
+        seed: int | None = None
+        presence_penalty: float = 0.0
+        frequency_penalty: float = 0.0
+        logit_bias: dict[str, float] | None = None
+        user: str | None = None
+        # Extensions, as in vLLM:
+        top_k: int = 0
+        ignore_eos: bool = False
+
+    return SamplingRequest
+
+
+@functools.cache
+def _request_model():
+    """OpenAI's (legacy) completion request."""
+
+    class CompletionRequest(_sampling_request()):
+        prompt: str | list[str] | list[int] | list[list[int]]
+        max_tokens: int | None = 16
+        logprobs: int | None = None
+        echo: bool = False
+        best_of: int | None = None
+        suffix: str | None = None
+
+    return CompletionRequest
+
+
+@functools.cache
+def _chat_request_model():
+    """OpenAI's chat request; messages are checked by the chat renderer, which names what is wrong."""
+
+    class ChatRequest(_sampling_request()):
+        messages: list[Any]
+        max_tokens: int | None = None  # the older name of max_completion_tokens
+        max_completion_tokens: int | None = None
+        logprobs: bool = False
+        top_logprobs: int | None = None
+
+    return ChatRequest
+
+
+def sampling_params(req):
+    """The sampling settings of a request, from the fields every generation route shares."""
+    from scalenlp.infer.sampling import SamplingParams
+
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                          seed=req.seed, stop=stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos)
+
+
+def check_sampling(params, n: int) -> None:
+    """The ranges of a SamplingParams and of n, as 400s naming the field; for every generation route,
+    before any work is done, so that no value reaches the engine that it cannot sample with."""
+    from scalenlp.infer.sampling import INT64_MAX, InvalidParam
+
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n must be between 1 and {MAX_N}, got {n}", param="n")
+    try:
+        params.check()
+    except InvalidParam as e:
+        raise APIError(400, str(e), param=e.param) from None
+    if params.temperature > MAX_TEMPERATURE:
+        raise APIError(400, f"temperature must be between 0 and {MAX_TEMPERATURE}, got {params.temperature}",
+                       param="temperature")
+    if params.seed is not None and params.seed + n - 1 > INT64_MAX:
+        raise APIError(400, f"choice i samples with seed + i, so seed + n - 1 must be at most {INT64_MAX}; "
+                       f"got seed {params.seed} with n {n}", param="seed")
+
+
+def choice_params(params, index: int):
+    """Choice ``index`` of a request: n choices from one seed must differ from each other, and still reproduce."""
+    return params if params.seed is None else dataclasses.replace(params, seed=params.seed + index)
+
+
+def check_request(req) -> None:
+    """What pydantic's types do not say: ranges, and the parts of the API this server does not implement."""
+    check_sampling(sampling_params(req), req.n)
+    if req.best_of not in (None, req.n):
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    if req.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.presence_penalty or req.frequency_penalty:
+        raise APIError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
+    if isinstance(req.prompt, list) and not req.prompt:
+        raise APIError(400, "prompt must not be an empty list", param="prompt")
+
+
+def prompts_of(req) -> list[str | list[int]]:
+    """The request's prompts, each text or token ids."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]
+    return list(p)
+
+
+def new_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_object(model: str, choices: list[dict], usage_: dict | None, cid: str | None = None,
+                      created: int | None = None) -> dict:
+    return {"id": cid or new_id(), "object": "text_completion", "created": created or int(time.time()),
+            "model": model, "choices": choices, "usage": usage_}
+
+
+# ---- chat completions: a conversation is rendered by the model's chat template into a prompt of token ids,
+# completed as any prompt is, and the completion objects are reshaped into chat objects. ----
+
+def completion_for_chat(req, backend):
+    """The completion request that answers the chat request ``req``. Runs in a worker thread: rendering and
+    tokenizing a long conversation takes time the event loop does not have."""
+    from scalenlp.data.chat import ChatError
+
+    if req.logprobs or req.top_logprobs is not None:
+        raise APIError(400, "logprobs are not supported for chat completions", param="logprobs")
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise APIError(400, "max_tokens and max_completion_tokens are the same setting; send only one",
+                       param="max_tokens")
+    chat_prompt = getattr(backend, "chat_prompt", None)
+    if chat_prompt is None:
+        raise APIError(501, "chat completions are not served with --replicas yet; use /v1/completions",
+                       type="server_error")
+    try:
+        ids = chat_prompt(req.messages)
+    except ChatError as e:
+        raise APIError(400, str(e), param="messages") from None
+    fields = req.model_dump(exclude={"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+    # None: to the end of the context, as OpenAI's chat API (a server's --max-tokens-cap still applies).
+    fields["max_tokens"] = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    completion = _request_model()(**fields, prompt=ids)
+    check_request(completion)
+    return completion
+
+
+def _on_messages(e: APIError) -> APIError:
+    """A prompt error of the completion behind a chat request is an error in the request's messages."""
+    if e.param == "prompt":
+        e.param = "messages"
+    return e
+
+
+def chat_object(completion: dict, message_key: str, messages: list[dict]) -> dict:
+    """A completion object (or chunk) as a chat completion (or chunk) whose choices carry ``messages``."""
+    choices = [{"index": c["index"], message_key: m, "logprobs": None, "finish_reason": c["finish_reason"]}
+               for c, m in zip(completion["choices"], messages)]
+    return {"id": "chat" + completion["id"], "created": completion["created"], "model": completion["model"],
+            "object": "chat.completion" if message_key == "message" else "chat.completion.chunk",
+            "choices": choices, "usage": completion["usage"]}
+
+
+async def complete_chat(backend, req) -> dict:
+    try:
+        out = await backend.complete(req)
+    except APIError as e:
+        raise _on_messages(e) from None
+    return chat_object(out, "message", [{"role": "assistant", "content": c["text"]} for c in out["choices"]])
+
+
+async def stream_chat(backend, req) -> AsyncIterator[dict]:
+    """chat.completion.chunk objects: each choice's first delta carries the assistant role, its last the
+    finish reason (with an empty delta when no text came with it)."""
+    started: set[int] = set()
+    try:
+        async for chunk in backend.stream(req):
+            deltas = []
+            for c in chunk["choices"]:
+                delta = {"content": c["text"]} if c["text"] or c["index"] not in started else {}
+                if c["index"] not in started:
+                    started.add(c["index"])
+                    delta = {"role": "assistant", **delta}
+                deltas.append(delta)
+            yield chat_object(chunk, "delta", deltas)
+    except APIError as e:
+        raise _on_messages(e) from None
+
+
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+ERRORS = {400: "invalid request", 401: "missing or wrong API key", 404: "no such model or route",
+          405: "method not allowed", 413: "request body too large", 429: "queue full; retry later",
+          500: "generating a choice failed", 501: "not served in this configuration", 503: "the engine stopped"}
+
+
+def error_responses(*statuses: int) -> dict:
+    """OpenAPI ``responses`` entries for errors answered in OpenAI's shape."""
+    return {s: {"description": ERRORS[s], "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+            for s in statuses}
