@@ -8,6 +8,7 @@ The Python API (the CLI is a thin layer over it)::
     with scalenlp.LLM("runs/python") as llm:                                # serve's defaults
         print(llm.generate("Return the", scalenlp.SamplingParams(max_tokens=20, temperature=0)))
     model, pretrained = scalenlp.load("model.gguf")                         # any checkpoint kind
+    scalenlp.plan("llama-8b", seq=8192, global_batch=256, devices=64).layouts  # fastest layouts that fit
 
 Names are imported on first use, so ``import scalenlp`` (and ``scalenlp --help``) stays light.
 """
@@ -24,6 +25,7 @@ _EXPORTS = {
     "Trainer": "scalenlp.train.trainer", "train": "scalenlp.train.trainer",
     "load": "scalenlp.models.loader", "read": "scalenlp.models.loader", "Pretrained": "scalenlp.models.pretrained",
     "Engine": "scalenlp.infer.engine", "SamplingParams": "scalenlp.infer.sampling", "LLM": "scalenlp.infer.llm",
+    "plan": "scalenlp.plan.command", "Plan": "scalenlp.plan.command",
 }
 __all__ = ["__version__", *_EXPORTS]
 

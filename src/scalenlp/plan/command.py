@@ -11,6 +11,9 @@ import argparse
 import json
 import shlex
 import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
 
 from scalenlp.errors import UserError
 
@@ -154,75 +157,106 @@ def _describe(p, device, rank: int | None) -> list[str]:
     ]
 
 
-def run(args: argparse.Namespace) -> int:
-    from scalenlp.plan.cost import Workload, check_layout, fits, model_shape, predict
+@dataclass
+class Plan:
+    """What `scalenlp plan` answers: the layouts that fit, fastest first (or the one asked for)."""
+
+    header: dict  # the question: model, parameters, device, devices, seq, batch, precision, states
+    device: Any  # the DeviceSpec priced (measured, with --device cpu)
+    layouts: list  # Predictions, each with its `scalenlp train` line where the model is a flavor
+    feasible: int = 0  # layouts that fit (a search lists the first ``top``)
+    rejected: Counter = field(default_factory=Counter)  # why the others did not
+    smallest_device_count: int | None = None  # when nothing fits: the fewest devices on which something does
+
+    def to_dict(self) -> dict:
+        return {**self.header, "layouts": [p.to_dict() for p in self.layouts], "feasible": self.feasible,
+                "rejected": dict(self.rejected), "smallest_device_count_that_fits": self.smallest_device_count}
+
+
+def plan(model: str, seq: int, global_batch: int, devices: int, device: str = "h100-sxm", *,
+         layout: str | None = None, gpus_per_node: int | None = None, device_spec: str = "",
+         precision: str | None = None, states: str = "fp32", top: int = 10) -> Plan:
+    """Which layouts of ``model`` fit ``devices`` accelerators, and how fast each trains (see add_arguments
+    for the meaning of each option). With ``layout`` ("tp=2,pp=4,..."), that one layout's prediction; a
+    layout that cannot work or does not fit is a UserError naming why."""
     from scalenlp.hardware import get_device, parse_overrides
+    from scalenlp.plan.cost import Workload, check_layout, fits, model_shape, predict
     from scalenlp.plan.search import MAX_DEVICES, search, smallest_device_count
 
-    for name in ("seq", "global_batch", "devices", "top"):
-        if getattr(args, name) < 1:
+    for name, value in (("seq", seq), ("global_batch", global_batch), ("devices", devices), ("top", top)):
+        if value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.devices > MAX_DEVICES:
-        raise UserError(f"--devices {args.devices:,} is more than the {MAX_DEVICES:,} devices plan searches; "
+    if devices > MAX_DEVICES:
+        raise UserError(f"--devices {devices:,} is more than the {MAX_DEVICES:,} devices plan searches; "
                         "plan a part of the cluster (a layout's cost per device does not depend on the rest)")
-    overrides = parse_overrides(args.device_spec)
-    if args.device == "cpu":
-        from scalenlp.plan.measure import measure_cpu
+    overrides = parse_overrides(device_spec)
+    if device == "cpu":
+        from scalenlp.plan.measure import measure_cpu  # runs training steps: only when asked for
 
-        gpus_per_node = args.gpus_per_node or args.devices
-        device = measure_cpu(processes=gpus_per_node, overrides=overrides)
+        gpus_per_node = gpus_per_node or devices
+        spec = measure_cpu(processes=gpus_per_node, overrides=overrides)
     else:
-        gpus_per_node = args.gpus_per_node or 8
-        device = get_device(args.device, overrides)
-    if args.devices > gpus_per_node and args.devices % gpus_per_node:
-        raise UserError(f"--devices {args.devices} is not a whole number of nodes of {gpus_per_node}; "
+        gpus_per_node = gpus_per_node or 8
+        spec = get_device(device, overrides)
+    if devices > gpus_per_node and devices % gpus_per_node:
+        raise UserError(f"--devices {devices} is not a whole number of nodes of {gpus_per_node}; "
                         "use a multiple of --gpus-per-node")
-    precision = args.precision or ("fp32" if args.device == "cpu" else "bf16")
-    shape = model_shape(args.model, args.seq)
-    work = Workload(seq=args.seq, global_batch=args.global_batch, precision=precision, states=args.states)
-    header = dict(model=args.model, parameters=shape.total_params, device=device.name, devices=args.devices,
-                  gpus_per_node=gpus_per_node, seq=args.seq, global_batch=args.global_batch, precision=precision,
-                  states=args.states)
+    precision = precision or ("fp32" if device == "cpu" else "bf16")
+    shape = model_shape(model, seq)
+    work = Workload(seq=seq, global_batch=global_batch, precision=precision, states=states)
+    header = dict(model=model, parameters=shape.total_params, device=spec.name, devices=devices,
+                  gpus_per_node=gpus_per_node, seq=seq, global_batch=global_batch, precision=precision,
+                  states=states)
 
-    if args.layout:
-        layout = parse_layout(args.layout, args.devices, args.global_batch)
-        problems = check_layout(shape, work, layout, args.devices, gpus_per_node)
+    def with_command(p):
+        p.train_command = train_command(shape, work, p.layout, devices, gpus_per_node) if shape.flavor else None
+        return p
+
+    if layout:
+        chosen = parse_layout(layout, devices, global_batch)
+        problems = check_layout(shape, work, chosen, devices, gpus_per_node)
         if problems:
-            raise UserError(f"layout {layout.describe()} cannot work: {'; '.join(m for _, m in problems)}")
-        p = predict(shape, work, layout, device, gpus_per_node)
-        if not fits(p, device):
+            raise UserError(f"layout {chosen.describe()} cannot work: {'; '.join(m for _, m in problems)}")
+        p = predict(shape, work, chosen, spec, gpus_per_node)
+        if not fits(p, spec):
             parts = ", ".join(f"{k} {_gib(v)}" for k, v in p.memory.items())
-            raise UserError(f"layout {layout.describe()} does not fit: it needs {_gib(p.memory_per_device_bytes)} GiB "
-                            f"per device ({parts}) and a {device.name} has {_gib(device.memory_bytes)} GiB; "
+            raise UserError(f"layout {chosen.describe()} does not fit: it needs {_gib(p.memory_per_device_bytes)} GiB "
+                            f"per device ({parts}) and a {spec.name} has {_gib(spec.memory_bytes)} GiB; "
                             "raise zero, recompute, tp or pp, or lower the microbatch")
-        p.train_command = train_command(shape, work, layout, args.devices, gpus_per_node) if shape.flavor else None
-        if args.json:
-            print(json.dumps({**header, **p.to_dict()}, indent=2))
-        else:
-            print(f"{args.model} ({shape.total_params / 1e6:,.1f}M parameters) on {args.devices} x {device.name}")
-            print("\n".join(_describe(p, device, None)))
-        return 0
+        return Plan(header, spec, [with_command(p)], feasible=1)
+    result = search(shape, work, spec, devices, gpus_per_node)
+    smallest = None if result.ranked else smallest_device_count(shape, work, spec, devices, gpus_per_node)
+    return Plan(header, spec, [with_command(p) for p in result.ranked[:top]], len(result.ranked), result.rejected,
+                smallest)
 
-    result = search(shape, work, device, args.devices, gpus_per_node)
-    for p in result.ranked[: args.top]:
-        p.train_command = train_command(shape, work, p.layout, args.devices, gpus_per_node) if shape.flavor else None
-    smallest = None
-    if not result.ranked:
-        smallest = smallest_device_count(shape, work, device, args.devices, gpus_per_node)
+
+def run(args: argparse.Namespace) -> int:
+    from scalenlp.plan.search import MAX_DEVICES
+
+    result = plan(args.model, args.seq, args.global_batch, args.devices, args.device, layout=args.layout,
+                  gpus_per_node=args.gpus_per_node, device_spec=args.device_spec, precision=args.precision,
+                  states=args.states, top=args.top)
+    title = f"{args.model} ({result.header['parameters'] / 1e6:,.1f}M parameters) on {args.devices} x {result.device.name}"
+    if args.layout:
+        if args.json:
+            print(json.dumps({**result.header, **result.layouts[0].to_dict()}, indent=2))
+        else:
+            print(title)
+            print("\n".join(_describe(result.layouts[0], result.device, None)))
+        return 0
     if args.json:
-        print(json.dumps({**header, "layouts": [p.to_dict() for p in result.ranked[: args.top]],
-                          "feasible": len(result.ranked), "rejected": dict(result.rejected),
-                          "smallest_device_count_that_fits": smallest}, indent=2))
-        return 0 if result.ranked else 1
-    print(f"{args.model} ({shape.total_params / 1e6:,.1f}M parameters) on {args.devices} x {device.name}, "
-          f"seq {args.seq}, global batch {args.global_batch}, {precision}: "
-          f"{len(result.ranked)} layouts fit, {sum(result.rejected.values())} rejected")
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0 if result.layouts else 1
+    h = result.header
+    print(f"{title}, seq {h['seq']}, global batch {h['global_batch']}, {h['precision']}: "
+          f"{result.feasible} layouts fit, {sum(result.rejected.values())} rejected")
     for reason, count in result.rejected.most_common():
         print(f"  rejected {count}: {reason}")
-    for rank, p in enumerate(result.ranked[: args.top], 1):
+    for rank, p in enumerate(result.layouts, 1):
         print()
-        print("\n".join(_describe(p, device, rank)))
-    if not result.ranked:
+        print("\n".join(_describe(p, result.device, rank)))
+    if not result.layouts:
+        smallest = result.smallest_device_count
         if smallest:
             print(f"\nnothing fits on {args.devices} devices; the smallest device count that fits is {smallest} "
                   f"(scalenlp plan ... --devices {smallest})", file=sys.stderr)
