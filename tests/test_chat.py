@@ -19,7 +19,8 @@ from tokenizers import Tokenizer
 from scalenlp.data.chat import (ChatError, chat_template, encode_chat, end_of_turn_ids, render_chat,
                                 render_with_assistant_mask)
 from scalenlp.infer.backend import LocalBackend
-from scalenlp.infer.engine import Engine, load_tokenizer_for
+from scalenlp.data.tokenizer import load_tokenizer
+from scalenlp.infer.engine import Engine
 from scalenlp.infer.generate import build_engine
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.server import create_app
@@ -287,7 +288,7 @@ def test_openai_client_raises_on_bad_messages(client):
 
 def test_model_without_template_is_a_400(tmp_path):
     export = make_export(tmp_path)
-    engine = Engine(load_pretrained(export), load_tokenizer_for(export), max_batch=1).start()
+    engine = Engine(load_pretrained(export), load_tokenizer(export), max_batch=1).start()
     server = ServerThread(create_app(LocalBackend(engine, "tiny")))
     try:
         r = httpx.post(server.url + "/v1/chat/completions",

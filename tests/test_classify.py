@@ -61,6 +61,7 @@ def test_two_processes_take_the_steps_of_one(tmp_path, layout):
 
 
 @needs_sst2
+@pytest.mark.slow  # two minutes of fine-tuning: `make test` runs it, `make test-fast` does not
 def test_fine_tuning_minilm_on_sst2_clears_an_accuracy_floor(tmp_path):
     train = sst2_head(tmp_path / "train.tsv", "train.tsv", 1600)
     dev = SST2 / "dev.tsv"

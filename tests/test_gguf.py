@@ -51,6 +51,7 @@ def own(tmp_path_factory):
     return tokenizer, write_gguf(Transformer(args), tokenizer, {}, path, "q8_0"), args
 
 
+@pytest.mark.slow  # transformers or the writer on the real 135M model: minutes on a 2-core CPU
 def test_logits_equal_transformers(smol):
     from transformers import AutoModelForCausalLM  # heavy; only this test compares against it
 
@@ -63,6 +64,7 @@ def test_logits_equal_transformers(smol):
             torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # transformers or the writer on the real 135M model: minutes on a 2-core CPU
 def test_tokenizer_equals_transformers(smol):
     from transformers import AutoTokenizer
 
@@ -91,6 +93,7 @@ def test_f32_tensors_are_views_on_the_file(smol):
     assert not any(pre.state["tok_embeddings.weight"].data_ptr() in r for r in mapped)  # Q8_0, dequantized
 
 
+@pytest.mark.slow  # transformers or the writer on the real 135M model: minutes on a 2-core CPU
 @pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
 def test_write_and_read_back(smol, written, dtype):
     pre, model = smol

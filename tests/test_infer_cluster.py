@@ -13,10 +13,10 @@ import pytest
 import torch
 from infer_helpers import make_export
 
-from scalenlp.data.tokenizer import find_eos_token_id
+from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.errors import UserError
 from scalenlp.infer.cluster import LOCAL_RAY_ENV, METRICS_PERIOD_S
-from scalenlp.infer.engine import Engine, load_tokenizer_for
+from scalenlp.infer.engine import Engine
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained
@@ -46,7 +46,7 @@ def cluster(tmp_path_factory):
 
 
 def expected_texts(export, max_tokens):
-    tok = load_tokenizer_for(export)
+    tok = load_tokenizer(export)
     engine = Engine(load_pretrained(export), tok, max_batch=4, eos_id=find_eos_token_id(tok)).start()
     try:
         return engine.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))

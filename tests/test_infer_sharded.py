@@ -9,8 +9,8 @@ import pytest
 import torch
 from infer_helpers import make_export, wait_healthy
 
-from scalenlp.data.tokenizer import find_eos_token_id
-from scalenlp.infer.engine import Engine, load_tokenizer_for
+from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
+from scalenlp.infer.engine import Engine
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained
@@ -22,7 +22,7 @@ PROMPTS = ["the quick brown fox", "hello", "continuous batching lets requests jo
 @pytest.mark.parametrize("flavor", ["debug", "debug-gpt2"])
 def test_tp2_greedy_identical_to_tp1(tmp_path, flavor):
     export = make_export(tmp_path, flavor)
-    tok = load_tokenizer_for(export)
+    tok = load_tokenizer(export)
     engine = Engine(load_pretrained(export), tok, max_batch=4, eos_id=find_eos_token_id(tok)).start()
     try:
         expected = engine.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))

@@ -430,15 +430,3 @@ def check_text(text: str, what: str) -> None:
     except UnicodeEncodeError as e:
         raise RequestError(f"{what} is not valid Unicode text (a lone surrogate at character {e.start}); "
                            "send UTF-8 text") from None
-
-
-def load_tokenizer_for(export_dir):
-    from scalenlp.data.tokenizer import load_tokenizer
-    from scalenlp.errors import UserError
-    from scalenlp.models.io import TOKENIZER
-
-    file = export_dir / TOKENIZER
-    if not file.is_file():
-        raise UserError(f"{export_dir} has no {TOKENIZER}; export the model together with its tokenizer")
-    return load_tokenizer(file)
-

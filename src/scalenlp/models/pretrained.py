@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from scalenlp.data.chat import special_token
 from scalenlp.data.tokenizer import TOKENIZER_CONFIG
 from scalenlp.errors import UserError
 
@@ -26,10 +27,8 @@ class Pretrained:
 
     def token_id(self, key: str) -> int | None:
         """The id of a special token named in the tokenizer config (``bos_token``, ``eos_token``)."""
-        token = self.tokenizer_config.get(key)
-        if isinstance(token, dict):  # written as an AddedToken: {"content": "...", ...}
-            token = token.get("content")
-        return self.tokenizer.token_to_id(token) if isinstance(token, str) else None
+        token = special_token(self.tokenizer_config, key)
+        return self.tokenizer.token_to_id(token) if token is not None else None
 
 
 def read_tokenizer_config(folder: Path) -> dict:
