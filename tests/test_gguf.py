@@ -13,7 +13,7 @@ from scalenlp.data.tokenizer import EOS, train_bpe
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.gguf import read_gguf, write_gguf
-from scalenlp.models.loader import instantiate
+from scalenlp.models.loader import instantiate, load
 from scalenlp.models.packaged import packaged_model
 
 torch.set_num_threads(1)
@@ -257,3 +257,19 @@ def test_write_refuses_what_gguf_cannot_express(smol, tmp_path):
     with pytest.raises(UserError, match="choose one of f32, f16, q8_0"):
         write_gguf(llama, pre.tokenizer, pre.tokenizer_config, tmp_path / "q4.gguf", "q4_0")
     assert not list(tmp_path.iterdir())
+
+
+def test_export_command_writes_a_gguf_that_reads_back(tmp_path):
+    """`scalenlp export --format gguf` from a run's export folder: the same logits after reading it back."""
+    from infer_helpers import make_export
+
+    from scalenlp.cli import main
+
+    export = make_export(tmp_path / "run", "debug")
+    assert main(["export", "--checkpoint", str(export), "--format", "gguf", "--type", "f32",
+                 "--out", str(tmp_path / "m.gguf")]) == 0
+    ours, theirs = load(export)[0], load(tmp_path / "m.gguf")[0]
+    tokens = torch.randint(0, ours.args.vocab_size, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens), ours(tokens), atol=1e-5, rtol=1e-5)
+    assert main(["export", "--checkpoint", str(export), "--format", "gguf", "--out", str(tmp_path / "m.bin")]) == 2

@@ -50,12 +50,12 @@ def run(args) -> int:
         raise UserError(f"--out {out} already exists; choose a new path (nothing is overwritten)")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: its folder {out.parent} does not exist")
+    if args.format == "gguf" and out.suffix != ".gguf":
+        raise UserError(f"--out {out} must end in .gguf for --format gguf")
     model, pre = load(args.checkpoint)
     if args.format == "gguf":
         from scalenlp.models.gguf import write_gguf
 
-        if out.suffix != ".gguf":
-            raise UserError(f"--out {out} must end in .gguf for --format gguf")
         write_gguf(model, pre.tokenizer, pre.tokenizer_config, out, dtype=args.type)
     else:
         write_hf_folder(model, pre, out)
