@@ -45,8 +45,9 @@ def classify_sets(init: Path, train: Path, dev: Path | None, *extra: str) -> lis
 
 @needs_sst2
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["parallel.data_parallel=ddp"], ["parallel.data_parallel=zero3"],
-                                    ["parallel.tp=2"]], ids=["ddp", "zero3", "tp"])
+@pytest.mark.parametrize("layout", [["parallel.data_parallel=ddp"], ["parallel.data_parallel=zero1"],
+                                    ["parallel.data_parallel=zero2"], ["parallel.data_parallel=zero3"],
+                                    ["parallel.tp=2"]], ids=["ddp", "zero1", "zero2", "zero3", "tp"])
 def test_two_processes_take_the_steps_of_one(tmp_path, layout):
     init = tiny_encoder(tmp_path / "tiny")
     train = sst2_head(tmp_path / "train.tsv", "train.tsv", 256)
