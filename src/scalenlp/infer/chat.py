@@ -34,8 +34,12 @@ def read_lines(interactive: bool):
             line = input("> ") if interactive else sys.stdin.readline()
         except EOFError:
             return
-        if not interactive and not line:
-            return
+        if not interactive:
+            if not line:
+                return
+            # Piped in: show the question on stderr, so that a terminal reads a conversation while stdout
+            # stays a transcript of the answers alone.
+            print(f"> {line.rstrip()}", file=sys.stderr, flush=True)
         yield line.rstrip("\n")
 
 
