@@ -7,8 +7,8 @@ import pytest
 import torch
 from infer_helpers import make_export
 
-from scalenlp.data.tokenizer import find_eos_token_id
-from scalenlp.infer.engine import Engine, QueueFull, RequestError, load_tokenizer_for
+from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
+from scalenlp.infer.engine import Engine, QueueFull, RequestError
 from scalenlp.infer.packing import pack_linears
 from scalenlp.infer.sampling import SamplingBatch, SamplingParams, sample, uniform_from
 from scalenlp.models.io import load_pretrained
@@ -23,7 +23,7 @@ def export(request, tmp_path_factory):
 
 
 def start_engine(export, dtype=torch.float32, **kw):
-    tok = load_tokenizer_for(export)
+    tok = load_tokenizer(export)
     return Engine(load_pretrained(export, dtype=dtype), tok, eos_id=find_eos_token_id(tok), **kw).start()
 
 
@@ -197,7 +197,7 @@ def test_fused_and_packed_projections_compute_the_same_logits(tmp_path, flavor):
 @pytest.mark.parametrize("flavor", ["debug-gpt2", "debug"])  # biases; grouped-query attention (q/k/v fused unequal)
 def test_packed_bf16_weights_match_plain_bf16(tmp_path, flavor):
     export = make_export(tmp_path, flavor)
-    tok = load_tokenizer_for(export)
+    tok = load_tokenizer(export)
     plain = load_pretrained(export, dtype=torch.bfloat16)
     engine = Engine(load_pretrained(export, dtype=torch.bfloat16), tok, max_batch=2).start()
     try:

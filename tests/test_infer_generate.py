@@ -9,8 +9,8 @@ import torch
 from infer_helpers import make_export
 
 from scalenlp.cli import main
-from scalenlp.data.tokenizer import find_eos_token_id
-from scalenlp.infer.engine import Engine, load_tokenizer_for
+from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
+from scalenlp.infer.engine import Engine
 from scalenlp.infer.generate import build_engine
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.models.io import load_pretrained, save_pretrained
@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 
 def test_generate_streams_the_greedy_text(tmp_path, capsys):
     export = make_export(tmp_path)
-    tok = load_tokenizer_for(export)
+    tok = load_tokenizer(export)
     engine = Engine(load_pretrained(export), tok, eos_id=find_eos_token_id(tok)).start()
     expected = engine.generate(["the quick"], SamplingParams(max_tokens=8, temperature=0))[0]
     engine.stop()
@@ -47,7 +47,7 @@ def test_generate_user_errors(tmp_path, capsys):
 ])
 def test_generation_ends_at_the_tokenizers_end_of_text(tmp_path, special, config, stops):
     export = make_export(tmp_path, special=special)
-    tok = load_tokenizer_for(export)
+    tok = load_tokenizer(export)
     special_id = tok.token_to_id(special)
     prompt = tok.encode("the quick").ids
     model = load_pretrained(export)

@@ -17,11 +17,11 @@ import torch
 from infer_helpers import ServerThread, make_export
 
 from scalenlp.cli import main
-from scalenlp.data.tokenizer import find_eos_token_id
+from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.errors import UserError
 from scalenlp.infer import serve
 from scalenlp.infer.backend import LocalBackend
-from scalenlp.infer.engine import Engine, load_tokenizer_for
+from scalenlp.infer.engine import Engine
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.serve import API_KEY_ENV, api_key_of
 from scalenlp.infer.server import create_app
@@ -42,7 +42,7 @@ def export(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(export):
-    tok = load_tokenizer_for(export)
+    tok = load_tokenizer(export)
     engine = Engine(load_pretrained(export), tok, max_batch=2, max_queue=MAX_QUEUE,
                     eos_id=find_eos_token_id(tok)).start()
     backend = LocalBackend(engine, "tiny", max_tokens_cap=MAX_TOKENS_CAP)
@@ -122,7 +122,7 @@ def _drain(events) -> list:
 def test_a_failing_request_fails_alone(export, caplog):
     """A value no check foresaw (here planted after submission), and a callback that raises (a client
     gone): each ends its own request with "error"; the request sharing the batch finishes normally."""
-    tok = load_tokenizer_for(export)
+    tok = load_tokenizer(export)
     engine = Engine(load_pretrained(export), tok, max_batch=3).start()
     try:
         ids = tok.encode("the quick").ids

@@ -10,9 +10,9 @@ import pytest
 import torch
 from infer_helpers import ServerThread, make_export
 
-from scalenlp.data.tokenizer import find_eos_token_id
+from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.infer.backend import LocalBackend
-from scalenlp.infer.engine import Engine, load_tokenizer_for
+from scalenlp.infer.engine import Engine
 from scalenlp.infer.server import create_app
 from scalenlp.models.io import load_pretrained
 
@@ -23,7 +23,7 @@ KEY = "sk-test"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     export = make_export(tmp_path_factory.mktemp("srv"))
-    tok = load_tokenizer_for(export)
+    tok = load_tokenizer(export)
     engine = Engine(load_pretrained(export), tok, max_batch=2, max_queue=4, eos_id=find_eos_token_id(tok)).start()
     server = ServerThread(create_app(LocalBackend(engine, "tiny"), api_key=KEY))
     yield server, engine
@@ -199,7 +199,7 @@ def test_client_disconnect_frees_slot(served, monkeypatch):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine dies on purpose
 def test_health_503_when_engine_dead(tmp_path):
     export = make_export(tmp_path)
-    tok = load_tokenizer_for(export)
+    tok = load_tokenizer(export)
     engine = Engine(load_pretrained(export), tok, max_batch=1).start()
     server = ServerThread(create_app(LocalBackend(engine, "tiny", health_timeout=2)))
     try:
@@ -215,7 +215,7 @@ def test_health_503_when_engine_dead(tmp_path):
 
 def test_health_503_when_engine_stuck(tmp_path, monkeypatch):
     export = make_export(tmp_path)
-    engine = Engine(load_pretrained(export), load_tokenizer_for(export), max_batch=1).start()
+    engine = Engine(load_pretrained(export), load_tokenizer(export), max_batch=1).start()
     server = ServerThread(create_app(LocalBackend(engine, "tiny", health_timeout=1)))
     release = threading.Event()
     real = engine._decode
