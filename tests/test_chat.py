@@ -300,6 +300,7 @@ def test_model_without_template_is_a_400(tmp_path):
 
 
 
+@pytest.mark.slow  # a multi-process run: `make test` runs it, `make test-fast` leaves it out
 def test_chat_on_a_tensor_parallel_hf_model(tmp_path):
     """`serve --tp 2` reads a Hugging Face folder on every rank and answers chat as one process does."""
     folder = make_hf_chat_model(tmp_path)

@@ -32,6 +32,7 @@ def test_pipeline_and_2d_layouts_train_like_one_process(tmp_path, corpus):
         assert len(evals) == 2, name
 
 
+@pytest.mark.slow  # a multi-process run: `make test` runs it, `make test-fast` leaves it out
 def test_tensor_parallel_gpt2_family_trains_like_one_process(tmp_path, corpus):
     # GPT-2 options leave some parameters plain tensors under TP (the learned position table,
     # LayerNorms): the optimizer must keep them apart from the DTensors.

@@ -25,6 +25,7 @@ def losses(run_dir):
     return [r["loss"] for r in read_metrics(run_dir)]
 
 
+@pytest.mark.slow  # a multi-process run: `make test` runs it, `make test-fast` leaves it out
 def test_same_seed_same_losses_bit_for_bit(tmp_path, corpus):
     sets = [*TINY, f"data.path={corpus}", "training.steps=5"]
     run_train(tmp_path / "a", *sets)
@@ -73,6 +74,7 @@ def test_ddp_two_processes_match_single_process(tmp_path, corpus):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
 
 
+@pytest.mark.slow  # a multi-process run: `make test` runs it, `make test-fast` leaves it out
 def test_plain_torchrun_launch_is_the_same_job(tmp_path, corpus):
     sets = [*TINY, f"data.path={corpus}", "training.steps=3", "checkpoint.export=false"]
     run_train(tmp_path / "ours", *sets, nproc=2)
@@ -127,6 +129,7 @@ def test_empty_data_folder_is_reported(tmp_path):
     assert proc.returncode == 2 and error_lines(proc.stderr) and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # a multi-process run: `make test` runs it, `make test-fast` leaves it out
 def test_checkpoints_are_never_overwritten_and_bad_ones_refused(tmp_path, corpus):
     sets = [*TINY, f"data.path={corpus}", "training.steps=2", "checkpoint.every=2"]
     run = tmp_path / "run"
@@ -147,6 +150,7 @@ def test_checkpoints_are_never_overwritten_and_bad_ones_refused(tmp_path, corpus
     assert "Traceback" not in corrupt.stderr
 
 
+@pytest.mark.slow  # a multi-process run: `make test` runs it, `make test-fast` leaves it out
 def test_a_crashed_rank_does_not_leave_the_others_hanging(tmp_path, corpus):
     cmd = [sys.executable, "-m", "scalenlp", "train", "--nproc", "2", "--run-dir", str(tmp_path / "run")]
     for s in [*TINY, f"data.path={corpus}", "training.steps=100000", "training.timeout_s=60"]:

@@ -201,7 +201,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpu
 
 # -- SIGTERM -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: multi-process, `make test`
 def test_sigterm_saves_at_the_next_step_and_exits_0(tmp_path, corpus, nproc):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "scalenlp", "train", "--nproc", str(nproc), "--run-dir", str(run)]
