@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 import unicodedata
 from dataclasses import dataclass, field
@@ -124,6 +125,21 @@ class ParallelConfig:
 
 
 @dataclass
+class MonitorConfig:
+    metrics_port: int = opt(0, "serve every rank's CPU, memory, GPU and training figures in Prometheus' format on "
+                               "this port of each machine while training (local rank 0 serves its machine's "
+                               "ranks, labelled rank=N); 0 serves nothing. --metrics-port sets it")
+    interval_s: float = opt(5.0, "seconds between the resource samples served on monitor.metrics_port")
+
+
+@dataclass
+class ProfileConfig:
+    steps: str = opt("", "training steps to trace with the PyTorch profiler, FIRST-LAST (e.g. 3-5; step 1 is the "
+                         "first): one Chrome trace per rank in <run_dir>/traces/rank<N>.json, for Perfetto or "
+                         "chrome://tracing; empty traces nothing")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -131,6 +147,8 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -249,6 +267,7 @@ RANGES = {
     "parallel.pp": POSITIVE, "parallel.pp_microbatches": COUNT, "parallel.pp_stages_per_rank": POSITIVE,
     # DDP takes the bucket in bytes as a 64-bit integer; 2**20 MiB (1 TiB) is above any device's memory.
     "parallel.ddp_bucket_mb": Range(1, 2**20),
+    "monitor.metrics_port": Range(0, 65535), "monitor.interval_s": Range(0, 86400, low_open=True),
 }
 
 
@@ -291,6 +310,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"training.lr * training.weight_decay must be below 1 (else every step flips the weights' "
                           f"sign), got {t.lr} * {t.weight_decay}")
     _validate_task(cfg)
+    profile_steps(cfg)
+
+
+def profile_steps(cfg: Config) -> tuple[int, int] | None:
+    """profile.steps as (first, last), both within training.steps; None when empty."""
+    text, steps = cfg.profile.steps, cfg.training.steps
+    if not text.strip():
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", text, re.ASCII)
+    if match is None or not 1 <= int(match[1]) <= int(match[2]) <= steps:
+        raise ConfigError(f"profile.steps={text!r} is not a range FIRST-LAST of training steps with "
+                          f"1 <= FIRST <= LAST <= training.steps ({steps}), e.g. 3-5")
+    return int(match[1]), int(match[2])
 
 
 def _validate_task(cfg: Config) -> None:

@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT", help="rendezvous address for multi-node")
     p.add_argument("--rdzv-id", default="scalenlp", help="rendezvous job id for multi-node")
     p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of failed workers")
+    p.add_argument("--metrics-port", type=int, metavar="P",
+                   help="serve every rank's CPU, memory, GPU and training figures in Prometheus' format on port P "
+                        "of each machine while training (same as --set monitor.metrics_port=P)")
     p.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
     p.add_argument("--list-flavors", action="store_true", help="list the model flavors and exit")
 
@@ -92,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:<12} {n / 1e6:>10.1f}M  dim={margs.dim} layers={margs.n_layers} heads={margs.n_heads}"
                   f" kv_heads={margs.n_kv_heads} {margs.position}/{margs.norm}/{margs.activation}")
         return 0
+    if args.metrics_port is not None:  # workers receive it with the other overrides
+        args.overrides.append(f"monitor.metrics_port={args.metrics_port}")
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir or Path("runs") / cfg.model.flavor)
     from scalenlp.train.trainer import train, validate_run

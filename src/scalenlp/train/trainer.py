@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from scalenlp.config import Config, ConfigError, save_config, validate
+from scalenlp.config import Config, ConfigError, profile_steps, save_config, validate
 from scalenlp.data import DataLoader, TokenDataset, open_data, prepare_data
 from scalenlp.data.sft import IGNORE_INDEX, ChatDataset
 from scalenlp.data.labeled import LabeledLoader
@@ -43,7 +43,9 @@ from scalenlp.train.guard import StepCheck, StopRequest, check_step, weights_fin
 from scalenlp.train.classify import (build_classifier, classification_loss, classifier_args, evaluate_classifier,
                                      load_classification_data)
 from scalenlp.train.metrics import MetricsWriter, peak_flops, peak_memory_bytes
+from scalenlp.train.monitor import Monitor
 from scalenlp.train.optim import build_optimizer, build_scheduler
+from scalenlp.train.profile import StepProfiler
 
 
 def _checkpoint_args(cfg: Config, pretrained: Pretrained) -> ModelArgs:
@@ -250,6 +252,7 @@ class Trainer:
         dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
         self.peak_flops, self.peak_source = peak_flops(self.device, dtype)
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
+        self.monitor = Monitor(cfg.monitor, self.device, self.rank)
 
     # -- helpers --------------------------------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -452,9 +455,12 @@ class Trainer:
                    dynamic_ncols=True, file=sys.stderr)
         window_loss, window_steps, window_time = torch.zeros((), device=self.device), 0, 0.0
         last_saved = None
+        profiler = StepProfiler(profile_steps(cfg), self.step, self.run_dir / "traces" / f"rank{self.rank}.json",
+                                self.device, self.log)
         while self.step < t.steps:
             start = time.perf_counter()
-            loss, grad_norm, check = self.train_step()
+            with profiler.step(self.step + 1):
+                loss, grad_norm, check = self.train_step()
             window_loss += loss
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -489,6 +495,8 @@ class Trainer:
                     "step_time_s": window_time / window_steps,
                     "samples_per_sec": window_steps * t.global_batch_size / window_time,
                 }
+                record.update(self.monitor.gather())  # every rank's CPU and memory (a collective)
+                self.monitor.publish(record)
                 records.append(record)
                 self.metrics.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tokens_per_sec:,.0f}")
@@ -513,13 +521,17 @@ class Trainer:
                 self.log(f"stopped by {got} after step {self.step} of {t.steps}: checkpoint saved to {last_saved}; "
                          f"continue with --set checkpoint.resume=true")
                 self.metrics.close()
+                self.monitor.close()
+                profiler.close()
                 return records
         bar.close()
+        profiler.close()
         if last_saved is None:  # resumed at the final step: nothing new was trained
             last_saved = self.checkpointer.latest()
         if cfg.checkpoint.export and last_saved is not None:
             self.export(last_saved)
         self.metrics.close()
+        self.monitor.close()
         return records
 
 
