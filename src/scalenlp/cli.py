@@ -23,6 +23,7 @@ COMMANDS = {
     "embed": ("scalenlp.infer.encode", "sentence embeddings of texts from an encoder (pooled as its folder says)"),
     "export": ("scalenlp.models.export", "write a checkpoint as a Hugging Face folder or a GGUF file"),
     "plan": ("scalenlp.plan.command", "which parallel layout fits a model on a cluster, and how fast it runs"),
+    "deploy": ("scalenlp.deploy", "write Kubernetes manifests for a training job or a server (deploy k8s)"),
 }
 
 

@@ -348,7 +348,12 @@ def _validate_task(cfg: Config) -> None:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config as TOML (every value is a str/int/float/bool)."""
+    """Write the resolved config as TOML."""
+    Path(path).write_text(config_toml(cfg))
+
+
+def config_toml(cfg: Config) -> str:
+    """The resolved config as TOML text (every value is a str/int/float/bool)."""
     lines = []
     for section, values in cfg.to_dict().items():
         lines.append(f"[{section}]")
@@ -361,7 +366,7 @@ def save_config(cfg: Config, path: str | Path) -> None:
                 text = repr(value)
             lines.append(f"{key} = {text}")
         lines.append("")
-    Path(path).write_text("\n".join(lines))
+    return "\n".join(lines)
 
 
 def describe() -> str:
