@@ -125,6 +125,7 @@ def test_one_node_needs_no_rendezvous_endpoint(jobset_schema, tmp_path):
     args = build_parser().parse_args(pod_spec(got["jobset.yaml"])["spec"]["containers"][0]["command"][1:])
     assert (args.nnodes, args.nproc, args.rdzv_endpoint) == ("1", 1, "")
     assert got["jobset.yaml"]["metadata"]["name"] == "debug"  # from the config's file name
+    assert deploy(tmp_path / "s", "--serve", "/runs/My_Run/export")["service.yaml"]["metadata"]["name"] == "my-run"
     assert got["pvc.yaml"]["spec"]["accessModes"] == ["ReadWriteOnce"]
 
 

@@ -217,7 +217,9 @@ def training_manifests(args: argparse.Namespace) -> dict[str, dict]:
 
 def serving_manifests(args: argparse.Namespace) -> dict[str, dict]:
     """{file name: object} of a server."""
-    name = args.name or default_name(args.serve)
+    served = Path(args.serve)
+    # <run_dir>/export and <run_dir>/best (the trainer's) are named after their run.
+    name = args.name or default_name(str(served.parent if served.name in ("export", "best") else served))
     labels = {"app.kubernetes.io/name": "scalenlp", "app.kubernetes.io/instance": name,
               "app.kubernetes.io/component": "serve"}
     health = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": PROBE_PERIOD_S}
