@@ -91,8 +91,9 @@ def sample(cpu: CpuMeter, device: torch.device) -> dict[str, float]:
 
 def snapshot_folder(port: int) -> Path:
     """Where the ranks of this machine that serve on ``port`` leave their samples: machine-local (not the
-    run folder, which may be shared by every machine), and one per port as one server holds a port."""
-    return Path(tempfile.gettempdir()) / f"scalenlp-metrics-{port}"
+    run folder, which may be shared by every machine), one per port as one server holds a port, and one per
+    torchrun node (GROUP_RANK), for nodes that share a /tmp (network namespaces, containers of one host)."""
+    return Path(tempfile.gettempdir()) / f"scalenlp-metrics-{port}-node{os.environ.get('GROUP_RANK', '0')}"
 
 
 def _alive(pid: int) -> bool:
