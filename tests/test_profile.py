@@ -7,8 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from scalenlp.config import ConfigError, load_config
+from scalenlp.train.profile import StepProfiler
 from train_helpers import TINY, error_lines, run_train, write_corpus
 
 COLLECTIVE = re.compile(r"^(gloo|nccl):|^c10d::")
@@ -70,9 +72,23 @@ def test_each_rank_traces_its_collectives_and_matmuls(tmp_path, corpus):
         assert_traced(trace, range(3, 6), collectives=True)
 
 
-def test_a_resumed_run_past_the_range_traces_nothing(tmp_path, corpus):
-    sets = [*TINY, f"data.path={corpus}", "training.steps=3", "checkpoint.every=2", "checkpoint.export=false"]
-    run_train(tmp_path / "run", *sets, "training.steps=2")
-    proc = run_train(tmp_path / "run", *sets, "profile.steps=1-2", "checkpoint.resume=true")
-    assert "this run resumed at step 2, past step 1; nothing is traced" in proc.stderr
-    assert not (tmp_path / "run" / "traces").exists()
+def test_a_run_resumed_past_the_range_traces_nothing_and_says_so(tmp_path):
+    said = []
+    profiler = StepProfiler((1, 2), 2, tmp_path / "traces" / "rank0.json", torch.device("cpu"), said.append)
+    for n in (3, 4):
+        with profiler.step(n):
+            torch.mm(torch.ones(4, 4), torch.ones(4, 4))
+    profiler.close()
+    assert said == ["profile.steps=1-2: this run resumed at step 2, past step 1; nothing is traced"]
+    assert not (tmp_path / "traces").exists()
+
+
+def test_a_run_resumed_just_before_the_range_traces_it_without_warm_up(tmp_path):
+    trace = tmp_path / "traces" / "rank0.json"
+    profiler = StepProfiler((2, 3), 1, trace, torch.device("cpu"), print)
+    for n in (2, 3, 4):
+        with profiler.step(n):
+            torch.mm(torch.ones(4, 4), torch.ones(4, 4))
+        assert trace.exists() == (n == 4)  # written when step 4 begins
+    profiler.close()
+    assert_traced(trace, range(2, 4), collectives=False)
