@@ -95,7 +95,9 @@ def test_data_parallel_traffic_hides_behind_compute_only_where_the_device_overla
         # The same layout's communication alone: compute and memory traffic take no time.
         alone = predict(shape, work, layout, dataclasses.replace(cpu_like, peak_flops_bf16=math.inf, hbm_bw=math.inf))
         key = "grad_sync_exposed" if layout.zero == 0 else "data_parallel_exposed"
-        assert hidden.time_breakdown_s[key] == 0.0  # an A100's compute outlasts this traffic
+        # An A100's compute hides all but what nothing computes beside: the first gather and the last reduction (here
+        # the tied embedding, a third of the model).
+        assert 0 < hidden.time_breakdown_s[key] < 0.5 * alone.time_breakdown_s[key]
         assert exposed.time_breakdown_s[key] == pytest.approx(alone.time_breakdown_s[key])
         assert exposed.step_time_s == pytest.approx(hidden.step_time_s + alone.time_breakdown_s[key])
 

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from scalenlp.plan.cost import ring_time
+from scalenlp.plan.comms import ring_time
 from scalenlp.hardware import GPU_ELEMENTWISE_TRAFFIC, DeviceSpec
 
 # (m, n, k): thin shapes like a small model's projections, up to square ones.
