@@ -22,10 +22,11 @@ from scalenlp.errors import UserError
 GiB = 2**30
 
 # Fitted once by scalenlp.plan.calibrate (python -m scalenlp.plan.calibrate prints them); see its docstring.
-GPU_GEMM_HALF_DIM = 135.0
-GPU_ELEMENTWISE_TRAFFIC = 4.81
-A100_GEMM_EFFICIENCY = 0.770
-H100_GEMM_EFFICIENCY = 0.619  # below the A100's: a 700 W H100 clocks down under sustained matmul load
+GPU_GEMM_HALF_DIM = 134.2
+GPU_ELEMENTWISE_TRAFFIC = 4.62
+A100_GEMM_EFFICIENCY = 0.771
+H100_GEMM_EFFICIENCY = 0.631  # below the A100's: a 700 W H100 clocks down under sustained matmul load
+GPU_OVERLAP_CONTENTION = 0.244
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class DeviceSpec:
     # Whether collectives run beside compute (a GPU: NCCL on its own SMs and copy engines). On a CPU gloo's
     # threads take the same cores the matmuls use, so data-parallel traffic adds to the step instead of hiding.
     overlaps_communication: bool = True
+    # Fraction of the communication time hidden behind compute that slows that compute anyway (NCCL's kernels
+    # take SMs and memory bandwidth from the matmuls beside them); fitted on published FSDP runs (plan.calibrate).
+    overlap_contention: float = 0.0
     # Latency of a ring step that crosses nodes (NIC, switches, NCCL's proxy thread); None: latency_s (one node).
     nic_latency_s: float | None = None
 
@@ -71,7 +75,8 @@ class DeviceSpec:
 # over NVLink and 6.6-9.6 us over the network, plus a base latency of 8.4 us per collective; latency_s, 10 us,
 # covers NVLink's step with its share of the base, nic_latency_s NCCL's larger network figure plus the same share.
 _GPU_SHAPE = dict(gemm_half_dim=GPU_GEMM_HALF_DIM, elementwise_traffic=GPU_ELEMENTWISE_TRAFFIC,
-                  latency_s=10e-6, nic_latency_s=15e-6, runtime_bytes=1.5 * GiB)
+                  latency_s=10e-6, nic_latency_s=15e-6, runtime_bytes=1.5 * GiB,
+                  overlap_contention=GPU_OVERLAP_CONTENTION)
 
 DEVICES: dict[str, DeviceSpec] = {
     # DGX A100: NVLink3, 600 GB/s per GPU both ways (datasheet), ~230 GB/s all-reduce bus bandwidth in nccl-tests;

@@ -533,13 +533,20 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
         forward_wait = comms.forward_exposed(gathers, forward_compute, overlaps)
         backward_wait = comms.backward_exposed(backward_gathers, no_reduction, backward_compute, overlaps)
         with_reduction = comms.backward_exposed(backward_gathers, reductions, backward_compute, overlaps)
+        # Traffic that runs beside compute still costs it: NCCL's kernels take SMs and memory bandwidth from the
+        # matmuls they overlap (device.overlap_contention of the hidden time; 0 where nothing overlaps).
+        contention = device.overlap_contention if overlaps else 0.0
+        microbatch_traffic = sum(gathers) + sum(backward_gathers)
+        step_traffic = sum(reductions)
         if lay.zero >= 2:
             if reduce_every_microbatch:
-                slot["data_parallel_exposed"] = forward_wait + with_reduction
-                step_sync = 0.0
+                waits, step_sync = forward_wait + with_reduction, 0.0
+                microbatch_traffic += step_traffic
             else:
-                slot["data_parallel_exposed"] = forward_wait + backward_wait
+                waits = forward_wait + backward_wait
                 step_sync = with_reduction - backward_wait  # the last microbatch's backward also reduces
+                step_sync += contention * max(0.0, step_traffic - step_sync)
+            slot["data_parallel_exposed"] = waits + contention * max(0.0, microbatch_traffic - waits)
             if lay.dp_shard > 1:
                 # FSDP copies each gathered shard in and the full parameters out of the gather buffer, and
                 # the full gradients into the reduce-scatter buffer (read + write each).
@@ -547,7 +554,7 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
                     + (2 * grads if reduce_every_microbatch else 0.0)
                 slot["fsdp_copies"] = copies / device.hbm_bw
         else:
-            step_sync = with_reduction
+            step_sync = with_reduction + contention * max(0.0, step_traffic - with_reduction)
             if lay.zero == 1:
                 step_sync += comms.collective("all_gather", w_bytes * params, whole_dp, device.all_gather_factor)
         if shape.tied and lay.pp > 1 and stage in (0, lay.pp - 1):
