@@ -76,3 +76,18 @@ def test_zero3_on_1536_a100s_with_one_sequence_each_waits_on_its_network():
     assert p.tflops_per_device < 0.65 * a100.peak_flops_bf16 / 1e12
     half_network = predict(shape, work, layout, dataclasses.replace(a100, nic_bw=a100.nic_bw / 2))
     assert half_network.time_breakdown_s["data_parallel_exposed"] > 1.9 * communication
+
+
+def test_llama3_405b_on_16384_h100s_is_planned_with_tensor_and_pipeline_parallelism():
+    """Sequence 8,192 and 16M tokens per batch (2,048 sequences), as Meta trained it: pure ZeRO-3 over thousands of
+    ranks waits on its network every layer, so the first layouts combine TP within a node and PP across nodes."""
+    from scalenlp.plan.calibrate import LLAMA3_405B
+    from scalenlp.plan.search import search
+
+    shape, work = model_shape(LLAMA3_405B, 8192), Workload(seq=8192, global_batch=2048, states="mixed")
+    ranked = search(shape, work, get_device("h100-sxm"), 16384, 8).ranked
+    for p in ranked[:5]:
+        assert p.layout.tp > 1 and p.layout.pp > 1, p.layout.describe()
+    pure_zero3 = predict(shape, work, Layout(dp_shard=2048, tp=8, zero=3, microbatch=1, recompute="full",
+                                             sequence_parallel=True), get_device("h100-sxm"))
+    assert pure_zero3.tokens_per_sec < 0.8 * ranked[0].tokens_per_sec
