@@ -91,3 +91,35 @@ def test_llama3_405b_on_16384_h100s_is_planned_with_tensor_and_pipeline_parallel
     pure_zero3 = predict(shape, work, Layout(dp_shard=2048, tp=8, zero=3, microbatch=1, recompute="full",
                                              sequence_parallel=True), get_device("h100-sxm"))
     assert pure_zero3.tokens_per_sec < 0.8 * ranked[0].tokens_per_sec
+
+
+def test_a_layout_that_does_not_fit_is_predicted_and_says_what_would(capsys):
+    import json
+
+    from scalenlp.cli import main
+    from scalenlp.hardware import GiB
+
+    args = ["plan", "--model", "llama-8b", "--seq", "8192", "--global-batch", "512", "--devices", "16",
+            "--layout", "dp_replicate=16,microbatch=32"]
+    assert main([*args, "--json"]) == 1
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["fits"] is False and answer["memory_per_device_bytes"] > 80 * GiB
+    assert answer["step_time_s"] > 0 and answer["memory"]["activations"] > 0
+    assert answer["would_fit"]
+    for remedy in answer["would_fit"]:  # each names a --layout change whose prediction fits
+        assert remedy["memory_per_device_bytes"] <= 80 * GiB
+        fixed = main(["plan", *args[1:-1], remedy["layout"].replace(" ", ","), "--json"])
+        out = json.loads(capsys.readouterr().out)
+        assert fixed == 0 and out["fits"] is True, remedy
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "does not fit: 1,716" in out and "fits with " in out
+
+
+def test_a_search_lists_only_layouts_that_fit():
+    from scalenlp.plan.search import search
+
+    shape, work = model_shape("llama-8b", 8192), Workload(seq=8192, global_batch=64)
+    result = search(shape, work, get_device("h100-sxm"), 8, 8)
+    assert result.ranked and all(p.fits for p in result.ranked)
+    assert result.rejected["out of memory (more than the 80.0 GiB of a device)"] > 0

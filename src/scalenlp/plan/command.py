@@ -167,10 +167,19 @@ class Plan:
     feasible: int = 0  # layouts that fit (a search lists the first ``top``)
     rejected: Counter = field(default_factory=Counter)  # why the others did not
     smallest_device_count: int | None = None  # when nothing fits: the fewest devices on which something does
+    # A --layout that does not fit: (the change to its --layout, that layout's prediction) that would, fastest first.
+    would_fit: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {**self.header, "layouts": [p.to_dict() for p in self.layouts], "feasible": self.feasible,
                 "rejected": dict(self.rejected), "smallest_device_count_that_fits": self.smallest_device_count}
+
+    def layout_dict(self) -> dict:
+        """The one --layout's answer: the question, its prediction and, when it does not fit, what would."""
+        return {**self.header, **self.layouts[0].to_dict(),
+                "would_fit": [dict(change=change, layout=p.layout.describe(),
+                                   memory_per_device_bytes=p.memory_per_device_bytes, tokens_per_sec=p.tokens_per_sec)
+                              for change, p in self.would_fit]}
 
 
 def plan(model: str, seq: int, global_batch: int, devices: int, device: str = "h100-sxm", *,
@@ -178,9 +187,11 @@ def plan(model: str, seq: int, global_batch: int, devices: int, device: str = "h
          precision: str | None = None, states: str = "fp32", top: int = 10) -> Plan:
     """Which layouts of ``model`` fit ``devices`` accelerators, and how fast each trains (see add_arguments
     for the meaning of each option). With ``layout`` ("tp=2,pp=4,..."), that one layout's prediction; a
-    layout that cannot work or does not fit is a UserError naming why."""
+    layout that cannot work is a UserError naming why, one that does not fit is predicted all the same
+    (``fits`` False) with the changes that would make it fit (``would_fit``)."""
     from scalenlp.hardware import get_device, parse_overrides
-    from scalenlp.plan.cost import Workload, check_layout, fits, model_shape, predict
+    from scalenlp.plan.cost import Workload, check_layout, model_shape, predict
+    from scalenlp.plan.remedy import what_fits
     from scalenlp.plan.search import MAX_DEVICES, search, smallest_device_count
 
     for name, value in (("seq", seq), ("global_batch", global_batch), ("devices", devices), ("top", top)):
@@ -218,12 +229,8 @@ def plan(model: str, seq: int, global_batch: int, devices: int, device: str = "h
         if problems:
             raise UserError(f"layout {chosen.describe()} cannot work: {'; '.join(m for _, m in problems)}")
         p = predict(shape, work, chosen, spec, gpus_per_node)
-        if not fits(p, spec):
-            parts = ", ".join(f"{k} {_gib(v)}" for k, v in p.memory.items())
-            raise UserError(f"layout {chosen.describe()} does not fit: it needs {_gib(p.memory_per_device_bytes)} GiB "
-                            f"per device ({parts}) and a {spec.name} has {_gib(spec.memory_bytes)} GiB; "
-                            "raise zero, recompute, tp or pp, or lower the microbatch")
-        return Plan(header, spec, [with_command(p)], feasible=1)
+        remedies = [] if p.fits else what_fits(shape, work, chosen, spec, devices, gpus_per_node)
+        return Plan(header, spec, [with_command(p)], feasible=int(p.fits), would_fit=remedies)
     result = search(shape, work, spec, devices, gpus_per_node)
     smallest = None if result.ranked else smallest_device_count(shape, work, spec, devices, gpus_per_node)
     return Plan(header, spec, [with_command(p) for p in result.ranked[:top]], len(result.ranked), result.rejected,
@@ -238,12 +245,21 @@ def run(args: argparse.Namespace) -> int:
                   states=args.states, top=args.top)
     title = f"{args.model} ({result.header['parameters'] / 1e6:,.1f}M parameters) on {args.devices} x {result.device.name}"
     if args.layout:
+        p = result.layouts[0]
         if args.json:
-            print(json.dumps({**result.header, **result.layouts[0].to_dict()}, indent=2))
+            print(json.dumps(result.layout_dict(), indent=2))
         else:
             print(title)
-            print("\n".join(_describe(result.layouts[0], result.device, None)))
-        return 0
+            print("\n".join(_describe(p, result.device, None)))
+            if not p.fits:
+                print(f"does not fit: {_gib(p.memory_per_device_bytes)} GiB per device, a {result.device.name} has "
+                      f"{_gib(result.device.memory_bytes)} GiB")
+                for change, q in result.would_fit:
+                    print(f"  fits with {change}: {_gib(q.memory_per_device_bytes)} GiB, {q.tokens_per_sec:,.0f} "
+                          f"tokens/s ({q.layout.describe()})")
+                if not result.would_fit:
+                    print("  no change of one or two degrees fits; run without --layout to search every layout")
+        return 0 if p.fits else 1
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0 if result.layouts else 1

@@ -169,6 +169,7 @@ class Prediction:
     bubble_fraction: float
     time_breakdown_s: dict[str, float] = field(default_factory=dict)
     train_command: str | None = None  # filled in by the command for a named flavor
+    fits: bool = True  # whether memory_per_device_bytes fits the device's memory
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -581,13 +582,15 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     model_flops, hardware_flops = step_flops(shape, work, lay.recompute)
     n = lay.devices
     parts = max(memory_by_stage(shape, work, lay, device), key=lambda m: sum(m.values()))
-    return Prediction(
+    prediction = Prediction(
         layout=lay, memory=parts, memory_per_device_bytes=sum(parts.values()),
         model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops, step_time_s=step_s,
         tokens_per_sec=work.global_batch * work.seq / step_s,
         tflops_per_device=hardware_flops / step_s / n / 1e12, mfu=model_flops / step_s / n / peak,
         bubble_fraction=breakdown["bubble"] / (microbatches * max(slot_times)) if max(slot_times) else 0.0,
         time_breakdown_s=breakdown)
+    prediction.fits = fits(prediction, device)
+    return prediction
 
 
 # ---------------------------------------------------------------- what cannot work
