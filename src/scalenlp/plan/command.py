@@ -22,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="flavor name (debug, small, llama-8b, ...) or hidden=H,layers=L,heads=A,kv_heads=K,"
                              "ffn=F,vocab=V[,family=llama|gpt2][,dropout=P]")
-    parser.add_argument("--seq", type=int, required=True, help="tokens per training sequence")
-    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per training sequence (training plans)")
+    parser.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (training plans)")
     parser.add_argument("--devices", type=int, required=True, help="number of accelerators (or CPU processes)")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="devices per node (default 8; with --device cpu, all processes share this machine)")
@@ -42,6 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "zero=0-3|ddp|zero1-3,recompute=none|selective|full[,schedule=gpipe|1f1b|"
                              "interleaved_1f1b][,v=..][,sp=true]")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to list")
+    serve = parser.add_argument_group("serving (--serve): tensor-parallel degree and replicas for inference")
+    serve.add_argument("--serve", action="store_true", help="plan serving instead of training")
+    serve.add_argument("--context", type=int, default=None, help="tokens per sequence: prompt + output")
+    serve.add_argument("--prompt-tokens", type=int, default=None, help="prompt tokens (default: half the context)")
+    serve.add_argument("--concurrency", type=int, default=None, help="sequences served at once, over all replicas")
+    serve.add_argument("--rate", type=float, default=None, help="requests per second to carry")
+    serve.add_argument("--ttft-ms", type=float, default=None, help="time-to-first-token target")
+    serve.add_argument("--tpot-ms", type=float, default=None, help="time-per-output-token target")
+    serve.add_argument("--quantize", choices=("bf16", "int8", "int4"), default="bf16", help="weight width")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -237,8 +246,67 @@ def plan(model: str, seq: int, global_batch: int, devices: int, device: str = "h
                 smallest)
 
 
+def _serving_device(device: str, device_spec: str, gpus_per_node: int | None, devices: int):
+    from scalenlp.hardware import get_device, parse_overrides
+
+    overrides = parse_overrides(device_spec)
+    if device == "cpu":
+        from scalenlp.plan.measure import measure_cpu  # times this machine: only when asked for
+
+        return measure_cpu(processes=1, overrides=overrides), gpus_per_node or devices
+    return get_device(device, overrides), gpus_per_node or 8
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`scalenlp plan --serve`: the layouts that serve the model within the targets, fewest devices first."""
+    from scalenlp.plan.cost import model_shape
+    from scalenlp.plan.serving import plan_serving
+
+    if args.context is None or args.context < 2:
+        raise UserError("--serve needs --context N (prompt + output tokens per sequence, at least 2)")
+    if args.concurrency is None and args.rate is None:
+        raise UserError("--serve needs --concurrency K, or --rate R with --ttft-ms and/or --tpot-ms")
+    if args.concurrency is not None and args.concurrency < 1 or args.rate is not None and args.rate <= 0:
+        raise UserError("--concurrency must be at least 1 and --rate positive")
+    prompt = args.prompt_tokens or args.context // 2
+    if not 1 <= prompt < args.context:
+        raise UserError(f"--prompt-tokens {prompt} must be at least 1 and below --context {args.context}")
+    try:
+        shape = model_shape(args.model, args.context)
+    except UserError as e:
+        raise UserError(str(e).replace("--seq", "--context")) from None
+    device, per_node = _serving_device(args.device, args.device_spec, args.gpus_per_node, args.devices)
+    precision = args.precision or ("fp32" if args.device == "cpu" else "bf16")
+    layouts = plan_serving(shape, device, args.devices, per_node, args.context, prompt, concurrency=args.concurrency,
+                           rate=args.rate, ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, precision=precision,
+                           quantize=args.quantize)[:args.top]
+    if args.json:
+        print(json.dumps(dict(model=args.model, parameters=shape.total_params, device=device.name,
+                              devices=args.devices, context=args.context, prompt_tokens=prompt,
+                              quantize=args.quantize, layouts=[s.to_dict() for s in layouts]), indent=2))
+        return 0 if layouts else 1
+    print(f"serving {args.model} ({shape.total_params / 1e6:,.1f}M parameters, {args.quantize}) on up to {args.devices} "
+          f"x {device.name}, context {args.context} ({prompt} prompt): {len(layouts)} layouts")
+    for rank, s in enumerate(layouts, 1):
+        print(f"#{rank} tp={s.tp} replicas={s.replicas} ({s.devices} devices), batch {s.batch} per replica "
+              f"(at most {s.max_batch})")
+        print(f"    TTFT {s.ttft_s * 1e3:,.1f} ms | TPOT {s.tpot_s * 1e3:,.2f} ms | {s.tokens_per_sec:,.0f} output tokens/s")
+        print(f"    per device: weights {_gib(s.weights_per_device)} GiB, KV cache {_gib(s.kv_per_sequence)} GiB per "
+              f"sequence, {_gib(s.kv_per_device)} GiB for the batch")
+    if not layouts:
+        print("no layout meets the targets on these devices; loosen --ttft-ms/--tpot-ms, lower --rate, or add "
+              "--devices", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from scalenlp.plan.search import MAX_DEVICES
+
+    if args.serve:
+        return run_serve(args)
+    if args.seq is None or args.global_batch is None:
+        raise UserError("plan needs --seq and --global-batch (or --serve with --context to plan serving)")
 
     result = plan(args.model, args.seq, args.global_batch, args.devices, args.device, layout=args.layout,
                   gpus_per_node=args.gpus_per_node, device_spec=args.device_spec, precision=args.precision,
