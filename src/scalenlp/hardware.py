@@ -27,6 +27,7 @@ GPU_ELEMENTWISE_TRAFFIC = 4.62
 A100_GEMM_EFFICIENCY = 0.771
 H100_GEMM_EFFICIENCY = 0.631  # below the A100's: a 700 W H100 clocks down under sustained matmul load
 GPU_OVERLAP_CONTENTION = 0.244
+GPU_DECODE_LAYER_OVERHEAD = 5.23e-05
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,13 @@ class DeviceSpec:
     # Fraction of the communication time hidden behind compute that slows that compute anyway (NCCL's kernels
     # take SMs and memory bandwidth from the matmuls beside them); fitted on published FSDP runs (plan.calibrate).
     overlap_contention: float = 0.0
+    # Where measured (CPU): bytes/s reading resident memory (a decode step's weights and KV cache), which pays no
+    # first-touch page cost unlike hbm_bw's fresh outputs; and the host time a decode step spends per layer and
+    # per step outside its arithmetic (dispatching ~50 small ops a layer). Elsewhere hbm_bw, and on GPUs the per-layer
+    # figure fitted on a published serving benchmark (kernel launches and the engine's own work; plan.calibrate).
+    read_bw: float | None = None
+    decode_layer_overhead_s: float = 0.0
+    decode_step_overhead_s: float = 0.0
     # Latency of a ring step that crosses nodes (NIC, switches, NCCL's proxy thread); None: latency_s (one node).
     nic_latency_s: float | None = None
 
@@ -76,7 +84,7 @@ class DeviceSpec:
 # covers NVLink's step with its share of the base, nic_latency_s NCCL's larger network figure plus the same share.
 _GPU_SHAPE = dict(gemm_half_dim=GPU_GEMM_HALF_DIM, elementwise_traffic=GPU_ELEMENTWISE_TRAFFIC,
                   latency_s=10e-6, nic_latency_s=15e-6, runtime_bytes=1.5 * GiB,
-                  overlap_contention=GPU_OVERLAP_CONTENTION)
+                  overlap_contention=GPU_OVERLAP_CONTENTION, decode_layer_overhead_s=GPU_DECODE_LAYER_OVERHEAD)
 
 DEVICES: dict[str, DeviceSpec] = {
     # DGX A100: NVLink3, 600 GB/s per GPU both ways (datasheet), ~230 GB/s all-reduce bus bandwidth in nccl-tests;

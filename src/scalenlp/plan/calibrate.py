@@ -14,8 +14,12 @@ calibration row's prediction beside its published figure. What is fitted, and wh
   published fully sharded (ZeRO-3 / FSDP / HSDP) runs at 64-128 GPUs below, A100 and H100, with every
   other constant as fitted above: these are the rows where data-parallel traffic runs beside compute.
 
-Held out for the tests: Megatron's 1.7B, 18.4B, 145.6B and 1008B rows and Llama 3's 8,192-GPU row, and
-the fully sharded rows not fitted on (FSDP_HELD_OUT).
+- GPU_DECODE_LAYER_OVERHEAD (a decode step's host time per layer: kernel launches and the engine's
+  bookkeeping, which the serving planner adds to streaming the weights) alone on three rows of lmdeploy's
+  A100 static inference benchmark (SERVING_FIT).
+
+Held out for the tests: Megatron's 1.7B, 18.4B, 145.6B and 1008B rows and Llama 3's 8,192-GPU row, the
+fully sharded rows not fitted on (FSDP_HELD_OUT), and the serving rows not fitted on (SERVING_HELD_OUT).
 For each row the planner picks microbatch and pipeline schedule itself among the layouts with the
 published TP, PP and DP degrees, as the papers' authors tuned theirs.
 """
@@ -174,6 +178,56 @@ def sharded_tokens_per_gpu(run: ShardedRun, device: DeviceSpec | None = None) ->
     return p.tokens_per_sec / run.devices
 
 
+@dataclass(frozen=True)
+class ServedRun:
+    """A published static-batch serving measurement: ``batch`` requests of ``prompt`` tokens each generating
+    ``output``, on ``tp`` GPUs; first-token latency (None where the row does not isolate it) and the median time
+    per output token."""
+    source: str
+    model: str
+    device: str
+    tp: int
+    batch: int
+    prompt: int
+    output: int
+    ttft_s: float | None
+    tpot_s: float
+
+
+_LMDEPLOY = "lmdeploy docs/en/benchmark/a100_fp16.md (v0.1.0a1, A100-80G, fp16), static inference"
+_LLAMA2_13B, _LLAMA2_70B = _llama2(5120, 40, 40, 40, 13824), _llama2(8192, 80, 64, 8, 28672)
+SERVING_FIT = [
+    ServedRun(f"{_LMDEPLOY}, llama2-7b batch 1, 2048 -> 128", _LLAMA2_7B, "a100-80gb", 1, 1, 2048, 128, 0.139, 0.010),
+    ServedRun(f"{_LMDEPLOY}, llama2-70b tp 4 batch 16, 128 -> 2048", _LLAMA2_70B, "a100-80gb", 4, 16, 128, 2048,
+              None, 0.033),
+    ServedRun(f"{_LMDEPLOY}, llama2-13b batch 64, 128 -> 2048", _LLAMA2_13B, "a100-80gb", 1, 64, 128, 2048,
+              None, 0.045),
+]
+SERVING_HELD_OUT = [
+    ServedRun(f"{_LMDEPLOY}, llama2-13b batch 1, 2048 -> 128", _LLAMA2_13B, "a100-80gb", 1, 1, 2048, 128, 0.242,
+              0.019),
+    ServedRun(f"{_LMDEPLOY}, llama2-70b tp 4 batch 1, 2048 -> 128", _LLAMA2_70B, "a100-80gb", 4, 1, 2048, 128, 0.402,
+              0.031),
+    ServedRun(f"{_LMDEPLOY}, llama2-7b batch 16, 128 -> 2048", _LLAMA2_7B, "a100-80gb", 1, 16, 128, 2048, None, 0.015),
+    ServedRun(f"{_LMDEPLOY}, llama2-13b batch 16, 128 -> 2048", _LLAMA2_13B, "a100-80gb", 1, 16, 128, 2048, None,
+              0.026),
+    ServedRun(f"{_LMDEPLOY}, llama2-7b batch 64, 128 -> 2048", _LLAMA2_7B, "a100-80gb", 1, 64, 128, 2048, None, 0.030),
+    ServedRun(f"{_LMDEPLOY}, llama2-70b tp 4 batch 64, 128 -> 2048", _LLAMA2_70B, "a100-80gb", 4, 64, 128, 2048,
+              None, 0.043),
+]
+
+
+def served_latency(run: ServedRun, device: DeviceSpec | None = None) -> tuple[float, float]:
+    """Predicted (TTFT, TPOT) of a published serving row: a prompt's prefill, and a decode step of the batch at
+    its mean cached length."""
+    from scalenlp.plan.serving import decode_time, prefill_time
+
+    device = device or get_device(run.device)
+    shape = model_shape(run.model, run.prompt + run.output)
+    return (prefill_time(shape, device, 1, run.prompt, run.tp, "bf16"),
+            decode_time(shape, device, run.batch, run.prompt + run.output / 2, run.tp, "bf16", "bf16"))
+
+
 def best_layout(run: PublishedRun, device: DeviceSpec) -> Layout:
     """The planner's fastest layout with the run's TP and PP degrees (microbatch and schedule free).
 
@@ -240,11 +294,18 @@ def main() -> None:
                    for r in FSDP_FIT)
 
     contention = _golden(contention_loss, 0.0, 1.0)
+
+    def decode_loss(x: float) -> float:
+        device = dataclasses.replace(a100, decode_layer_overhead_s=x)
+        return sum(math.log(served_latency(r, device)[1] / r.tpot_s) ** 2 for r in SERVING_FIT)
+
+    decode_overhead = _golden(decode_loss, 0.0, 500e-6)
     print(f"GPU_GEMM_HALF_DIM = {a100.gemm_half_dim:.1f}")
     print(f"GPU_ELEMENTWISE_TRAFFIC = {a100.elementwise_traffic:.2f}")
     print(f"A100_GEMM_EFFICIENCY = {a100.gemm_efficiency:.3f}")
     print(f"H100_GEMM_EFFICIENCY = {h100.gemm_efficiency:.3f}")
     print(f"GPU_OVERLAP_CONTENTION = {contention:.3f}")
+    print(f"GPU_DECODE_LAYER_OVERHEAD = {decode_overhead:.2e}")
     for rows, device in ((A100_ROWS, a100), (H100_ROWS, h100)):
         for r in rows:
             lay = best_layout(r, device)
@@ -257,6 +318,12 @@ def main() -> None:
             got = sharded_tokens_per_gpu(r, device)
             print(f"{label:8s} {r.source:70s} published {r.tokens_per_gpu:7.0f}  predicted {got:7.0f} "
                   f"({got / r.tokens_per_gpu - 1:+.1%}) tokens/s per GPU")
+    for label, rows in (("fit", SERVING_FIT), ("held out", SERVING_HELD_OUT)):
+        for r in rows:
+            ttft, tpot = served_latency(r, dataclasses.replace(a100, decode_layer_overhead_s=decode_overhead))
+            first = f"TTFT {r.ttft_s * 1e3:.0f} ms, predicted {ttft * 1e3:.0f}; " if r.ttft_s else ""
+            print(f"{label:8s} {r.source:70s} {first}TPOT {r.tpot_s * 1e3:.0f} ms, predicted {tpot * 1e3:.1f} "
+                  f"({tpot / r.tpot_s - 1:+.1%})")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--rate", type=float, default=None, help="requests per second to carry")
     serve.add_argument("--ttft-ms", type=float, default=None, help="time-to-first-token target")
     serve.add_argument("--tpot-ms", type=float, default=None, help="time-per-output-token target")
-    serve.add_argument("--quantize", choices=("bf16", "int8", "int4"), default="bf16", help="weight width")
+    serve.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                       help="weight width (default: the precision's)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -246,15 +247,25 @@ def plan(model: str, seq: int, global_batch: int, devices: int, device: str = "h
                 smallest)
 
 
-def _serving_device(device: str, device_spec: str, gpus_per_node: int | None, devices: int):
+def _serving_device(device: str, device_spec: str, gpus_per_node: int | None, devices: int, precision: str | None):
+    """(DeviceSpec, devices per node, precision) for serving; on a CPU, this machine measured in the precision its
+    engine serves in (bf16 where the CPU computes it natively)."""
     from scalenlp.hardware import get_device, parse_overrides
 
     overrides = parse_overrides(device_spec)
-    if device == "cpu":
-        from scalenlp.plan.measure import measure_cpu  # times this machine: only when asked for
+    if device != "cpu":
+        return get_device(device, overrides), gpus_per_node or 8, precision or "bf16"
+    import dataclasses
 
-        return measure_cpu(processes=1, overrides=overrides), gpus_per_node or devices
-    return get_device(device, overrides), gpus_per_node or 8
+    import torch
+
+    from scalenlp.infer.engine import pick_dtype
+    from scalenlp.plan.measure import measure_cpu, serving_figures  # times this machine: only when asked for
+
+    precision = precision or ("bf16" if pick_dtype(torch.device("cpu")) == torch.bfloat16 else "fp32")
+    measured = measure_cpu(processes=1)
+    spec = dataclasses.replace(measured, **serving_figures(torch.bfloat16 if precision == "bf16" else torch.float32))
+    return dataclasses.replace(spec, **overrides), gpus_per_node or devices, precision
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -275,17 +286,17 @@ def run_serve(args: argparse.Namespace) -> int:
         shape = model_shape(args.model, args.context)
     except UserError as e:
         raise UserError(str(e).replace("--seq", "--context")) from None
-    device, per_node = _serving_device(args.device, args.device_spec, args.gpus_per_node, args.devices)
-    precision = args.precision or ("fp32" if args.device == "cpu" else "bf16")
+    device, per_node, precision = _serving_device(args.device, args.device_spec, args.gpus_per_node, args.devices,
+                                                  args.precision)
     layouts = plan_serving(shape, device, args.devices, per_node, args.context, prompt, concurrency=args.concurrency,
                            rate=args.rate, ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, precision=precision,
                            quantize=args.quantize)[:args.top]
     if args.json:
         print(json.dumps(dict(model=args.model, parameters=shape.total_params, device=device.name,
                               devices=args.devices, context=args.context, prompt_tokens=prompt,
-                              quantize=args.quantize, layouts=[s.to_dict() for s in layouts]), indent=2))
+                              quantize=args.quantize or precision, layouts=[s.to_dict() for s in layouts]), indent=2))
         return 0 if layouts else 1
-    print(f"serving {args.model} ({shape.total_params / 1e6:,.1f}M parameters, {args.quantize}) on up to {args.devices} "
+    print(f"serving {args.model} ({shape.total_params / 1e6:,.1f}M parameters, {args.quantize or precision}) on up to {args.devices} "
           f"x {device.name}, context {args.context} ({prompt} prompt): {len(layouts)} layouts")
     for rank, s in enumerate(layouts, 1):
         print(f"#{rank} tp={s.tp} replicas={s.replicas} ({s.devices} devices), batch {s.batch} per replica "

@@ -263,6 +263,11 @@ def _count(name: str, flavor: str | None, args) -> ModelShape:
     return _count_cached(name, flavor, tuple(sorted(asdict(args).items())))
 
 
+def shape_of(name: str, args) -> ModelShape:
+    """The cost model's view of a model built from ``args`` (a loaded checkpoint's ModelArgs)."""
+    return _count(name, None, args)
+
+
 # ---------------------------------------------------------------- memory
 
 def model_state_bytes(params: float, zero: int, shard: int, states: str) -> tuple[float, float, float]:

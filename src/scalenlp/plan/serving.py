@@ -2,8 +2,8 @@
 
 A layout is a tensor-parallel degree t (within a node, dividing the heads) and r = devices // t replicas, each
 running its own continuous batch. Per device:
-- weights: the parameters over t at the quantized width (bf16 2 bytes, int8 1, int4 0.5; norms stay small),
-- KV cache per sequence: 2 (K and V) · layers · context · kv_dim / t · 2 bytes (a bf16 cache),
+- weights: the parameters over t at the serving precision or the quantized width (int8 1 byte, int4 0.5),
+- KV cache per sequence: 2 (K and V) · layers · context · kv_dim / t · the precision's bytes (bf16: 2),
 - the largest batch: what the memory left after weights, the runtime and the last step's logits holds.
 Time, with the training cost model's matmul rate (peak · gemm_efficiency · thin-dimension factors,
 scalenlp.plan.cost) and the device's bandwidth:
@@ -11,7 +11,8 @@ scalenlp.plan.cost) and the device's bandwidth:
   for its last token; on a CPU attention takes the measured fused kernel's rate,
 - TPOT: one decode step of the whole batch, bounded below by streaming the weights and the batch's KV
   cache at HBM bandwidth and by its matmuls, plus two all-reduces of the batch's hidden states per layer
-  under tensor parallelism, plus the dispatch cost of its kernels where the device does not hide it (CPU),
+  under tensor parallelism, plus the host time per layer and per step where the device does not hide it
+  (measured on a CPU: scalenlp.plan.measure.decode_overheads), which a prefill pays once too,
 - throughput: the batch's output tokens over a request's time (TTFT + (output − 1) · TPOT), times replicas.
 Layouts that meet the targets are ranked by devices used (fewest first), then by throughput.
 """
@@ -24,13 +25,10 @@ from dataclasses import asdict, dataclass
 from scalenlp.errors import UserError
 from scalenlp.hardware import DeviceSpec
 from scalenlp.plan import comms
-from scalenlp.plan.cost import ModelShape, _gemm_time, gemm_efficiency, layer_matmuls
+from scalenlp.plan.cost import ELEMENT_BYTES, ModelShape, _gemm_time, gemm_efficiency, layer_matmuls
 
-WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
-CACHE_BYTES = 2  # bf16 KV cache
-# Kernels a decode step launches per layer (norms, projections, rotary, cache write, attention, activation,
-# residual adds): counted on scalenlp's Llama block; priced only where dispatch is not hidden (a CPU).
-DECODE_OPS_PER_LAYER = 24
+# Bytes per weight: the serving precision's, or a quantized width (int4: two weights a byte; scales ignored).
+WEIGHT_BYTES = {**ELEMENT_BYTES, "int8": 1.0, "int4": 0.5}
 
 
 @dataclass(frozen=True)
@@ -58,9 +56,9 @@ def weight_bytes(shape: ModelShape, quantize: str) -> float:
     return shape.total_params * WEIGHT_BYTES[quantize]
 
 
-def kv_bytes_per_token(shape: ModelShape, tp: int) -> float:
-    """K and V of one token in every layer, on one tensor-parallel rank."""
-    return 2 * shape.layers * shape.kv_dim / tp * CACHE_BYTES
+def kv_bytes_per_token(shape: ModelShape, tp: int, precision: str = "bf16") -> float:
+    """K and V of one token in every layer, on one tensor-parallel rank, cached at the serving precision."""
+    return 2 * shape.layers * shape.kv_dim / tp * ELEMENT_BYTES[precision]
 
 
 def prefill_time(shape: ModelShape, device: DeviceSpec, batch: int, prompt: int, tp: int, precision: str) -> float:
@@ -75,8 +73,7 @@ def prefill_time(shape: ModelShape, device: DeviceSpec, batch: int, prompt: int,
                         peak, device, e)
     reduce = 2 * comms.ring_time("all_reduce", e * batch * prompt * shape.hidden, tp, device.intra_node_bw,
                                  device.latency_s)
-    dispatch = (DECODE_OPS_PER_LAYER * shape.layers) * device.op_overhead_s
-    return shape.layers * (sum(times) + reduce) + logits + dispatch
+    return shape.layers * (sum(times) + reduce + device.decode_layer_overhead_s) + logits + device.decode_step_overhead_s
 
 
 def decode_time(shape: ModelShape, device: DeviceSpec, batch: int, kv_tokens: float, tp: int, precision: str,
@@ -84,23 +81,25 @@ def decode_time(shape: ModelShape, device: DeviceSpec, batch: int, kv_tokens: fl
     """One decode step of ``batch`` sequences holding ``kv_tokens`` cached tokens each, on one rank."""
     e = 2 if precision == "bf16" else 4
     peak = device.peak_flops(precision)
-    # The batch is a matmul's thin dimension here, which the weight-streaming bound below already prices: the
-    # arithmetic runs at the efficiency of the other two.
+    # The batch is each matmul's thin dimension: the arithmetic runs at the efficiency the cost model gives that
+    # shape, and the step can be no faster than streaming the weights and the cache either.
     projections = [m for i, m in enumerate(layer_matmuls(shape, batch, 1, tp)) if i not in (1, 2)]
-    matmul = shape.layers * sum(f / (peak * gemm_efficiency(dims[1:], device)) for f, dims in projections) \
-        + 2 * batch * shape.hidden * shape.vocab / tp / (peak * gemm_efficiency((shape.vocab / tp, shape.hidden), device))
+    logits = (2 * batch * shape.hidden * shape.vocab / tp, (batch, shape.vocab / tp, shape.hidden))
+    matmul = shape.layers * sum(f / (peak * gemm_efficiency(dims, device)) for f, dims in projections) \
+        + logits[0] / (peak * gemm_efficiency(logits[1], device))
     attention_flops = 4 * batch * kv_tokens * shape.hidden / tp * shape.layers
-    streamed = weight_bytes(shape, quantize) / tp + batch * kv_tokens * kv_bytes_per_token(shape, tp)
+    streamed = weight_bytes(shape, quantize) / tp + batch * kv_tokens * kv_bytes_per_token(shape, tp, precision)
     compute = matmul + attention_flops / (device.attention_flops or peak * device.gemm_efficiency)
     reduce = 2 * shape.layers * comms.ring_time("all_reduce", e * batch * shape.hidden, tp, device.intra_node_bw,
                                                 device.latency_s)
-    dispatch = DECODE_OPS_PER_LAYER * shape.layers * device.op_overhead_s
-    return max(compute, streamed / device.hbm_bw) + reduce + dispatch
+    host = shape.layers * device.decode_layer_overhead_s + device.decode_step_overhead_s
+    return max(compute, streamed / (device.read_bw or device.hbm_bw)) + reduce + host
 
 
-def max_batch(shape: ModelShape, device: DeviceSpec, context: int, tp: int, quantize: str) -> int:
+def max_batch(shape: ModelShape, device: DeviceSpec, context: int, tp: int, quantize: str,
+              precision: str = "bf16") -> int:
     free = device.memory_bytes - device.runtime_bytes - weight_bytes(shape, quantize) / tp
-    per_sequence = context * kv_bytes_per_token(shape, tp) + 4 * shape.vocab / tp  # its cache and fp32 logits
+    per_sequence = context * kv_bytes_per_token(shape, tp, precision) + 4 * shape.vocab / tp  # cache, fp32 logits
     return max(0, int(free // per_sequence))
 
 
@@ -115,27 +114,28 @@ def evaluate(shape: ModelShape, device: DeviceSpec, tp: int, replicas: int, batc
     ttft = prefill_time(shape, device, 1, prompt, tp, precision)
     tpot = decode_time(shape, device, batch, prompt + output / 2, tp, precision, quantize)
     per_request = ttft + max(0, output - 1) * tpot
-    kv_seq = context * kv_bytes_per_token(shape, tp)
+    kv_seq = context * kv_bytes_per_token(shape, tp, precision)
     return ServeLayout(tp=tp, replicas=replicas, batch=batch, weights_per_device=weight_bytes(shape, quantize) / tp,
                        kv_per_sequence=kv_seq, kv_per_device=batch * kv_seq,
-                       max_batch=max_batch(shape, device, context, tp, quantize), ttft_s=ttft, tpot_s=tpot,
+                       max_batch=max_batch(shape, device, context, tp, quantize, precision), ttft_s=ttft, tpot_s=tpot,
                        tokens_per_sec=replicas * batch * output / per_request)
 
 
 def plan_serving(shape: ModelShape, device: DeviceSpec, devices: int, gpus_per_node: int, context: int, prompt: int,
                  *, concurrency: int | None = None, rate: float | None = None, ttft_ms: float | None = None,
-                 tpot_ms: float | None = None, precision: str = "bf16", quantize: str = "bf16") -> list[ServeLayout]:
+                 tpot_ms: float | None = None, precision: str = "bf16", quantize: str | None = None) -> list[ServeLayout]:
     """Layouts that serve ``shape`` on at most ``devices`` devices: with ``concurrency``, each tensor-parallel
     degree with that many sequences spread over its replicas; with ``rate`` (requests/s) and latency targets,
     for each degree the fewest replicas whose largest batch within the targets carries the rate. Ranked by
-    devices, then throughput."""
+    devices, then throughput. ``quantize`` (int8 | int4) narrows the weights; None keeps them at ``precision``."""
+    quantize = quantize or precision
     degrees = tensor_parallel_degrees(shape, devices, gpus_per_node)
-    fitting = [t for t in degrees if max_batch(shape, device, context, t, quantize) >= 1]
+    fitting = [t for t in degrees if max_batch(shape, device, context, t, quantize, precision) >= 1]
     if not fitting:
-        raise UserError(_no_fit_message(shape, device, devices, gpus_per_node, context, quantize))
+        raise UserError(_no_fit_message(shape, device, devices, gpus_per_node, context, quantize, precision))
     out = []
     for t in fitting:
-        limit = max_batch(shape, device, context, t, quantize)
+        limit = max_batch(shape, device, context, t, quantize, precision)
         if concurrency is not None:
             replicas = devices // t
             batch = -(-concurrency // replicas)
@@ -167,18 +167,18 @@ def _batches(limit: int) -> list[int]:
 
 
 def _no_fit_message(shape: ModelShape, device: DeviceSpec, devices: int, gpus_per_node: int, context: int,
-                    quantize: str) -> str:
+                    quantize: str, precision: str) -> str:
     gib = 2**30
     largest = max(tensor_parallel_degrees(shape, devices, gpus_per_node), default=1)
     need = weight_bytes(shape, quantize) / gib
     what = []
     for t in tensor_parallel_degrees(shape, gpus_per_node, gpus_per_node):
-        if t > largest and max_batch(shape, device, context, t, quantize) >= 1:
+        if t > largest and max_batch(shape, device, context, t, quantize, precision) >= 1:
             what.append(f"--devices {t} (tensor parallelism {t})")
             break
     for q in ("int8", "int4"):
         if WEIGHT_BYTES[q] < WEIGHT_BYTES[quantize] and any(
-                max_batch(shape, device, context, t, q) >= 1 for t in tensor_parallel_degrees(shape, devices, gpus_per_node)):
+                max_batch(shape, device, context, t, q, precision) >= 1 for t in tensor_parallel_degrees(shape, devices, gpus_per_node)):
             what.append(f"--quantize {q} ({weight_bytes(shape, q) / gib:,.1f} GiB of weights)")
             break
     fix = " or ".join(what) if what else "a device with more memory"
