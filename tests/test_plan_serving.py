@@ -76,3 +76,12 @@ def test_published_gpu_serving_rows_held_out_within_25_percent(run):
 @pytest.mark.parametrize("run", SERVING_FIT, ids=lambda r: r.source.split("static inference, ")[1])
 def test_serving_fit_rows_stay_matched(run):
     assert served_latency(run)[1] == pytest.approx(run.tpot_s, rel=0.15)
+
+
+@pytest.mark.slow
+def test_serving_on_this_cpu_is_measured(capsys):
+    code = main(["plan", "--serve", "--model", "debug", "--device", "cpu", "--devices", "1", "--context", "128",
+                 "--concurrency", "4"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "#1 tp=1 replicas=1 (1 devices), batch 4" in out and "TTFT" in out and "KV cache" in out
