@@ -32,15 +32,17 @@ costs the measured factor over the fused one (it makes separate passes).
 Communication, ring algorithms (n ranks, β bus bandwidth, α per hop): all-reduce 2(n−1)/n·bytes/β +
 2(n−1)α, all-gather and reduce-scatter half of that (times the slowdown ``--device cpu`` measures
 for gloo's). A group's bandwidth is the node's own when all
-its ranks share a node, else the NICs of its ranks on one node (mesh order pp, dp_replicate,
-dp_shard, tp, innermost last). Per layer per microbatch TP moves 8bsh(t−1)/t elements (two
+its ranks share a node, else the NICs of its ranks on one node, its steps across nodes at the
+network's latency (mesh order pp, dp_replicate, dp_shard, tp, innermost last; scalenlp.plan.comms). Per layer per microbatch TP moves 8bsh(t−1)/t elements (two
 all-reduces forward, two backward; sequence parallelism replaces each by an all-gather plus a
 reduce-scatter of the same volume), two more with full recomputation, not overlapped; the
 vocabulary-parallel embedding, output projection and loss add their own at the two ends. DDP and
 ZeRO-1 reduce gradients once per step, overlapped with the last microbatch's backward (ZeRO-1 then
 gathers the updated weights); FSDP's ZeRO-2/3 gather weights for each microbatch (ZeRO-3 for
-forward and again for backward: with the reduce-scatter, 1.5× the bytes of DDP), hidden behind that
-microbatch's compute as far as it lasts, and copy parameters and gradients through their flat
+forward and again for backward: with the reduce-scatter, 1.5× the bytes of DDP), unit by unit, each
+gather hidden behind the previous unit's compute only and the backward's gathers and reductions
+sharing the link (scalenlp.plan.comms); hidden traffic still slows the compute beside it by
+overlap_contention of its time; and they copy parameters and gradients through their flat
 collective buffers at memory bandwidth. On a CPU (overlaps_communication false) gloo's threads
 share the cores with compute, so no data-parallel traffic is hidden. Pipeline stages send
 activations forward and gradients back, exposed; a tied embedding's two copies (first and last stage)
@@ -57,7 +59,9 @@ per-GPU TFLOP/s over the six rows of Megatron-LM 2021 Table 1 the tests do not u
 alone on Llama 3's 16,384-GPU row (400 TFLOP/s), which the H200 shares. Held out for the tests:
 Megatron's 1.7B, 18.4B, 145.6B and 1008B rows and Llama 3's 8,192-GPU row (all predicted within
 6%). The fitted values are physical: a large A100 matmul at ~77% of peak, an H100 at ~62% (power
-limited), a 135-wide dimension halving efficiency, ~5 bytes moved per stored activation byte.
+limited), a 134-wide dimension halving efficiency, ~5 bytes moved per stored activation byte; hidden
+communication slowing compute by a quarter of its time (GPU_OVERLAP_CONTENTION, fitted on published
+FSDP runs).
 ``--device cpu`` measures its own peak, half dimension, bandwidths and latency instead
 (scalenlp.plan.measure).
 """
