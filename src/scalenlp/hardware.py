@@ -22,10 +22,12 @@ from scalenlp.errors import UserError
 GiB = 2**30
 
 # Fitted once by scalenlp.plan.calibrate (python -m scalenlp.plan.calibrate prints them); see its docstring.
-GPU_GEMM_HALF_DIM = 135.0
-GPU_ELEMENTWISE_TRAFFIC = 4.81
-A100_GEMM_EFFICIENCY = 0.770
-H100_GEMM_EFFICIENCY = 0.619  # below the A100's: a 700 W H100 clocks down under sustained matmul load
+GPU_GEMM_HALF_DIM = 134.2
+GPU_ELEMENTWISE_TRAFFIC = 4.62
+A100_GEMM_EFFICIENCY = 0.771
+H100_GEMM_EFFICIENCY = 0.631  # below the A100's: a 700 W H100 clocks down under sustained matmul load
+GPU_OVERLAP_CONTENTION = 0.244
+GPU_DECODE_LAYER_OVERHEAD = 5.23e-05
 
 
 @dataclass(frozen=True)
@@ -60,20 +62,39 @@ class DeviceSpec:
     # Whether collectives run beside compute (a GPU: NCCL on its own SMs and copy engines). On a CPU gloo's
     # threads take the same cores the matmuls use, so data-parallel traffic adds to the step instead of hiding.
     overlaps_communication: bool = True
+    # Fraction of the communication time hidden behind compute that slows that compute anyway (NCCL's kernels
+    # take SMs and memory bandwidth from the matmuls beside them); fitted on published FSDP runs (plan.calibrate).
+    overlap_contention: float = 0.0
+    # Where measured (CPU): bytes/s reading resident memory (a decode step's weights and KV cache), which pays no
+    # first-touch page cost unlike hbm_bw's fresh outputs; and the host time a decode step spends per layer and
+    # per step outside its arithmetic (dispatching ~50 small ops a layer). Elsewhere hbm_bw, and on GPUs the per-layer
+    # figure fitted on a published serving benchmark (kernel launches and the engine's own work; plan.calibrate).
+    read_bw: float | None = None
+    decode_layer_overhead_s: float = 0.0
+    decode_step_overhead_s: float = 0.0
+    # Latency of a ring step that crosses nodes (NIC, switches, NCCL's proxy thread); None: latency_s (one node).
+    nic_latency_s: float | None = None
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_flops_bf16 if precision == "bf16" else self.peak_flops_fp32
 
 
+# Ring step latencies: NCCL's tuning model (src/graph/tuning.cc) prices a Simple-protocol ring step at 3.4-5.7 us
+# over NVLink and 6.6-9.6 us over the network, plus a base latency of 8.4 us per collective; latency_s, 10 us,
+# covers NVLink's step with its share of the base, nic_latency_s NCCL's larger network figure plus the same share.
 _GPU_SHAPE = dict(gemm_half_dim=GPU_GEMM_HALF_DIM, elementwise_traffic=GPU_ELEMENTWISE_TRAFFIC,
-                  latency_s=10e-6, runtime_bytes=1.5 * GiB)
+                  latency_s=10e-6, nic_latency_s=15e-6, runtime_bytes=1.5 * GiB,
+                  overlap_contention=GPU_OVERLAP_CONTENTION, decode_layer_overhead_s=GPU_DECODE_LAYER_OVERHEAD)
 
 DEVICES: dict[str, DeviceSpec] = {
-    # DGX A100: NVLink3 (~230 GB/s all-reduce bus bandwidth in nccl-tests), one HDR 200 Gb/s NIC per GPU.
+    # DGX A100: NVLink3, 600 GB/s per GPU both ways (datasheet), ~230 GB/s all-reduce bus bandwidth in nccl-tests;
+    # one ConnectX-6 HDR 200 Gb/s NIC per GPU, 25 GB/s (a rail each: 8 per node, 1,600 Gb/s, as MosaicML's and
+    # Meta's A100 clusters have; nccl-tests across DGX A100 nodes report ~185-190 GB/s bus bandwidth per node).
     "a100-80gb": DeviceSpec("a100-80gb", peak_flops_bf16=312e12, peak_flops_fp32=19.5e12, memory_bytes=80 * GiB,
                             hbm_bw=2.04e12, intra_node_bw=230e9, nic_bw=25e9,
                             gemm_efficiency=A100_GEMM_EFFICIENCY, **_GPU_SHAPE),
-    # HGX H100 SXM: NVLink4 (~360 GB/s all-reduce bus bandwidth), one 400 Gb/s NIC per GPU.
+    # HGX H100 SXM: NVLink4, 900 GB/s per GPU both ways (datasheet), ~360 GB/s all-reduce bus bandwidth in
+    # nccl-tests without NVLink SHARP; one ConnectX-7 NDR 400 Gb/s NIC per GPU, 50 GB/s (3,200 Gb/s per node).
     "h100-sxm": DeviceSpec("h100-sxm", peak_flops_bf16=989e12, peak_flops_fp32=67e12, memory_bytes=80 * GiB,
                            hbm_bw=3.35e12, intra_node_bw=360e9, nic_bw=50e9,
                            gemm_efficiency=H100_GEMM_EFFICIENCY, **_GPU_SHAPE),
@@ -102,7 +123,7 @@ def parse_overrides(text: str | None) -> dict[str, float]:
             raise UserError(f"--device-spec {item!r}: {value!r} is not a number") from None
         if not math.isfinite(number):
             raise UserError(f"--device-spec {item!r}: must be a finite number")
-        if number < 0 or (number == 0 and key not in ("latency_s", "op_overhead_s", "runtime_bytes")):
+        if number < 0 or (number == 0 and key not in ("latency_s", "nic_latency_s", "op_overhead_s", "runtime_bytes")):
             raise UserError(f"--device-spec {item!r}: must be positive")
         field, scale = _UNITS.get(key, (key, 1.0))
         out[field] = number * scale

@@ -22,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="flavor name (debug, small, llama-8b, ...) or hidden=H,layers=L,heads=A,kv_heads=K,"
                              "ffn=F,vocab=V[,family=llama|gpt2][,dropout=P]")
-    parser.add_argument("--seq", type=int, required=True, help="tokens per training sequence")
-    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per training sequence (training plans)")
+    parser.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (training plans)")
     parser.add_argument("--devices", type=int, required=True, help="number of accelerators (or CPU processes)")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="devices per node (default 8; with --device cpu, all processes share this machine)")
@@ -42,6 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "zero=0-3|ddp|zero1-3,recompute=none|selective|full[,schedule=gpipe|1f1b|"
                              "interleaved_1f1b][,v=..][,sp=true]")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to list")
+    serve = parser.add_argument_group("serving (--serve): tensor-parallel degree and replicas for inference")
+    serve.add_argument("--serve", action="store_true", help="plan serving instead of training")
+    serve.add_argument("--context", type=int, default=None, help="tokens per sequence: prompt + output")
+    serve.add_argument("--prompt-tokens", type=int, default=None, help="prompt tokens (default: half the context)")
+    serve.add_argument("--concurrency", type=int, default=None, help="sequences served at once, over all replicas")
+    serve.add_argument("--rate", type=float, default=None, help="requests per second to carry")
+    serve.add_argument("--ttft-ms", type=float, default=None, help="time-to-first-token target")
+    serve.add_argument("--tpot-ms", type=float, default=None, help="time-per-output-token target")
+    serve.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                       help="weight width (default: the precision's)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -167,10 +177,19 @@ class Plan:
     feasible: int = 0  # layouts that fit (a search lists the first ``top``)
     rejected: Counter = field(default_factory=Counter)  # why the others did not
     smallest_device_count: int | None = None  # when nothing fits: the fewest devices on which something does
+    # A --layout that does not fit: (the change to its --layout, that layout's prediction) that would, fastest first.
+    would_fit: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {**self.header, "layouts": [p.to_dict() for p in self.layouts], "feasible": self.feasible,
                 "rejected": dict(self.rejected), "smallest_device_count_that_fits": self.smallest_device_count}
+
+    def layout_dict(self) -> dict:
+        """The one --layout's answer: the question, its prediction and, when it does not fit, what would."""
+        return {**self.header, **self.layouts[0].to_dict(),
+                "would_fit": [dict(change=change, layout=p.layout.describe(),
+                                   memory_per_device_bytes=p.memory_per_device_bytes, tokens_per_sec=p.tokens_per_sec)
+                              for change, p in self.would_fit]}
 
 
 def plan(model: str, seq: int, global_batch: int, devices: int, device: str = "h100-sxm", *,
@@ -178,9 +197,11 @@ def plan(model: str, seq: int, global_batch: int, devices: int, device: str = "h
          precision: str | None = None, states: str = "fp32", top: int = 10) -> Plan:
     """Which layouts of ``model`` fit ``devices`` accelerators, and how fast each trains (see add_arguments
     for the meaning of each option). With ``layout`` ("tp=2,pp=4,..."), that one layout's prediction; a
-    layout that cannot work or does not fit is a UserError naming why."""
+    layout that cannot work is a UserError naming why, one that does not fit is predicted all the same
+    (``fits`` False) with the changes that would make it fit (``would_fit``)."""
     from scalenlp.hardware import get_device, parse_overrides
-    from scalenlp.plan.cost import Workload, check_layout, fits, model_shape, predict
+    from scalenlp.plan.cost import Workload, check_layout, model_shape, predict
+    from scalenlp.plan.remedy import what_fits
     from scalenlp.plan.search import MAX_DEVICES, search, smallest_device_count
 
     for name, value in (("seq", seq), ("global_batch", global_batch), ("devices", devices), ("top", top)):
@@ -218,32 +239,106 @@ def plan(model: str, seq: int, global_batch: int, devices: int, device: str = "h
         if problems:
             raise UserError(f"layout {chosen.describe()} cannot work: {'; '.join(m for _, m in problems)}")
         p = predict(shape, work, chosen, spec, gpus_per_node)
-        if not fits(p, spec):
-            parts = ", ".join(f"{k} {_gib(v)}" for k, v in p.memory.items())
-            raise UserError(f"layout {chosen.describe()} does not fit: it needs {_gib(p.memory_per_device_bytes)} GiB "
-                            f"per device ({parts}) and a {spec.name} has {_gib(spec.memory_bytes)} GiB; "
-                            "raise zero, recompute, tp or pp, or lower the microbatch")
-        return Plan(header, spec, [with_command(p)], feasible=1)
+        remedies = [] if p.fits else what_fits(shape, work, chosen, spec, devices, gpus_per_node)
+        return Plan(header, spec, [with_command(p)], feasible=int(p.fits), would_fit=remedies)
     result = search(shape, work, spec, devices, gpus_per_node)
     smallest = None if result.ranked else smallest_device_count(shape, work, spec, devices, gpus_per_node)
     return Plan(header, spec, [with_command(p) for p in result.ranked[:top]], len(result.ranked), result.rejected,
                 smallest)
 
 
+def _serving_device(device: str, device_spec: str, gpus_per_node: int | None, devices: int, precision: str | None):
+    """(DeviceSpec, devices per node, precision) for serving; on a CPU, this machine measured in the precision its
+    engine serves in (bf16 where the CPU computes it natively)."""
+    from scalenlp.hardware import get_device, parse_overrides
+
+    overrides = parse_overrides(device_spec)
+    if device != "cpu":
+        return get_device(device, overrides), gpus_per_node or 8, precision or "bf16"
+    import dataclasses
+
+    import torch
+
+    from scalenlp.infer.engine import pick_dtype
+    from scalenlp.plan.measure import measure_cpu, serving_figures  # times this machine: only when asked for
+
+    precision = precision or ("bf16" if pick_dtype(torch.device("cpu")) == torch.bfloat16 else "fp32")
+    measured = measure_cpu(processes=1)
+    spec = dataclasses.replace(measured, **serving_figures(torch.bfloat16 if precision == "bf16" else torch.float32))
+    return dataclasses.replace(spec, **overrides), gpus_per_node or devices, precision
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`scalenlp plan --serve`: the layouts that serve the model within the targets, fewest devices first."""
+    from scalenlp.plan.cost import model_shape
+    from scalenlp.plan.serving import plan_serving
+
+    if args.context is None or args.context < 2:
+        raise UserError("--serve needs --context N (prompt + output tokens per sequence, at least 2)")
+    if args.concurrency is None and args.rate is None:
+        raise UserError("--serve needs --concurrency K, or --rate R with --ttft-ms and/or --tpot-ms")
+    if args.concurrency is not None and args.concurrency < 1 or args.rate is not None and args.rate <= 0:
+        raise UserError("--concurrency must be at least 1 and --rate positive")
+    prompt = args.prompt_tokens or args.context // 2
+    if not 1 <= prompt < args.context:
+        raise UserError(f"--prompt-tokens {prompt} must be at least 1 and below --context {args.context}")
+    try:
+        shape = model_shape(args.model, args.context)
+    except UserError as e:
+        raise UserError(str(e).replace("--seq", "--context")) from None
+    device, per_node, precision = _serving_device(args.device, args.device_spec, args.gpus_per_node, args.devices,
+                                                  args.precision)
+    layouts = plan_serving(shape, device, args.devices, per_node, args.context, prompt, concurrency=args.concurrency,
+                           rate=args.rate, ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, precision=precision,
+                           quantize=args.quantize)[:args.top]
+    if args.json:
+        print(json.dumps(dict(model=args.model, parameters=shape.total_params, device=device.name,
+                              devices=args.devices, context=args.context, prompt_tokens=prompt,
+                              quantize=args.quantize or precision, layouts=[s.to_dict() for s in layouts]), indent=2))
+        return 0 if layouts else 1
+    print(f"serving {args.model} ({shape.total_params / 1e6:,.1f}M parameters, {args.quantize or precision}) on up to {args.devices} "
+          f"x {device.name}, context {args.context} ({prompt} prompt): {len(layouts)} layouts")
+    for rank, s in enumerate(layouts, 1):
+        print(f"#{rank} tp={s.tp} replicas={s.replicas} ({s.devices} devices), batch {s.batch} per replica "
+              f"(at most {s.max_batch})")
+        print(f"    TTFT {s.ttft_s * 1e3:,.1f} ms | TPOT {s.tpot_s * 1e3:,.2f} ms | {s.tokens_per_sec:,.0f} output tokens/s")
+        print(f"    per device: weights {_gib(s.weights_per_device)} GiB, KV cache {_gib(s.kv_per_sequence)} GiB per "
+              f"sequence, {_gib(s.kv_per_device)} GiB for the batch")
+    if not layouts:
+        print("no layout meets the targets on these devices; loosen --ttft-ms/--tpot-ms, lower --rate, or add "
+              "--devices", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from scalenlp.plan.search import MAX_DEVICES
+
+    if args.serve:
+        return run_serve(args)
+    if args.seq is None or args.global_batch is None:
+        raise UserError("plan needs --seq and --global-batch (or --serve with --context to plan serving)")
 
     result = plan(args.model, args.seq, args.global_batch, args.devices, args.device, layout=args.layout,
                   gpus_per_node=args.gpus_per_node, device_spec=args.device_spec, precision=args.precision,
                   states=args.states, top=args.top)
     title = f"{args.model} ({result.header['parameters'] / 1e6:,.1f}M parameters) on {args.devices} x {result.device.name}"
     if args.layout:
+        p = result.layouts[0]
         if args.json:
-            print(json.dumps({**result.header, **result.layouts[0].to_dict()}, indent=2))
+            print(json.dumps(result.layout_dict(), indent=2))
         else:
             print(title)
-            print("\n".join(_describe(result.layouts[0], result.device, None)))
-        return 0
+            print("\n".join(_describe(p, result.device, None)))
+            if not p.fits:
+                print(f"does not fit: {_gib(p.memory_per_device_bytes)} GiB per device, a {result.device.name} has "
+                      f"{_gib(result.device.memory_bytes)} GiB")
+                for change, q in result.would_fit:
+                    print(f"  fits with {change}: {_gib(q.memory_per_device_bytes)} GiB, {q.tokens_per_sec:,.0f} "
+                          f"tokens/s ({q.layout.describe()})")
+                if not result.would_fit:
+                    print("  no change of one or two degrees fits; run without --layout to search every layout")
+        return 0 if p.fits else 1
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0 if result.layouts else 1

@@ -32,15 +32,17 @@ costs the measured factor over the fused one (it makes separate passes).
 Communication, ring algorithms (n ranks, β bus bandwidth, α per hop): all-reduce 2(n−1)/n·bytes/β +
 2(n−1)α, all-gather and reduce-scatter half of that (times the slowdown ``--device cpu`` measures
 for gloo's). A group's bandwidth is the node's own when all
-its ranks share a node, else the NICs of its ranks on one node (mesh order pp, dp_replicate,
-dp_shard, tp, innermost last). Per layer per microbatch TP moves 8bsh(t−1)/t elements (two
+its ranks share a node, else the NICs of its ranks on one node, its steps across nodes at the
+network's latency (mesh order pp, dp_replicate, dp_shard, tp, innermost last; scalenlp.plan.comms). Per layer per microbatch TP moves 8bsh(t−1)/t elements (two
 all-reduces forward, two backward; sequence parallelism replaces each by an all-gather plus a
 reduce-scatter of the same volume), two more with full recomputation, not overlapped; the
 vocabulary-parallel embedding, output projection and loss add their own at the two ends. DDP and
 ZeRO-1 reduce gradients once per step, overlapped with the last microbatch's backward (ZeRO-1 then
 gathers the updated weights); FSDP's ZeRO-2/3 gather weights for each microbatch (ZeRO-3 for
-forward and again for backward: with the reduce-scatter, 1.5× the bytes of DDP), hidden behind that
-microbatch's compute as far as it lasts, and copy parameters and gradients through their flat
+forward and again for backward: with the reduce-scatter, 1.5× the bytes of DDP), unit by unit, each
+gather hidden behind the previous unit's compute only and the backward's gathers and reductions
+sharing the link (scalenlp.plan.comms); hidden traffic still slows the compute beside it by
+overlap_contention of its time; and they copy parameters and gradients through their flat
 collective buffers at memory bandwidth. On a CPU (overlaps_communication false) gloo's threads
 share the cores with compute, so no data-parallel traffic is hidden. Pipeline stages send
 activations forward and gradients back, exposed; a tied embedding's two copies (first and last stage)
@@ -57,7 +59,9 @@ per-GPU TFLOP/s over the six rows of Megatron-LM 2021 Table 1 the tests do not u
 alone on Llama 3's 16,384-GPU row (400 TFLOP/s), which the H200 shares. Held out for the tests:
 Megatron's 1.7B, 18.4B, 145.6B and 1008B rows and Llama 3's 8,192-GPU row (all predicted within
 6%). The fitted values are physical: a large A100 matmul at ~77% of peak, an H100 at ~62% (power
-limited), a 135-wide dimension halving efficiency, ~5 bytes moved per stored activation byte.
+limited), a 134-wide dimension halving efficiency, ~5 bytes moved per stored activation byte; hidden
+communication slowing compute by a quarter of its time (GPU_OVERLAP_CONTENTION, fitted on published
+FSDP runs).
 ``--device cpu`` measures its own peak, half dimension, bandwidths and latency instead
 (scalenlp.plan.measure).
 """
@@ -70,6 +74,7 @@ from dataclasses import asdict, dataclass, field
 
 from scalenlp.errors import UserError
 from scalenlp.hardware import DeviceSpec
+from scalenlp.plan import comms
 
 # Bytes an Adam step streams per local optimizer parameter: read grad, weights, m, v; write weights, m, v.
 OPTIMIZER_TRAFFIC = 28
@@ -168,6 +173,7 @@ class Prediction:
     bubble_fraction: float
     time_breakdown_s: dict[str, float] = field(default_factory=dict)
     train_command: str | None = None  # filled in by the command for a named flavor
+    fits: bool = True  # whether memory_per_device_bytes fits the device's memory
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -259,6 +265,11 @@ def _count_cached(name: str, flavor: str | None, key: tuple) -> ModelShape:
 
 def _count(name: str, flavor: str | None, args) -> ModelShape:
     return _count_cached(name, flavor, tuple(sorted(asdict(args).items())))
+
+
+def shape_of(name: str, args) -> ModelShape:
+    """The cost model's view of a model built from ``args`` (a loaded checkpoint's ModelArgs)."""
+    return _count(name, None, args)
 
 
 # ---------------------------------------------------------------- memory
@@ -422,23 +433,6 @@ def step_flops(shape: ModelShape, work: Workload, recompute: str) -> tuple[float
     return model, model + extra
 
 
-def ring_time(kind: str, nbytes: float, n: int, bw: float, latency: float, slowdown: float = 1.0) -> float:
-    """A ring collective's time, times ``slowdown`` where the library is measured slower than the ring
-    (DeviceSpec.all_gather_factor, reduce_scatter_factor)."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    hops = (n - 1) * (2 if kind == "all_reduce" else 1)
-    return slowdown * hops * (nbytes / n / bw + latency)
-
-
-def _group_bw(stride: int, size: int, gpus_per_node: int, device: DeviceSpec) -> float:
-    """Bus bandwidth of a group of ``size`` ranks spaced ``stride`` apart in the rank order."""
-    if stride * size <= gpus_per_node:
-        return device.intra_node_bw
-    per_node = max(1, gpus_per_node // stride)
-    return min(device.intra_node_bw, per_node * device.nic_bw)
-
-
 def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpec, gpus_per_node: int = 8) -> Prediction:
     """Memory and time of one step; assumes ``check_layout`` found nothing wrong with the degrees."""
     lay, e = layout, ELEMENT_BYTES[work.precision]
@@ -460,15 +454,15 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     stored = activation_bytes_per_layer(shape, lay.microbatch, work.seq, lay.tp, lay.sequence_parallel, "none",
                                         work.precision, work.flash_attention)
     elementwise_s = device.elementwise_traffic * stored * passes / 3 / device.hbm_bw + OPS_PER_LAYER * device.op_overhead_s
-    tp_bw = _group_bw(1, lay.tp, gpus_per_node, device)
+    tp_bw = comms.group(1, lay.tp, gpus_per_node, device).bw
     collectives = 4 + (2 if lay.recompute == "full" else 0)
-    hidden_reduce = ring_time("all_reduce", e * tokens * shape.hidden, lay.tp, tp_bw, device.latency_s)
+    hidden_reduce = comms.ring_time("all_reduce", e * tokens * shape.hidden, lay.tp, tp_bw, device.latency_s)
     tp_s = collectives * hidden_reduce
     # The ends, once per microbatch: the vocabulary-parallel embedding reduces its output (forward); the
     # output projection reduces its input's gradient (backward), and the vocabulary-parallel loss three
     # fp32 values per token (max logit, sum of exponentials, target logit).
     tp_first_s = hidden_reduce
-    tp_last_s = hidden_reduce + 3 * ring_time("all_reduce", 4 * tokens, lay.tp, tp_bw, device.latency_s)
+    tp_last_s = hidden_reduce + 3 * comms.ring_time("all_reduce", 4 * tokens, lay.tp, tp_bw, device.latency_s)
 
     # The loss end: logits matmul (forward + backward) and the softmax over the vocabulary.
     logits_matmul_s = 3 * _gemm_time(2 * tokens * shape.hidden * shape.vocab / lay.tp,
@@ -486,45 +480,83 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     p2p_bytes = e * tokens * shape.hidden / (lay.tp if lay.sequence_parallel else 1)
     p2p_s = 2 * v * (p2p_bytes / pp_bw + device.latency_s) if lay.pp > 1 else 0.0
 
-    # Data parallel: ring collectives over dp_shard (stride tp) and dp_replicate (stride tp·dp_shard).
-    # DDP and ZeRO-1 reduce gradients once per step (no_sync while accumulating), during the last backward;
-    # ZeRO-1 then gathers the updated weights. FSDP (ZeRO-2/3) gathers weights for every microbatch (ZeRO-3
-    # again for backward), hidden behind that microbatch's compute, and reduce-scatters gradients after each
-    # microbatch, or once per step under a pipeline schedule, which syncs only on the last backward.
+    # Data parallel (scalenlp.plan.comms): rings over dp_shard (stride tp) and dp_replicate (stride tp·dp_shard),
+    # unit by unit (a block, and the embedding and output ends), each gather hidden behind the previous unit's
+    # compute only. DDP and ZeRO-1 reduce gradients once per step (no_sync while accumulating), during the last
+    # backward; ZeRO-1 then gathers the updated weights. FSDP (ZeRO-2/3) gathers weights for every microbatch
+    # (ZeRO-3 again for backward) and reduce-scatters gradients after each microbatch, or once per step under a
+    # pipeline schedule, which syncs only on the last backward.
     w_bytes, g_bytes, _ = STATE_BYTES[work.states]
-    shard_bw = _group_bw(lay.tp, lay.dp_shard, gpus_per_node, device)
-    repl_bw = _group_bw(lay.tp * lay.dp_shard, lay.dp_replicate, gpus_per_node, device)
-    dp_bw = _group_bw(lay.tp, lay.dp, gpus_per_node, device)
+    shard = comms.group(lay.tp, lay.dp_shard, gpus_per_node, device)
+    replicate = comms.group(lay.tp * lay.dp_shard, lay.dp_replicate, gpus_per_node, device)
+    whole_dp = comms.group(lay.tp, lay.dp, gpus_per_node, device)
     lat = device.latency_s
+    overlaps = device.overlaps_communication
     reduce_every_microbatch = lay.zero >= 2 and lay.pp == 1
 
+    def gather(params: float) -> float:
+        return comms.collective("all_gather", e * params, shard, device.all_gather_factor) if lay.zero >= 2 else 0.0
+
+    def reduction(params: float) -> float:
+        if lay.zero >= 2:
+            return (comms.collective("reduce_scatter", g_bytes * params, shard, device.reduce_scatter_factor)
+                    + comms.collective("all_reduce", g_bytes * params / lay.dp_shard, replicate))
+        return comms.collective("all_reduce", g_bytes * params, whole_dp)
+
     def exposed(communication: float, compute_beside: float) -> float:
-        return max(0.0, communication - compute_beside) if device.overlaps_communication else communication
+        return max(0.0, communication - compute_beside) if overlaps else communication
 
     per_stage = []  # (one microbatch slot, once-per-step tail) of each pipeline rank
     for stage, layers in enumerate(layers_per_rank(shape, work.seq, lay.pp, v)):
-        last = stage == lay.pp - 1
+        first, last = stage == 0, stage == lay.pp - 1
         slot = dict(matmul=layers * matmul_s + (logits_matmul_s if last else 0.0),
                     elementwise=layers * elementwise_s + (logits_elementwise_s if last else 0.0),
-                    tensor_parallel=layers * tp_s + (tp_first_s if stage == 0 else 0.0) + (tp_last_s if last else 0.0),
+                    tensor_parallel=layers * tp_s + (tp_first_s if first else 0.0) + (tp_last_s if last else 0.0),
                     pipeline_p2p=p2p_s)
-        if lay.tp > 1 or (lay.zero >= 2 and lay.dp_shard > 1):
+        fsdp_units = lay.zero >= 2 and lay.dp_shard > 1
+        unit_overhead = device.fsdp_unit_overhead_s if fsdp_units else 0.0
+        if lay.tp > 1 or fsdp_units:
             units = layers + (stage in (0, lay.pp - 1))  # FSDP: a unit per block, and the root's
-            linears = layers * LINEARS_PER_LAYER[shape.swiglu] + (stage == 0) + last  # + embedding, output
-            slot["framework"] = ((units * device.fsdp_unit_overhead_s if lay.zero >= 2 and lay.dp_shard > 1 else 0.0)
-                                 + (linears * device.tp_linear_overhead_s if lay.tp > 1 else 0.0))
+            linears = layers * LINEARS_PER_LAYER[shape.swiglu] + first + last  # + embedding, output
+            slot["framework"] = units * unit_overhead + (linears * device.tp_linear_overhead_s if lay.tp > 1 else 0.0)
         compute = slot["matmul"] + slot["elementwise"] + slot["tensor_parallel"] + slot.get("framework", 0.0)
         backward = compute * 2 / passes
         params = stage_params(shape, lay, stage, layers)
         grads = g_bytes * params
+        # The stage's units in forward order: (parameters on this rank, forward compute, backward compute).
+        layer_compute = matmul_s + elementwise_s + tp_s + unit_overhead
+        units_list = [(shape.layer_params / lay.tp, layer_compute / passes, layer_compute * (passes - 1) / passes)
+                      ] * layers
+        if first:  # the embedding: nothing computes before it, so its gather waits whole
+            units_list.insert(0, (shape.embedding_params / lay.tp, 0.0, 0.0))
+        if last:  # final norm and output projection (a tied one is the embedding itself without pipelining)
+            head = (shape.head_params - (shape.vocab * shape.hidden if shape.tied and lay.pp == 1 else 0)) / lay.tp
+            head_compute = logits_matmul_s + logits_elementwise_s
+            units_list.append((head, head_compute / 3, head_compute * 2 / 3))
+        unit_params = [u[0] for u in units_list]
+        forward_compute = [u[1] for u in units_list]
+        backward_compute = [u[2] for u in units_list][::-1]
+        gathers = [gather(p) for p in unit_params]
+        backward_gathers = gathers[::-1] if lay.zero == 3 else [0.0] * len(gathers)
+        reductions = [reduction(p) for p in unit_params][::-1]
+        no_reduction = [0.0] * len(gathers)
+        forward_wait = comms.forward_exposed(gathers, forward_compute, overlaps)
+        backward_wait = comms.backward_exposed(backward_gathers, no_reduction, backward_compute, overlaps)
+        with_reduction = comms.backward_exposed(backward_gathers, reductions, backward_compute, overlaps)
+        # Traffic that runs beside compute still costs it: NCCL's kernels take SMs and memory bandwidth from the
+        # matmuls they overlap (device.overlap_contention of the hidden time; 0 where nothing overlaps).
+        contention = device.overlap_contention if overlaps else 0.0
+        microbatch_traffic = sum(gathers) + sum(backward_gathers)
+        step_traffic = sum(reductions)
         if lay.zero >= 2:
-            gathers = (lay.zero - 1) * ring_time("all_gather", e * params, lay.dp_shard, shard_bw, lat,
-                                                   device.all_gather_factor)
-            reduce = (ring_time("reduce_scatter", grads, lay.dp_shard, shard_bw, lat, device.reduce_scatter_factor)
-                      + ring_time("all_reduce", grads / lay.dp_shard, lay.dp_replicate, repl_bw, lat))
-            hidden = gathers + (reduce if reduce_every_microbatch else 0.0)
-            slot["data_parallel_exposed"] = exposed(hidden, compute)
-            step_sync = 0.0 if reduce_every_microbatch else exposed(reduce, backward)
+            if reduce_every_microbatch:
+                waits, step_sync = forward_wait + with_reduction, 0.0
+                microbatch_traffic += step_traffic
+            else:
+                waits = forward_wait + backward_wait
+                step_sync = with_reduction - backward_wait  # the last microbatch's backward also reduces
+                step_sync += contention * max(0.0, step_traffic - step_sync)
+            slot["data_parallel_exposed"] = waits + contention * max(0.0, microbatch_traffic - waits)
             if lay.dp_shard > 1:
                 # FSDP copies each gathered shard in and the full parameters out of the gather buffer, and
                 # the full gradients into the reduce-scatter buffer (read + write each).
@@ -532,14 +564,14 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
                     + (2 * grads if reduce_every_microbatch else 0.0)
                 slot["fsdp_copies"] = copies / device.hbm_bw
         else:
-            step_sync = exposed(ring_time("all_reduce", grads, lay.dp, dp_bw, lat), backward)
+            step_sync = with_reduction + contention * max(0.0, step_traffic - with_reduction)
             if lay.zero == 1:
-                step_sync += ring_time("all_gather", w_bytes * params, lay.dp, dp_bw, lat, device.all_gather_factor)
+                step_sync += comms.collective("all_gather", w_bytes * params, whole_dp, device.all_gather_factor)
         if shape.tied and lay.pp > 1 and stage in (0, lay.pp - 1):
             # The embedding and its copy on the last stage sum their gradients (this rank's shard) once per step,
             # between the two ends of the pipeline, after the backward: exposed.
             tied_shard = g_bytes * shape.vocab * shape.hidden / lay.tp / (lay.dp_shard if lay.zero >= 2 else 1)
-            step_sync += ring_time("all_reduce", tied_shard, 2, pp_bw, lat)
+            step_sync += comms.ring_time("all_reduce", tied_shard, 2, pp_bw, lat)
         optimizer_params = params / (lay.dp_shard if lay.zero else 1)
         tail = dict(grad_sync_exposed=step_sync,
                     optimizer=optimizer_params * (OPTIMIZER_TRAFFIC + g_bytes) / device.hbm_bw)
@@ -559,13 +591,15 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     model_flops, hardware_flops = step_flops(shape, work, lay.recompute)
     n = lay.devices
     parts = max(memory_by_stage(shape, work, lay, device), key=lambda m: sum(m.values()))
-    return Prediction(
+    prediction = Prediction(
         layout=lay, memory=parts, memory_per_device_bytes=sum(parts.values()),
         model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops, step_time_s=step_s,
         tokens_per_sec=work.global_batch * work.seq / step_s,
         tflops_per_device=hardware_flops / step_s / n / 1e12, mfu=model_flops / step_s / n / peak,
         bubble_fraction=breakdown["bubble"] / (microbatches * max(slot_times)) if max(slot_times) else 0.0,
         time_breakdown_s=breakdown)
+    prediction.fits = fits(prediction, device)
+    return prediction
 
 
 # ---------------------------------------------------------------- what cannot work

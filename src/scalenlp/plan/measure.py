@@ -2,7 +2,8 @@
 
 - matmul rate over shapes from thin to square, fitted to the cost model's matmul time (arithmetic
   at peak · Π_d d/(d + half_dim), plus writing the result), which gives the CPU's peak and half dimension;
-- memory bandwidth (a large elementwise add into a fresh tensor), the dispatch cost of one small op,
+- memory bandwidth (a large elementwise add into a fresh tensor; and reading a resident buffer, as decoding
+  streams weights), the dispatch cost of one small op and a decode step's host time per layer,
   the time per logit of the loss (cross-entropy forward + backward) and attention's FLOP rate;
 - gloo all-reduce bandwidth and per-hop latency between two local processes, and how much longer
   its all-gather and reduce-scatter take than a ring would, each collective right after a burst of
@@ -28,7 +29,7 @@ import time
 
 import torch
 
-from scalenlp.plan.cost import ring_time
+from scalenlp.plan.comms import ring_time
 from scalenlp.hardware import GPU_ELEMENTWISE_TRAFFIC, DeviceSpec
 
 # (m, n, k): thin shapes like a small model's projections, up to square ones.
@@ -50,12 +51,25 @@ def _rate(fn, work: float, min_time: float = 0.5) -> float:
     return work / sorted(times)[2]
 
 
-def matmul_rates(dtype: torch.dtype = torch.float32) -> list[tuple[tuple[int, int, int], float]]:
+def matmul_rates(dtype: torch.dtype = torch.float32, shapes=MATMUL_SHAPES) -> list[tuple[tuple[int, int, int], float]]:
     out = []
-    for m, n, k in MATMUL_SHAPES:
+    for m, n, k in shapes:
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         out.append(((m, n, k), _rate(lambda: a @ b, 2.0 * m * n * k)))
     return out
+
+
+# (m, n, k) of inference: a decode step's batch (1-64 rows) and a prefill's prompts against a layer's weights.
+SERVING_SHAPES = tuple((m, n, k) for m in (1, 4, 16, 64, 256, 1024) for n, k in ((1024, 1024), (2048, 512)))
+
+
+def serving_figures(dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """Peak and half dimension of this machine's matmuls in the serving precision over inference's shapes: a CPU's
+    bf16 kernels run thin rows far below their square-matrix rate (on the development machine 2 GFLOP/s at one
+    row, 17 at 16, 30 at 512), which the fp32 training shapes do not show."""
+    rates = matmul_rates(dtype, SERVING_SHAPES)
+    peak, half = fit_matmul_curve(rates, memory_bandwidth())
+    return {("peak_flops_bf16" if dtype == torch.bfloat16 else "peak_flops_fp32"): peak, "gemm_half_dim": half}
 
 
 def fit_matmul_curve(rates, bandwidth: float) -> tuple[float, float]:
@@ -82,6 +96,28 @@ def memory_bandwidth() -> float:
     first touching fresh pages costs as much as streaming them, so preallocated buffers overstate it."""
     a, b = torch.ones(1 << 23), torch.ones(1 << 23)
     return _rate(lambda: torch.add(a, b), 3 * 4 * a.numel(), min_time=0.3)
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of summing a resident buffer far larger than the caches: how a decode step streams its weights."""
+    x = torch.ones(1 << 25)
+    return _rate(lambda: x.sum(), 4 * x.numel(), min_time=0.3)
+
+
+def decode_overheads() -> tuple[float, float]:
+    """(seconds per layer, seconds per step) of a decode step outside its arithmetic: the Llama-style debug model at
+    a width where nothing but dispatch costs, timed at one and five layers (a line through the two)."""
+    from scalenlp.models.flavors import build_model, model_args
+
+    times = []
+    for layers in (1, 5):
+        model = build_model(model_args("debug", n_layers=layers, vocab_size=64, max_seq_len=16)).eval()
+        model.setup_kv_cache(1, 16, torch.float32)
+        tokens, positions = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), 3)
+        with torch.no_grad():
+            times.append(1.0 / _rate(lambda: model(tokens, positions, kv_len=4), 1.0, min_time=0.3))
+    per_layer = max(0.0, (times[1] - times[0]) / 4)
+    return per_layer, max(0.0, times[0] - per_layer)
 
 
 def op_overhead() -> float:
@@ -205,8 +241,10 @@ def compute_figures() -> dict[str, float]:
     dispatch cost of this process's share of the CPU."""
     bandwidth = memory_bandwidth()
     peak, half = fit_matmul_curve(matmul_rates(), bandwidth)
+    per_layer, per_step = decode_overheads()
     return dict(peak_flops_fp32=peak, peak_flops_bf16=peak * _rate_ratio(), gemm_half_dim=half, hbm_bw=bandwidth,
-                op_overhead_s=op_overhead(), loss_s_per_logit=loss_time_per_logit(), attention_flops=attention_rate())
+                op_overhead_s=op_overhead(), loss_s_per_logit=loss_time_per_logit(), attention_flops=attention_rate(),
+                read_bw=read_bandwidth(), decode_layer_overhead_s=per_layer, decode_step_overhead_s=per_step)
 
 
 def _collective_after_compute(collective, reps: int) -> float:
@@ -307,7 +345,8 @@ def distributed_figures(world: int, with_compute: bool) -> dict[str, float]:
                    tp_linear_overhead_s=result["tp_linear"], vocab_parallel_loss_factor=result["loss_parallel"])
     if with_compute:
         figures.update({k: result[k] for k in ("peak_flops_fp32", "peak_flops_bf16", "gemm_half_dim", "hbm_bw",
-                                               "op_overhead_s", "loss_s_per_logit", "attention_flops")})
+                                               "op_overhead_s", "loss_s_per_logit", "attention_flops", "read_bw",
+                                               "decode_layer_overhead_s", "decode_step_overhead_s")})
     return figures
 
 

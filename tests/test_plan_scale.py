@@ -1,0 +1,125 @@
+"""The planner at cluster scale: published fully sharded runs, communication by topology, layouts that do not fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from scalenlp.hardware import get_device
+from scalenlp.plan import comms
+from scalenlp.plan.calibrate import FSDP_FIT, FSDP_HELD_OUT, sharded_tokens_per_gpu
+from scalenlp.plan.cost import Layout, Workload, model_shape, predict
+
+
+@pytest.mark.parametrize("run", FSDP_HELD_OUT, ids=lambda r: r.source)
+def test_held_out_fully_sharded_runs_within_20_percent(run):
+    assert sharded_tokens_per_gpu(run) == pytest.approx(run.tokens_per_gpu, rel=0.20)
+
+
+@pytest.mark.parametrize("run", FSDP_FIT, ids=lambda r: r.source)
+def test_fully_sharded_fit_rows_stay_matched(run):
+    assert sharded_tokens_per_gpu(run) == pytest.approx(run.tokens_per_gpu, rel=0.10)
+
+
+def test_a_ring_across_nodes_runs_at_its_rails_and_pays_the_network_step():
+    a100 = get_device("a100-80gb")
+    inside = comms.group(1, 8, 8, a100)
+    assert (inside.bw, inside.latency) == (a100.intra_node_bw, a100.latency_s)
+    # Every GPU of 4 nodes: 8 rings, one per NIC, each crossing 3 node boundaries out of 31 steps.
+    across = comms.group(1, 32, 8, a100)
+    assert across.bw == 8 * a100.nic_bw
+    assert across.latency == pytest.approx((28 * a100.latency_s + 3 * a100.nic_latency_s) / 31)
+    # One rank per node (tensor parallelism fills the node): one NIC, every step crosses the network.
+    strided = comms.group(8, 32, 8, a100)
+    assert (strided.bw, strided.latency) == (a100.nic_bw, a100.nic_latency_s)
+
+
+def _frictionless():
+    return dataclasses.replace(get_device("a100-80gb"), peak_flops_bf16=math.inf, hbm_bw=math.inf, latency_s=0.0,
+                               nic_latency_s=0.0)
+
+
+def test_zero3_moves_three_times_the_bf16_weights_per_gpu_per_step():
+    """Two all-gathers of the bf16 weights and a reduce-scatter of bf16 gradients, each (n − 1)/n of the bytes
+    through a ring of 64 GPUs (8 nodes) at 8 NICs' bandwidth."""
+    shape, device = model_shape("llama-8b", 2048), _frictionless()
+    work = Workload(seq=2048, global_batch=64, states="mixed")
+    p = predict(shape, work, Layout(dp_shard=64, zero=3, microbatch=1), device)
+    bf16_weights = 2 * shape.total_params
+    expected = 3 * bf16_weights * 63 / 64 / (8 * device.nic_bw)
+    assert p.time_breakdown_s["data_parallel_exposed"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_gather_hides_behind_the_previous_layer_not_the_whole_step():
+    # Traffic per layer is 3 units, compute 2: one unit per layer waits; the first gather waits whole.
+    assert comms.forward_exposed([3.0] * 4, [2.0] * 4, True) == 3.0 + 3 * 1.0
+    # The whole step's compute (8) exceeds the whole traffic (12)? No: a whole-step bound would hide 8 of 12.
+    assert comms.forward_exposed([1.0] * 4, [2.0] * 4, True) == 1.0
+    # Backward: the link carries the next gather and the previous reduction while a unit computes.
+    assert comms.backward_exposed([1.0] * 3, [1.0] * 3, [1.5] * 3, True) == 1.0 + 1.0 + 0.5
+    assert comms.backward_exposed([1.0] * 3, [1.0] * 3, [1.5] * 3, False) == 6.0
+
+
+def test_zero3_on_1536_a100s_with_one_sequence_each_waits_on_its_network():
+    """The issue's example: 175B, ZeRO-3 over 1,536 A100s, one 2,048-token sequence per GPU per step. Each layer's
+    3.6 GB gather takes as long as that layer's forward (1,535 ring steps, 192 crossing nodes), so the traffic
+    no longer hides; with a slower network it dominates."""
+    shape = model_shape("hidden=12288,layers=96,heads=96,vocab=51200", 2048)
+    work = Workload(seq=2048, global_batch=1536, states="mixed")
+    layout = Layout(dp_shard=1536, zero=3, microbatch=1, recompute="full")
+    a100 = get_device("a100-80gb")
+    p = predict(shape, work, layout, a100)
+    communication = p.time_breakdown_s["data_parallel_exposed"]
+    assert communication > 0.1 * p.step_time_s
+    assert p.tflops_per_device < 0.65 * a100.peak_flops_bf16 / 1e12
+    half_network = predict(shape, work, layout, dataclasses.replace(a100, nic_bw=a100.nic_bw / 2))
+    assert half_network.time_breakdown_s["data_parallel_exposed"] > 1.9 * communication
+
+
+def test_llama3_405b_on_16384_h100s_is_planned_with_tensor_and_pipeline_parallelism():
+    """Sequence 8,192 and 16M tokens per batch (2,048 sequences), as Meta trained it: pure ZeRO-3 over thousands of
+    ranks waits on its network every layer, so the first layouts combine TP within a node and PP across nodes."""
+    from scalenlp.plan.calibrate import LLAMA3_405B
+    from scalenlp.plan.search import search
+
+    shape, work = model_shape(LLAMA3_405B, 8192), Workload(seq=8192, global_batch=2048, states="mixed")
+    ranked = search(shape, work, get_device("h100-sxm"), 16384, 8).ranked
+    for p in ranked[:5]:
+        assert p.layout.tp > 1 and p.layout.pp > 1, p.layout.describe()
+    pure_zero3 = predict(shape, work, Layout(dp_shard=2048, tp=8, zero=3, microbatch=1, recompute="full",
+                                             sequence_parallel=True), get_device("h100-sxm"))
+    assert pure_zero3.tokens_per_sec < 0.8 * ranked[0].tokens_per_sec
+
+
+def test_a_layout_that_does_not_fit_is_predicted_and_says_what_would(capsys):
+    import json
+
+    from scalenlp.cli import main
+    from scalenlp.hardware import GiB
+
+    args = ["plan", "--model", "llama-8b", "--seq", "8192", "--global-batch", "512", "--devices", "16",
+            "--layout", "dp_replicate=16,microbatch=32"]
+    assert main([*args, "--json"]) == 1
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["fits"] is False and answer["memory_per_device_bytes"] > 80 * GiB
+    assert answer["step_time_s"] > 0 and answer["memory"]["activations"] > 0
+    assert answer["would_fit"]
+    for remedy in answer["would_fit"]:  # each names a --layout change whose prediction fits
+        assert remedy["memory_per_device_bytes"] <= 80 * GiB
+        fixed = main(["plan", *args[1:-1], remedy["layout"].replace(" ", ","), "--json"])
+        out = json.loads(capsys.readouterr().out)
+        assert fixed == 0 and out["fits"] is True, remedy
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "does not fit: 1,716" in out and "fits with " in out
+
+
+def test_a_search_lists_only_layouts_that_fit():
+    from scalenlp.plan.search import search
+
+    shape, work = model_shape("llama-8b", 8192), Workload(seq=8192, global_batch=64)
+    result = search(shape, work, get_device("h100-sxm"), 8, 8)
+    assert result.ranked and all(p.fits for p in result.ranked)
+    assert result.rejected["out of memory (more than the 80.0 GiB of a device)"] > 0

@@ -1,0 +1,87 @@
+"""`scalenlp plan --serve`: memory per device, latency from the cost model, targets, and one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scalenlp.cli import main
+from scalenlp.hardware import get_device
+from scalenlp.plan.calibrate import SERVING_FIT, SERVING_HELD_OUT, served_latency
+from scalenlp.plan.cost import model_shape
+from scalenlp.plan.serving import decode_time, kv_bytes_per_token, max_batch, plan_serving, weight_bytes
+
+
+def test_kv_cache_and_weights_per_device():
+    shape = model_shape("llama-8b", 8192)
+    # Llama 3 8B: 32 layers x 8 KV heads x 128 dims, K and V, bf16: 128 KiB per token, split by TP.
+    assert kv_bytes_per_token(shape, 1) == 2 * 32 * 8 * 128 * 2 == 128 * 1024
+    assert kv_bytes_per_token(shape, 4) == 32 * 1024
+    assert weight_bytes(shape, "int4") == weight_bytes(shape, "bf16") / 4
+    h100 = get_device("h100-sxm")
+    free = h100.memory_bytes - h100.runtime_bytes - weight_bytes(shape, "bf16")
+    assert max_batch(shape, h100, 8192, 1, "bf16") == int(free // (8192 * 128 * 1024 + 4 * shape.vocab))
+
+
+def test_decode_at_batch_one_streams_the_weights():
+    shape, h100 = model_shape("llama-70b", 4096), get_device("h100-sxm")
+    one = decode_time(shape, h100, 1, 100, 1, "bf16", "bf16")
+    host = shape.layers * h100.decode_layer_overhead_s  # kernel launches, fitted on lmdeploy's rows
+    assert one == pytest.approx(weight_bytes(shape, "bf16") / h100.hbm_bw + host, rel=0.02)
+    int4 = decode_time(shape, h100, 1, 100, 1, "bf16", "int4")
+    assert weight_bytes(shape, "int4") / h100.hbm_bw <= int4 < one
+    # Twice the batch reads the same weights: far less than twice the time while memory-bound.
+    assert decode_time(shape, h100, 2, 100, 1, "bf16", "bf16") < 1.1 * one
+
+
+def test_targets_pick_the_fewest_devices_that_carry_the_rate(capsys):
+    shape, h100 = model_shape("llama-8b", 4096), get_device("h100-sxm")
+    layouts = plan_serving(shape, h100, 16, 8, 4096, 2048, rate=5.0, ttft_ms=500, tpot_ms=30)
+    assert layouts and [s.devices for s in layouts] == sorted(s.devices for s in layouts)
+    for s in layouts:
+        assert s.ttft_s <= 0.5 and s.tpot_s <= 0.030 and s.batch <= s.max_batch
+        assert s.tokens_per_sec / 2048 >= 5.0  # requests per second carried
+    tight = plan_serving(shape, h100, 16, 8, 4096, 2048, rate=5.0, ttft_ms=500, tpot_ms=3)
+    assert tight == []  # no decode step of an 8B model streams its weights in 3 ms from one H100's HBM... or TP 8
+    code = main(["plan", "--serve", "--model", "llama-8b", "--devices", "8", "--context", "4096",
+                 "--concurrency", "32", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["layouts"]
+    for s in out["layouts"]:
+        assert s["devices"] <= 8 and s["batch"] * s["replicas"] >= 32 and s["kv_per_device"] > 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "llama-8b", "--devices", "1", "--context", "9000", "--concurrency", "1"],
+     "--context 9000 is longer than llama-8b's max_seq_len 8192; use --context 8192 or less"),
+    (["--model", "llama-70b", "--devices", "1", "--context", "4096", "--concurrency", "1"],
+     "use --devices 2 (tensor parallelism 2) or --quantize int8"),
+    (["--model", "llama-8b", "--devices", "1", "--context", "4096"], "--serve needs --concurrency K"),
+])
+def test_bad_serving_input_is_one_line_that_says_what_works(capsys, argv, message):
+    assert main(["plan", "--serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("run", SERVING_HELD_OUT, ids=lambda r: r.source.split("static inference, ")[1])
+def test_published_gpu_serving_rows_held_out_within_25_percent(run):
+    ttft, tpot = served_latency(run)
+    assert tpot == pytest.approx(run.tpot_s, rel=0.25)
+    if run.ttft_s is not None:
+        assert ttft == pytest.approx(run.ttft_s, rel=0.25)
+
+
+@pytest.mark.parametrize("run", SERVING_FIT, ids=lambda r: r.source.split("static inference, ")[1])
+def test_serving_fit_rows_stay_matched(run):
+    assert served_latency(run)[1] == pytest.approx(run.tpot_s, rel=0.15)
+
+
+@pytest.mark.slow
+def test_serving_on_this_cpu_is_measured(capsys):
+    code = main(["plan", "--serve", "--model", "debug", "--device", "cpu", "--devices", "1", "--context", "128",
+                 "--concurrency", "4"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "#1 tp=1 replicas=1 (1 devices), batch 4" in out and "TTFT" in out and "KV cache" in out
