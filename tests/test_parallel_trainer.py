@@ -46,7 +46,7 @@ def test_tensor_parallel_gpt2_family_trains_like_one_process(tmp_path, corpus):
 
 @pytest.mark.parametrize("sets, nproc, expected", [
     (["parallel.pp=4"], 4, "4 pipeline stages but the model has only 2 layers"),
-    (["parallel.tp=4"], 4, "parallel.tp=4 does not divide the model's n_kv_heads=2"),
+    (["parallel.tp=4"], 4, "tp=4 does not divide the model's 2 key/value heads"),
     (["parallel.pp=2", "parallel.pp_microbatches=3"], 2, "pp_microbatches=3 does not divide the per-rank batch 4"),
     (["parallel.tp=2", "parallel.pp=2"], 2, "= 4 does not divide the world size 2"),
 ])

@@ -47,13 +47,12 @@ def megatron_row(hidden: int, heads: int, layers: int, tp: int, pp: int, gpus: i
     """A row of Narayanan et al. 2021, Table 1: GPT, vocabulary 51,200, sequence 2,048, fp16, full recompute,
     plain data parallelism. Pipelined, Megatron keeps the tied output layer as its own copy on the last
     stage and sums the two copies' gradients once per step, as scalenlp does and the cost model counts."""
-    spec = (f"hidden={hidden},layers={layers},heads={heads},ffn={4 * hidden},vocab=51200,family=gpt2,dropout=0.1,"
-            "tie=true")
+    spec = f"hidden={hidden},layers={layers},heads={heads},ffn={4 * hidden},vocab_size=51200,family=gpt2,dropout=0.1"
     return PublishedRun(f"Megatron-LM 2021 Table 1, h={hidden}", spec, 2048, batch, gpus, tp, pp, "a100-80gb",
                         tflops, "full", False, 0)
 
 
-LLAMA3_405B = "hidden=16384,layers=126,heads=128,kv_heads=8,ffn=53248,vocab=128256"
+LLAMA3_405B = "hidden=16384,layers=126,heads=128,kv_heads=8,ffn=53248,vocab_size=128256"
 
 
 def llama3_row(gpus: int, tflops: float) -> PublishedRun:
@@ -75,7 +74,8 @@ H100_ROWS = [llama3_row(16384, 400)]
 
 
 def best_layout(run: PublishedRun, device: DeviceSpec) -> Layout:
-    """The planner's fastest layout with the run's TP and PP degrees (microbatch and schedule free).
+    """The planner's fastest layout with the run's TP and PP degrees (microbatch and schedule free, among the
+    schedules of the time).
 
     Memory is not filtered: the published runs fit with kernels (fused SwiGLU, Megatron's buffers) this
     model does not count, and what is checked here is speed."""
@@ -86,7 +86,9 @@ def best_layout(run: PublishedRun, device: DeviceSpec) -> Layout:
     if run.zero is not None:
         fixed["zero"] = run.zero
     unlimited = dataclasses.replace(device, memory_bytes=math.inf)
-    return search(shape, work, unlimited, run.devices, 8, fixed=fixed).ranked[0].layout
+    ranked = search(shape, work, unlimited, run.devices, 8, fixed=fixed).ranked
+    # The published runs predate zero-bubble schedules (Megatron's and Llama 3's are interleaved 1F1B).
+    return next(p.layout for p in ranked if p.layout.schedule != "zero_bubble")
 
 
 def predicted_tflops(run: PublishedRun, device: DeviceSpec, layout: Layout | None = None) -> float:
