@@ -35,8 +35,10 @@ def test_pipeline_and_2d_layouts_train_like_one_process(tmp_path, corpus):
 @pytest.mark.slow  # a multi-process run: `make test` runs it, `make test-fast` leaves it out
 def test_tensor_parallel_gpt2_family_trains_like_one_process(tmp_path, corpus):
     # GPT-2 options leave some parameters plain tensors under TP (the learned position table,
-    # LayerNorms): the optimizer must keep them apart from the DTensors.
-    sets = [*TINY, f"data.path={corpus}", "training.steps=3", "model.flavor=debug-gpt2", "checkpoint.export=false"]
+    # LayerNorms): the optimizer must keep them apart from the DTensors. An odd vocabulary shards unevenly
+    # (the first rank holds one row more) and still trains like one process: scalenlp.layout lets tp skip it.
+    sets = [*TINY, f"data.path={corpus}", "training.steps=3", "model.flavor=debug-gpt2", "model.vocab_size=401",
+            "checkpoint.export=false"]
     run_train(tmp_path / "single", *sets)
     run_train(tmp_path / "tp2", *sets, "parallel.tp=2", nproc=2)
     for a, b in zip(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "tp2"), strict=True):

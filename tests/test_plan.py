@@ -14,7 +14,8 @@ from scalenlp.config import load_config
 from scalenlp.models.flavors import build_model, model_args, shape_args
 from scalenlp.plan.calibrate import A100_ROWS, H100_ROWS, best_layout, llama3_row, megatron_row, predicted_tflops
 from scalenlp.plan.cost import (Layout, Workload, activation_bytes_per_layer, layers_per_rank, model_shape,
-                                model_state_bytes, predict, step_flops)
+                                model_state_bytes, predict, stage_params, step_flops)
+from scalenlp.plan.search import check_layout
 from scalenlp.parallel.pipeline import layer_costs, split_layers
 from scalenlp.hardware import get_device
 
@@ -333,10 +334,24 @@ def test_measured_attention_rate_and_loss_time_replace_the_formulas():
 
 
 def test_layouts_the_trainer_refuses_are_refused():
-    from scalenlp.plan.search import check_layout
-
     work = Workload(seq=128, global_batch=16)
     tied = check_layout(model_shape("small", 128), work, Layout(pp=2, dp_replicate=1, microbatch=8), 2, 8)
     assert tied == []  # the trainer pipelines tied embeddings as two synchronised copies
     zero1_tp = check_layout(model_shape("debug", 128), work, Layout(dp_shard=2, zero=1, tp=2, microbatch=8), 4, 8)
     assert zero1_tp == []  # the trainer runs ZeRO-1 beside TP and PP
+
+
+def test_an_uneven_vocabulary_is_planned_with_the_largest_shard():
+    shape = model_shape("gpt2-124m", 1024)  # vocabulary 50257: the first tp rank holds 25129 rows
+    assert check_layout(shape, Workload(seq=1024, global_batch=8), Layout(tp=2, microbatch=8), 2, 8) == []
+    extra = stage_params(shape, Layout(tp=2), 0, shape.layers) - stage_params(shape, Layout(), 0, shape.layers) / 2
+    assert extra == pytest.approx((25129 - 50257 / 2) * shape.hidden)  # one tied matrix, half a row more
+
+
+def test_zero_bubble_leaves_a_third_of_the_interleaved_bubble():
+    shape, work = model_shape("llama-8b", 4096), Workload(seq=4096, global_batch=64)
+    bubbles = {schedule: predict(shape, work, Layout(dp_replicate=2, pp=4, microbatch=2, schedule=schedule,
+                                                      stages_per_rank=2), get_device("h100-sxm")).time_breakdown_s
+               for schedule in ("interleaved_1f1b", "zero_bubble")}
+    assert bubbles["zero_bubble"]["bubble"] == pytest.approx(bubbles["interleaved_1f1b"]["bubble"] / 3)
+    assert bubbles["zero_bubble"]["matmul"] == bubbles["interleaved_1f1b"]["matmul"]
