@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from scalenlp.cli import main
-from scalenlp.config import load_config
-from scalenlp.errors import UserError
+from scalenlp.config import ConfigError, load_config
 from scalenlp.models.flavors import FLAVORS, parse_shape, shape_args
 from train_helpers import TINY, read_metrics, write_corpus
 
@@ -59,7 +58,7 @@ def test_a_bad_shape_is_one_line_in_train_and_in_plan(tmp_path, capsys, keys, me
 
 
 def test_plan_spec_keys_are_the_config_keys():
-    with pytest.raises(UserError, match="'vocab=100' is not key=value with a key among flavor, family, hidden"):
+    with pytest.raises(ConfigError, match="'vocab=100' is not key=value with a key among flavor, family, hidden"):
         parse_shape("hidden=64,layers=2,heads=4,vocab=100")
-    with pytest.raises(UserError, match="model.layers must be at least 0"):
+    with pytest.raises(ConfigError, match="model.layers must be at least 0"):
         parse_shape("flavor=debug,layers=-1")

@@ -11,7 +11,7 @@ import math
 import torch
 
 from scalenlp.config import ModelConfig, load_config
-from scalenlp.errors import UserError
+from scalenlp.errors import ConfigError
 from scalenlp.models.decoder import ModelArgs, Transformer
 
 _GPT2 = dict(norm="layernorm", activation="gelu", position="learned", tie_embeddings=True, bias=True)
@@ -64,7 +64,7 @@ def parse_shape(text: str) -> ModelConfig:
     for item in items:
         key, eq, value = (x.strip() for x in item.partition("="))
         if not eq or key not in SHAPE_KEYS:
-            raise UserError(f"model shape {text!r}: {item!r} is not key=value with a key among {', '.join(SHAPE_KEYS)}")
+            raise ConfigError(f"model shape {text!r}: {item!r} is not key=value with a key among {', '.join(SHAPE_KEYS)}")
         overrides.append(f"model.{key}={value}")
     return load_config(overrides=overrides).model
 
@@ -73,19 +73,19 @@ def shape_args(model: ModelConfig, seq: int, vocab_size: int = 0) -> ModelArgs:
     """The decoder a model section describes: model.flavor's ModelArgs (or, with no flavor, model.family's style
     and the sizes given), with each shape key it sets in place of the flavor's value. ``seq`` is the longest
     sequence of a shape without a flavor unless model.max_seq_len says; ``vocab_size`` the vocabulary where
-    model.vocab_size is 0 (the tokenizer's). A shape that cannot be built is one UserError line."""
+    model.vocab_size is 0 (the tokenizer's). A shape that cannot be built is one ConfigError line."""
     spec = shape_spec(model)
     if model.family and model.family not in FAMILIES:
-        raise UserError(f"model shape {spec}: family={model.family!r} is not one of {' | '.join(FAMILIES)}")
+        raise ConfigError(f"model shape {spec}: family={model.family!r} is not one of {' | '.join(FAMILIES)}")
     if model.flavor:
         if model.flavor not in FLAVORS:
-            raise UserError(f"model.flavor={model.flavor!r} is unknown; choose one of {', '.join(FLAVORS)}, or set it "
+            raise ConfigError(f"model.flavor={model.flavor!r} is unknown; choose one of {', '.join(FLAVORS)}, or set it "
                             f"empty and give the shape ({', '.join(f'model.{k}' for k in _REQUIRED)}, ...)")
         base = dataclasses.replace(FLAVORS[model.flavor], **FAMILIES.get(model.family, {}))
     else:
         missing = [k for k in _REQUIRED if not getattr(model, k)]
         if missing:
-            raise UserError(f"model shape {spec}: without a flavor it needs {', '.join(missing)}; "
+            raise ConfigError(f"model shape {spec}: without a flavor it needs {', '.join(missing)}; "
                             "give them or a flavor")
         family = model.family or "llama"
         # Without a flavor the MLP is the family's usual width: 4h for GPT-2, 8h/3 rounded up to 256 for Llama;
@@ -98,11 +98,11 @@ def shape_args(model: ModelConfig, seq: int, vocab_size: int = 0) -> ModelArgs:
                                vocab_size=model.vocab_size or vocab_size or base.vocab_size,
                                max_seq_len=model.max_seq_len or base.max_seq_len)
     if not args.vocab_size:
-        raise UserError(f"model shape {spec}: give vocab_size (a shape without a flavor has no vocabulary)")
+        raise ConfigError(f"model shape {spec}: give vocab_size (a shape without a flavor has no vocabulary)")
     try:
         args.check()
     except ValueError as e:
-        raise UserError(f"model shape {spec}: {e}") from None
+        raise ConfigError(f"model shape {spec}: {e}") from None
     return args
 
 

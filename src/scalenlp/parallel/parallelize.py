@@ -28,9 +28,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from scalenlp.config import Config, ConfigError
+from scalenlp.layout import Layout, ModelSizes, check
 from scalenlp.models.decoder import ModelArgs
 from scalenlp.models.encoder import EncoderArgs
-from scalenlp.layout import Layout, ModelSizes, check
 from scalenlp.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, zero1_optimizer
 from scalenlp.parallel.mesh import ParallelDims
 from scalenlp.parallel.tensor_parallel import apply_tp, vocab_parallel_loss

@@ -28,6 +28,7 @@ from scalenlp.data import DataLoader, TokenDataset, open_data, prepare_data
 from scalenlp.data.sft import IGNORE_INDEX, ChatDataset
 from scalenlp.data.labeled import LabeledLoader
 from scalenlp.errors import UserError
+from scalenlp.layout import Layout
 from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.flavors import SIZES, build_model, shape_args, shape_spec
@@ -36,7 +37,6 @@ from scalenlp.models.loader import read
 from scalenlp.models.pretrained import Pretrained
 from scalenlp.parallel.mesh import ParallelDims, barrier, build_mesh, device_type, dp_rank, init_distributed
 from scalenlp.parallel.data_parallel import skip_gradient_sync
-from scalenlp.layout import Layout
 from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, loss_context, parallelize
 from scalenlp.parallel.pipeline import build_pipeline
 from scalenlp.train.checkpoint import Checkpointer, load_full_model, read_train_state
