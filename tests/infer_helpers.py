@@ -33,14 +33,14 @@ def train_tokenizer(path: Path, vocab_size: int = 320, special: str | None = EOS
 
 
 def make_export(root: Path, flavor: str = "debug", seed: int = 0, logit_scale: float = 8.0,
-                max_seq_len: int = 128, special: str | None = EOS) -> Path:
+                max_seq_len: int = 128, special: str | None = EOS, vocab_size: int = 0) -> Path:
     """An export folder of a random tiny model. ``logit_scale`` spreads the output logits so that
-    greedy choices are not decided by float rounding noise."""
+    greedy choices are not decided by float rounding noise; ``vocab_size`` (0: the tokenizer's) may be larger."""
     root.mkdir(parents=True, exist_ok=True)
     tok_path = train_tokenizer(root / "tok.json", special=special)
     vocab = Tokenizer.from_file(str(tok_path)).get_vocab_size()
     torch.manual_seed(seed)
-    model = build_model(model_args(flavor, vocab_size=vocab, max_seq_len=max_seq_len))
+    model = build_model(model_args(flavor, vocab_size=max(vocab, vocab_size), max_seq_len=max_seq_len))
     with torch.no_grad():
         model.norm.weight.mul_(logit_scale)  # the final norm's gain scales the logits alone, tied or not
     return save_pretrained(model, root / "export", tok_path)

@@ -255,12 +255,12 @@ def _cfg(**parallel) -> Config:
 
 
 @pytest.mark.parametrize("parallel, world, message", [
-    (dict(tp=3), 3, "does not divide the model's n_heads=4"),
-    (dict(tp=4), 4, "does not divide the model's n_kv_heads=2"),
+    (dict(tp=3), 3, "tp=3 does not divide the model's 4 attention heads"),
+    (dict(tp=4), 4, "tp=4 does not divide the model's 2 key/value heads"),
     (dict(pp=4), 4, "4 pipeline stages but the model has only 2 layers"),
     (dict(pp=2, pp_stages_per_rank=2, pp_schedule="interleaved_1f1b"), 2, "only 2 layers"),
     (dict(pp=2, pp_microbatches=3), 2, "pp_microbatches=3 does not divide the per-rank batch 8"),
-    (dict(pp=2, pp_stages_per_rank=2, pp_schedule="1f1b"), 2, "needs an interleaved schedule"),
+    (dict(pp=2, pp_stages_per_rank=2, pp_schedule="1f1b"), 2, "need an interleaved schedule"),
     (dict(offload=True), 2, "offload"),
 ])
 def test_impossible_layouts_are_one_config_error(parallel, world, message):
@@ -274,7 +274,7 @@ def test_tied_embeddings_can_be_pipelined_and_degrees_must_fill_the_world():
     cfg = _cfg(pp=2)
     # Pipelined, a tied embedding becomes two synchronised copies (tests/test_parallel_tied_pipeline.py).
     check_layout(model_args("debug-gpt2"), ParallelDims.from_config(cfg.parallel, 2), cfg)
-    with pytest.raises(ConfigError, match="= 4 but the world size is 3"):
+    with pytest.raises(ConfigError, match="= 4 but there are 3 devices"):
         ParallelDims.from_config(_cfg(tp=2, dp_shard=2).parallel, 3)
 
 

@@ -11,16 +11,18 @@ import pytest
 
 from scalenlp.cli import main
 from scalenlp.config import load_config
-from scalenlp.models.flavors import build_model, model_args
+from scalenlp.models.flavors import build_model, model_args, shape_args
 from scalenlp.plan.calibrate import A100_ROWS, H100_ROWS, best_layout, llama3_row, megatron_row, predicted_tflops
-from scalenlp.plan.cost import (Layout, Workload, activation_bytes_per_layer, layers_per_rank, model_shape,
-                                model_state_bytes, predict, step_flops)
+from scalenlp.layout import Layout
+from scalenlp.plan.cost import (Workload, activation_bytes_per_layer, layers_per_rank, model_shape,
+                                model_state_bytes, predict, stage_params, step_flops)
+from scalenlp.plan.search import check_layout
 from scalenlp.parallel.pipeline import layer_costs, split_layers
 from scalenlp.hardware import get_device
 
 
 def gpt(hidden, layers, heads, seq=2048, vocab=51200):
-    return model_shape(f"hidden={hidden},layers={layers},heads={heads},ffn={4 * hidden},vocab={vocab},"
+    return model_shape(f"hidden={hidden},layers={layers},heads={heads},ffn={4 * hidden},vocab_size={vocab},"
                        "family=gpt2,dropout=0.1", seq)
 
 
@@ -120,7 +122,7 @@ def test_tensor_parallel_moves_8bsh_per_layer_per_microbatch():
 
 def test_pipeline_bubble_is_p_minus_1_over_m_divided_by_v():
     # A small vocabulary: the layers split evenly and the output projection is negligible, so the stages are equal.
-    shape = model_shape("hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab=256", 2048)
+    shape = model_shape("hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab_size=256", 2048)
     work, device = Workload(seq=2048, global_batch=64), get_device("h100-sxm")
     plain = predict(shape, work, Layout(dp_replicate=2, pp=4, microbatch=2), device)
     interleaved = predict(shape, work, Layout(dp_replicate=2, pp=4, microbatch=2, schedule="interleaved_1f1b",
@@ -224,7 +226,7 @@ def test_single_layout_prediction_and_human_output(capsys):
 @pytest.mark.parametrize("layout,reason", [
     ("tp=16", "would span nodes"),
     ("tp=3", "does not divide"),
-    ("tp=2,dp_replicate=3", "dp_replicate*dp_shard*tp*pp = 6 but there are 16 devices"),
+    ("tp=2,dp_replicate=3", "dp_replicate*dp_shard*tp*pp = 3*1*2*1 = 6 but there are 16 devices"),
     ("pp=4,microbatch=64", "2 microbatches per step cannot fill 4 pipeline stages"),
 ])
 def test_a_layout_that_cannot_work_says_why(capsys, layout, reason):
@@ -253,17 +255,21 @@ def test_device_overrides_and_bad_input(capsys):
     assert slower["step_time_s"] > base["step_time_s"]
     assert run_cli(capsys, *args, "--device-spec", "warp=9")[0] == 2
     assert run_cli(capsys, "--model", "nope", "--seq", "8", "--global-batch", "8", "--devices", "1")[0] == 2
-    assert run_cli(capsys, "--model", "hidden=64,layers=2,heads=3,vocab=100", "--seq", "8", "--global-batch", "8",
+    assert run_cli(capsys, "--model", "hidden=64,layers=2,heads=3,vocab_size=100", "--seq", "8", "--global-batch", "8",
                    "--devices", "1")[0] == 2
 
 
-def test_custom_shape_plans_without_a_train_line(capsys):
-    code, out, _ = run_cli(capsys, "--model", "hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab=128256",
+def test_custom_shape_plans_with_a_train_line_of_model_keys(capsys):
+    code, out, _ = run_cli(capsys, "--model", "hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab_size=128256",
                            "--seq", "8192", "--global-batch", "512", "--devices", "16", "--top", "1", "--json")
     assert code == 0
-    best = json.loads(out)["layouts"][0]
-    assert best["train_command"] is None
-    # Same shape as the llama-8b flavor: same parameter count.
+    words = shlex.split(json.loads(out)["layouts"][0]["train_command"])
+    overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    assert "model.flavor=" in overrides and "model.kv_heads=8" in overrides  # the shape alone, as model.* keys
+    cfg = load_config(overrides=overrides)
+    # The trainer reads those keys into the model that was planned.
+    assert build_model(shape_args(cfg.model, cfg.training.seq_len), "meta").num_params() == \
+        json.loads(out)["parameters"]
     assert json.loads(out)["parameters"] == model_shape("llama-8b", 8192).total_params
 
 
@@ -331,10 +337,24 @@ def test_measured_attention_rate_and_loss_time_replace_the_formulas():
 
 
 def test_layouts_the_trainer_refuses_are_refused():
-    from scalenlp.plan.cost import check_layout
-
     work = Workload(seq=128, global_batch=16)
     tied = check_layout(model_shape("small", 128), work, Layout(pp=2, dp_replicate=1, microbatch=8), 2, 8)
     assert tied == []  # the trainer pipelines tied embeddings as two synchronised copies
     zero1_tp = check_layout(model_shape("debug", 128), work, Layout(dp_shard=2, zero=1, tp=2, microbatch=8), 4, 8)
     assert zero1_tp == []  # the trainer runs ZeRO-1 beside TP and PP
+
+
+def test_an_uneven_vocabulary_is_planned_with_the_largest_shard():
+    shape = model_shape("gpt2-124m", 1024)  # vocabulary 50257: the first tp rank holds 25129 rows
+    assert check_layout(shape, Workload(seq=1024, global_batch=8), Layout(tp=2, microbatch=8), 2, 8) == []
+    extra = stage_params(shape, Layout(tp=2), 0, shape.layers) - stage_params(shape, Layout(), 0, shape.layers) / 2
+    assert extra == pytest.approx((25129 - 50257 / 2) * shape.hidden)  # one tied matrix, half a row more
+
+
+def test_zero_bubble_leaves_a_third_of_the_interleaved_bubble():
+    shape, work = model_shape("llama-8b", 4096), Workload(seq=4096, global_batch=64)
+    bubbles = {schedule: predict(shape, work, Layout(dp_replicate=2, pp=4, microbatch=2, schedule=schedule,
+                                                      stages_per_rank=2), get_device("h100-sxm")).time_breakdown_s
+               for schedule in ("interleaved_1f1b", "zero_bubble")}
+    assert bubbles["zero_bubble"]["bubble"] == pytest.approx(bubbles["interleaved_1f1b"]["bubble"] / 3)
+    assert bubbles["zero_bubble"]["matmul"] == bubbles["interleaved_1f1b"]["matmul"]

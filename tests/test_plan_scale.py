@@ -10,7 +10,8 @@ import pytest
 from scalenlp.hardware import get_device
 from scalenlp.plan import comms
 from scalenlp.plan.calibrate import FSDP_FIT, FSDP_HELD_OUT, sharded_tokens_per_gpu
-from scalenlp.plan.cost import Layout, Workload, model_shape, predict
+from scalenlp.layout import Layout
+from scalenlp.plan.cost import Workload, model_shape, predict
 
 
 @pytest.mark.parametrize("run", FSDP_HELD_OUT, ids=lambda r: r.source)
@@ -66,7 +67,7 @@ def test_zero3_on_1536_a100s_with_one_sequence_each_waits_on_its_network():
     """The issue's example: 175B, ZeRO-3 over 1,536 A100s, one 2,048-token sequence per GPU per step. Each layer's
     3.6 GB gather takes as long as that layer's forward (1,535 ring steps, 192 crossing nodes), so the traffic
     no longer hides; with a slower network it dominates."""
-    shape = model_shape("hidden=12288,layers=96,heads=96,vocab=51200", 2048)
+    shape = model_shape("hidden=12288,layers=96,heads=96,vocab_size=51200", 2048)
     work = Workload(seq=2048, global_batch=1536, states="mixed")
     layout = Layout(dp_shard=1536, zero=3, microbatch=1, recompute="full")
     a100 = get_device("a100-80gb")

@@ -15,15 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from scalenlp.errors import UserError
+from scalenlp.errors import ConfigError  # noqa: F401 (re-exported: callers import it from here)
+from scalenlp.layout import DATA_PARALLEL, SCHEDULES, choice_problems
 
 
 # Classification scores checkpoint.keep_best may judge by (higher is better).
 KEEP_BEST = ("accuracy", "macro_f1")
-
-
-class ConfigError(UserError):
-    """A problem the user can fix in their config or command line; printed as one `error:` line."""
 
 
 def opt(default: Any, help: str) -> Any:
@@ -34,9 +31,21 @@ def opt(default: Any, help: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    flavor: str = opt("debug", "named model size from scalenlp.models.flavors (`scalenlp train --list-flavors`)")
+    flavor: str = opt("debug", "named model size from scalenlp.models.flavors (`scalenlp train --list-flavors`); "
+                               "the shape keys below replace its values. Empty: the shape alone (model.hidden, "
+                               "model.layers and model.heads needed)")
+    family: str = opt("", "llama | gpt2: norms, activation, positions, tied embeddings and biases as in that family; "
+                          "empty keeps the flavor's (llama without a flavor)")
+    hidden: int = opt(0, "model width; 0 keeps the flavor's")
+    layers: int = opt(0, "transformer blocks; 0 keeps the flavor's")
+    heads: int = opt(0, "attention heads (must divide model.hidden); 0 keeps the flavor's")
+    kv_heads: int = opt(0, "key/value heads (must divide model.heads; fewer is grouped-query attention); 0 keeps "
+                           "the flavor's (as many as heads without a flavor)")
+    ffn: int = opt(0, "MLP width; 0 keeps the flavor's (without a flavor, 4 x hidden for gpt2, 8/3 x hidden rounded up "
+                      "to 256 for llama)")
     vocab_size: int = opt(0, "vocabulary size; 0 takes it from the tokenizer")
-    max_seq_len: int = opt(0, "longest sequence the model accepts; 0 keeps the flavor's value")
+    max_seq_len: int = opt(0, "longest sequence the model accepts; 0 keeps the flavor's value (training.seq_len "
+                              "without a flavor)")
     dropout: float = opt(0.0, "dropout probability on attention and residual paths")
     init: str = opt("", "start from this checkpoint (run folder, export folder, Hugging Face model folder or "
                         ".gguf file): its architecture and tokenizer replace model.flavor and the tokenizer.* keys; "
@@ -112,8 +121,8 @@ class ParallelConfig:
     dp_shard: int = opt(-1, "data-parallel shard degree; -1 = whatever is left of the world size")
     tp: int = opt(1, "tensor-parallel degree")
     pp: int = opt(1, "pipeline-parallel degree")
-    data_parallel: str = opt("ddp", "ddp | zero1 | zero2 | zero3")
-    pp_schedule: str = opt("1f1b", "gpipe | 1f1b | interleaved_1f1b | zero_bubble")
+    data_parallel: str = opt("ddp", " | ".join(DATA_PARALLEL))
+    pp_schedule: str = opt("1f1b", " | ".join(SCHEDULES))
     pp_microbatches: int = opt(0, "microbatches per step for pipelining; 0 = pp degree")
     pp_stages_per_rank: int = opt(1, "pipeline stages per rank (interleaved schedules use > 1)")
     sequence_parallel: bool = opt(False, "shard norms/dropout activations along the sequence in TP regions")
@@ -250,7 +259,8 @@ COUNT, POSITIVE = Range(0), Range(1)
 
 # The range of every numeric key, in one place (a test checks that none is missing).
 RANGES = {
-    "model.vocab_size": COUNT, "model.max_seq_len": COUNT, "model.dropout": FRACTION,
+    "model.vocab_size": COUNT, "model.max_seq_len": COUNT, "model.dropout": FRACTION, "model.hidden": COUNT,
+    "model.layers": COUNT, "model.heads": COUNT, "model.kv_heads": COUNT, "model.ffn": COUNT,
     "data.val_fraction": Range(0, 0.5, high_open=True),
     "tokenizer.vocab_size": POSITIVE,
     "training.steps": POSITIVE, "training.global_batch_size": POSITIVE, "training.micro_batch_size": COUNT,
@@ -301,9 +311,9 @@ def validate(cfg: Config) -> None:
     _choice(t.on_nonfinite, ("stop", "skip", "rollback"), "training.on_nonfinite")
     _choice(t.mixed_precision, ("fp32", "bf16"), "training.mixed_precision")
     _choice(t.device, ("auto", "cpu", "cuda"), "training.device")
-    _choice(t.activation_checkpointing, ("none", "full", "selective"), "training.activation_checkpointing")
-    _choice(p.data_parallel, ("ddp", "zero1", "zero2", "zero3"), "parallel.data_parallel")
-    _choice(p.pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"), "parallel.pp_schedule")
+    _choice(p.data_parallel, DATA_PARALLEL, "parallel.data_parallel")
+    for problem in choice_problems(p.pp_schedule, t.activation_checkpointing):  # the layout check's own words
+        raise ConfigError(problem)
     if p.dp_shard == 0:
         raise ConfigError(f"parallel.dp_shard must be -1 (auto) or at least 1, got {p.dp_shard}")
     if t.lr * t.weight_decay >= 1:  # AdamW scales weights by 1 - lr * weight_decay each step

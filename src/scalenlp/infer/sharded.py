@@ -17,6 +17,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from scalenlp.layout import Layout, ModelSizes, check
+
 FORWARD, SETUP_CACHE, STOP = 0, 1, 2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEADER = 6
@@ -39,13 +41,9 @@ def init_process_group(rank: int, world_size: int, port: int) -> torch.device:
 
 
 def check_tp(args, tp: int) -> None:
-    """Before any process starts: every sharded dimension of the model (its ModelArgs) must split evenly."""
-    from scalenlp.errors import UserError
-
-    for what, n in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("ffn_dim", args.ffn_dim),
-                    ("vocab_size", args.vocab_size)):
-        if n % tp:
-            raise UserError(f"--tp {tp} does not divide the model's {what} ({n}); pick a divisor of it")
+    """Before any process starts: the one layout check (scalenlp.layout) for ``tp`` ranks of
+    tensor parallelism alone over this model (its ModelArgs)."""
+    check(Layout(tp=tp), ModelSizes.of(args), devices=tp)
 
 
 def load_sharded(pre, device: torch.device, dtype: torch.dtype):

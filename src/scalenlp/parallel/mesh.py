@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from scalenlp.config import ConfigError, ParallelConfig
+from scalenlp.layout import degrees_problem, resolve_dp_shard
 
 
 @dataclass(frozen=True)
@@ -29,20 +30,10 @@ class ParallelDims:
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
         """Resolve dp_shard=-1 and check that the degrees multiply to the world size."""
-        dp_shard = p.dp_shard
-        fixed = p.dp_replicate * p.tp * p.pp
-        if dp_shard == -1:
-            if world_size % fixed:
-                raise ConfigError(
-                    f"parallel.dp_replicate*tp*pp = {p.dp_replicate}*{p.tp}*{p.pp} = {fixed} does not divide the "
-                    f"world size {world_size}; choose degrees whose product divides the number of processes")
-            dp_shard = world_size // fixed
-        product = fixed * dp_shard
-        if product != world_size:
-            raise ConfigError(
-                f"parallel degrees dp_replicate*dp_shard*tp*pp = {p.dp_replicate}*{dp_shard}*{p.tp}*{p.pp} = "
-                f"{product} but the world size is {world_size}; make the product equal the number of processes")
-        return cls(p.dp_replicate, dp_shard, p.tp, p.pp, world_size)
+        dims = cls(p.dp_replicate, resolve_dp_shard(p, world_size), p.tp, p.pp, world_size)
+        if problem := degrees_problem(dims, world_size):
+            raise ConfigError(problem)
+        return dims
 
     @property
     def dp(self) -> int:

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from scalenlp.config import Config, ConfigError
+from scalenlp.layout import Layout, ModelSizes, check
 from scalenlp.models.decoder import ModelArgs
 from scalenlp.models.encoder import EncoderArgs
 from scalenlp.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, zero1_optimizer
@@ -46,43 +47,14 @@ _OPS_TO_SAVE = [op for op in (
 
 
 def check_layout(model_args: ModelArgs | EncoderArgs, dims: ParallelDims, cfg: Config) -> None:
-    """Raise ConfigError for a layout this model cannot run, before any process-group work."""
+    """Raise ConfigError for a layout this model cannot run, before any process-group work: the one layout
+    check the planner and the sharded server make too, and what only training has (CPU offload)."""
     p, t = cfg.parallel, cfg.training
-    if isinstance(model_args, EncoderArgs):
-        if dims.pp > 1 or p.sequence_parallel and dims.tp > 1:
-            raise ConfigError("encoders are not pipelined and have no sequence parallelism (their pooling reads "
-                              "the whole sequence); set parallel.pp=1 and parallel.sequence_parallel=false")
-    for name, heads in (("n_heads", model_args.n_heads), ("n_kv_heads", getattr(model_args, "n_kv_heads", model_args.n_heads))):
-        if heads % dims.tp:
-            raise ConfigError(f"parallel.tp={dims.tp} does not divide the model's {name}={heads}; "
-                              f"choose a tp degree that divides {heads}")
-    if p.sequence_parallel and dims.tp > 1 and t.seq_len % dims.tp:
-        raise ConfigError(f"sequence parallelism splits the sequence over tp ranks: training.seq_len={t.seq_len} "
-                          f"is not divisible by parallel.tp={dims.tp}")
+    check(Layout.from_config(cfg, dims.world_size), ModelSizes.of(model_args, isinstance(model_args, EncoderArgs)),
+          dims.world_size, t.seq_len, t.global_batch_size, error=ConfigError)
     if p.offload and (p.data_parallel not in ("zero2", "zero3") or not torch.cuda.is_available()):
         raise ConfigError("parallel.offload=true needs a GPU and parallel.data_parallel=\"zero2\" or \"zero3\"; "
                           "set parallel.offload=false")
-    if p.pp_stages_per_rank > 1 and p.pp_schedule in ("gpipe", "1f1b"):
-        raise ConfigError(f"parallel.pp_stages_per_rank={p.pp_stages_per_rank} needs an interleaved schedule; "
-                          f"set parallel.pp_schedule=\"interleaved_1f1b\" or \"zero_bubble\"")
-    if dims.pp == 1:
-        return
-    stages = dims.pp * p.pp_stages_per_rank
-    if stages > model_args.n_layers:
-        raise ConfigError(f"parallel.pp={dims.pp} x pp_stages_per_rank={p.pp_stages_per_rank} = {stages} pipeline "
-                          f"stages but the model has only {model_args.n_layers} layers; use at most "
-                          f"{model_args.n_layers} stages")
-    if t.global_batch_size % dims.dp:
-        raise ConfigError(f"training.global_batch_size={t.global_batch_size} is not divisible by the "
-                          f"data-parallel degree {dims.dp}")
-    local_batch = t.global_batch_size // dims.dp
-    microbatches = p.pp_microbatches or dims.pp
-    if local_batch % microbatches:
-        raise ConfigError(f"parallel.pp_microbatches={microbatches} does not divide the per-rank batch "
-                          f"{local_batch} (global_batch_size / data-parallel degree); choose a divisor of {local_batch}")
-    if p.pp_schedule == "1f1b" and microbatches < dims.pp:
-        raise ConfigError(f"the 1f1b schedule needs at least as many microbatches as stages: "
-                          f"parallel.pp_microbatches={microbatches} < pp={dims.pp}")
 
 
 def apply_ac(model: nn.Module, mode: str) -> None:

@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scalenlp.errors import UserError
+from scalenlp.layout import DATA_PARALLEL, RECOMPUTE, SCHEDULES, Layout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
-                        help="flavor name (debug, small, llama-8b, ...) or hidden=H,layers=L,heads=A,kv_heads=K,"
-                             "ffn=F,vocab=V[,family=llama|gpt2][,dropout=P]")
+                        help="flavor name (debug, small, llama-8b, ...), or the model.* keys scalenlp train takes: "
+                             "flavor=F,layers=L,... over a flavor, or hidden=H,layers=L,heads=A,vocab_size=V"
+                             "[,kv_heads=K][,ffn=F][,family=llama|gpt2][,dropout=P] alone")
     parser.add_argument("--seq", type=int, default=None, help="tokens per training sequence (training plans)")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (training plans)")
     parser.add_argument("--devices", type=int, required=True, help="number of accelerators (or CPU processes)")
@@ -39,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "scalenlp train keeps them, bf16 only in matmuls) or mixed (2+2+12, Megatron/DeepSpeed)")
     parser.add_argument("--layout", default=None,
                         help="predict one layout: dp_shard=..,dp_replicate=..,tp=..,pp=..,microbatch=..,"
-                             "zero=0-3|ddp|zero1-3,recompute=none|selective|full[,schedule=gpipe|1f1b|"
-                             "interleaved_1f1b][,v=..][,sp=true]")
+                             f"zero=0-3|ddp|zero1-3,recompute={'|'.join(RECOMPUTE)}[,schedule={'|'.join(SCHEDULES)}]"
+                             "[,v=..][,sp=true]")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to list")
     serve = parser.add_argument_group("serving (--serve): tensor-parallel degree and replicas for inference")
     serve.add_argument("--serve", action="store_true", help="plan serving instead of training")
@@ -55,13 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-_ZERO_WORDS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+_ZERO_WORDS = {name: stage for stage, name in enumerate(DATA_PARALLEL)}
 
 
 def parse_layout(text: str, devices: int, global_batch: int):
     """``key=value,...`` -> Layout; unnamed data-parallel degrees take what the others leave."""
-    from scalenlp.plan.cost import Layout
-
     values: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, eq, value = item.partition("=")
@@ -109,31 +109,19 @@ def parse_layout(text: str, devices: int, global_batch: int):
 
 
 def train_command(shape, work, layout, devices: int, gpus_per_node: int) -> str:
-    """The `scalenlp train` line that runs this layout."""
-    from scalenlp.plan.cost import ZERO_NAMES
+    """The `scalenlp train` line that runs this layout on this model: the model's shape as model.* keys, the
+    layout as Layout.to_config gives it, and the workload."""
+    from scalenlp.models.flavors import parse_shape, shape_keys
 
     if devices > gpus_per_node:
         launch = ["--nproc", str(gpus_per_node), "--nnodes", str(devices // gpus_per_node)]
     else:
         launch = ["--nproc", str(devices)]
-    settings = {
-        "parallel.dp_replicate": layout.dp_replicate, "parallel.dp_shard": layout.dp_shard,
-        "parallel.tp": layout.tp, "parallel.pp": layout.pp,
-        "parallel.data_parallel": ZERO_NAMES[layout.zero],
-        "parallel.sequence_parallel": str(layout.sequence_parallel).lower(),
-    }
-    if layout.pp > 1:  # the schedule splits each rank's batch into pp_microbatches itself
-        settings["parallel.pp_schedule"] = layout.schedule
-        settings["parallel.pp_microbatches"] = work.global_batch // (layout.dp * layout.microbatch)
-        settings["parallel.pp_stages_per_rank"] = layout.stages_per_rank
-    settings["training.activation_checkpointing"] = layout.recompute
+    settings = {f"model.{key}": value for key, value in shape_keys(parse_shape(shape.name)).items()}
+    settings.update(layout.to_config(work.global_batch))
     settings["training.global_batch_size"] = work.global_batch
-    if layout.pp == 1:
-        settings["training.micro_batch_size"] = layout.microbatch
     settings["training.seq_len"] = work.seq
     settings["training.mixed_precision"] = work.precision
-    if shape.flavor:
-        settings = {"model.flavor": shape.flavor, **settings}
     words = ["scalenlp", "train", *launch]
     for key, value in settings.items():
         words += ["--set", f"{key}={value}"]
@@ -162,8 +150,7 @@ def _describe(p, device, rank: int | None) -> list[str]:
         f"    memory per device {_gib(p.memory_per_device_bytes)} of {_gib(device.memory_bytes)} GiB: params "
         f"{_gib(m['params'])}, grads {_gib(m['grads'])}, optimizer {_gib(m['optimizer'])}, activations "
         f"{_gib(m['activations'])}, buffers {_gib(m['buffers'])}, runtime {_gib(m['runtime'])}",
-        f"    {p.train_command}" if p.train_command else "    (custom shape: add it to scalenlp.models.flavors "
-                                                        "to train it with `scalenlp train`)",
+        f"    {p.train_command}",
     ]
 
 
@@ -173,7 +160,7 @@ class Plan:
 
     header: dict  # the question: model, parameters, device, devices, seq, batch, precision, states
     device: Any  # the DeviceSpec priced (measured, with --device cpu)
-    layouts: list  # Predictions, each with its `scalenlp train` line where the model is a flavor
+    layouts: list  # Predictions, each with its `scalenlp train` line
     feasible: int = 0  # layouts that fit (a search lists the first ``top``)
     rejected: Counter = field(default_factory=Counter)  # why the others did not
     smallest_device_count: int | None = None  # when nothing fits: the fewest devices on which something does
@@ -200,9 +187,9 @@ def plan(model: str, seq: int, global_batch: int, devices: int, device: str = "h
     layout that cannot work is a UserError naming why, one that does not fit is predicted all the same
     (``fits`` False) with the changes that would make it fit (``would_fit``)."""
     from scalenlp.hardware import get_device, parse_overrides
-    from scalenlp.plan.cost import Workload, check_layout, model_shape, predict
+    from scalenlp.plan.cost import Workload, model_shape, predict
     from scalenlp.plan.remedy import what_fits
-    from scalenlp.plan.search import MAX_DEVICES, search, smallest_device_count
+    from scalenlp.plan.search import MAX_DEVICES, check_layout, search, smallest_device_count
 
     for name, value in (("seq", seq), ("global_batch", global_batch), ("devices", devices), ("top", top)):
         if value < 1:
@@ -230,7 +217,7 @@ def plan(model: str, seq: int, global_batch: int, devices: int, device: str = "h
                   states=states)
 
     def with_command(p):
-        p.train_command = train_command(shape, work, p.layout, devices, gpus_per_node) if shape.flavor else None
+        p.train_command = train_command(shape, work, p.layout, devices, gpus_per_node)
         return p
 
     if layout:

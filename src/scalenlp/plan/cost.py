@@ -50,7 +50,7 @@ sum their gradients once per step, exposed. Layers are split across stages as sc
 splits them (balanced against the output projection). The pipeline runs m microbatch slots of its
 slowest rank, plus one pass of the first microbatch (forward) and the last (backward) through every
 other rank, 1/v of a slot at a time when interleaved: for equal stages the bubble is (p − 1)/(v·m)
-of the ideal time. The optimizer streams its state once per step.
+of the ideal time, a third of it under zero_bubble (ZERO_BUBBLE_SHARE). The optimizer streams its state once per step.
 
 Calibration, once (scalenlp.plan.calibrate fits and prints the constants devices.py carries):
 GPU_GEMM_HALF_DIM, GPU_ELEMENTWISE_TRAFFIC and the A100's gemm_efficiency by least squares on log
@@ -69,11 +69,11 @@ FSDP runs).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import asdict, dataclass, field
 
 from scalenlp.errors import UserError
 from scalenlp.hardware import DeviceSpec
+from scalenlp.layout import INTERLEAVED, Layout, largest_shard
 from scalenlp.plan import comms
 
 # Bytes an Adam step streams per local optimizer parameter: read grad, weights, m, v; write weights, m, v.
@@ -83,15 +83,16 @@ OPS_PER_LAYER = 60
 
 # Linears of a block: q, k, v, o, and up, down (+ gate with SwiGLU).
 LINEARS_PER_LAYER = {False: 6, True: 7}
+# Zero bubble (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §3.1, ZB-H1): splitting each backward into its
+# input and weight halves lets the weight halves fill the cool-down, leaving (p − 1)(T_F + T_B − T_W) of idle time
+# against 1F1B's (p − 1)(T_F + T_B + T_W); with T_F = T_B = T_W that is a third.
+ZERO_BUBBLE_SHARE = 1 / 3
 
 ELEMENT_BYTES = {"bf16": 2, "fp32": 4}
 # (weights, gradients, optimizer) bytes per parameter. "mixed": Rajbhandari et al.'s mixed-precision Adam,
 # K = 12 (Megatron, DeepSpeed). "fp32": weights, gradients and Adam moments in fp32 with bf16 only in the
 # matmuls (torch autocast, FSDP2's MixedPrecisionPolicy over fp32 shards): what scalenlp train keeps.
 STATE_BYTES = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
-ZERO_NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -127,38 +128,6 @@ class Workload:
     flash_attention: bool = True  # scaled_dot_product_attention keeps no s×s scores (PyTorch's default)
 
 
-@dataclass(frozen=True)
-class Layout:
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    microbatch: int = 1  # sequences per forward/backward on one rank
-    zero: int = 0  # 0 = DDP, 1-3 = ZeRO stage over dp_shard
-    recompute: str = "none"  # none | selective | full
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (pp > 1)
-    stages_per_rank: int = 1  # v of the interleaved schedule
-    sequence_parallel: bool = False
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def devices(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    def describe(self) -> str:
-        parts = [f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}", f"tp={self.tp}",
-                 f"pp={self.pp}", f"microbatch={self.microbatch}", f"zero={self.zero}",
-                 f"recompute={self.recompute}"]
-        if self.pp > 1:
-            parts.append(f"schedule={self.schedule}" + (f",v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
-        if self.sequence_parallel:
-            parts.append("sp=true")
-        return " ".join(parts)
-
-
 @dataclass
 class Prediction:
     layout: Layout
@@ -172,7 +141,7 @@ class Prediction:
     mfu: float  # model FLOPs / peak
     bubble_fraction: float
     time_breakdown_s: dict[str, float] = field(default_factory=dict)
-    train_command: str | None = None  # filled in by the command for a named flavor
+    train_command: str | None = None  # filled in by the command
     fits: bool = True  # whether memory_per_device_bytes fits the device's memory
 
     def to_dict(self) -> dict:
@@ -183,64 +152,17 @@ class Prediction:
 
 # ---------------------------------------------------------------- model shapes
 
-_CUSTOM_KEYS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "family", "dropout", "tie")
-
-
 def model_shape(model: str, seq: int) -> ModelShape:
-    """A named flavor, or ``hidden=H,layers=L,heads=A,kv_heads=K,ffn=F,vocab=V[,family=llama|gpt2][,dropout=P]
-    [,tie=true|false]`` (the family sets norm, activation, positions and tying: GPT-2 or Llama style)."""
-    from scalenlp.models.flavors import FLAVORS, model_args
+    """A named flavor, or ``key=value,...`` over the model.* shape keys ``scalenlp train`` takes
+    (scalenlp.models.flavors.SHAPE_KEYS): ``flavor=llama-8b,layers=16``, or without a flavor at least
+    ``hidden=H,layers=L,heads=A,vocab_size=V`` (``family=llama|gpt2`` sets norm, activation, positions and tying)."""
+    from scalenlp.models.flavors import parse_shape, shape_args
 
-    if "=" not in model:
-        if model not in FLAVORS:
-            raise UserError(f"unknown model {model!r}: give a flavor ({', '.join(FLAVORS)}) or a shape "
-                            "hidden=H,layers=L,heads=A,kv_heads=K,ffn=F,vocab=V")
-        args = model_args(model)
-        if seq > args.max_seq_len:
-            raise UserError(f"--seq {seq} is longer than {model}'s max_seq_len {args.max_seq_len}; "
-                            f"use --seq {args.max_seq_len} or less")
-        return _count(model, model, args)
-    return _count(model, None, _custom_args(model, seq))
-
-
-def _custom_args(spec: str, seq: int):
-    from scalenlp.models.decoder import ModelArgs
-
-    values: dict[str, str] = {}
-    for item in spec.split(","):
-        key, _, value = item.partition("=")
-        if key.strip() not in _CUSTOM_KEYS:
-            raise UserError(f"model shape {spec!r}: unknown key {key.strip()!r}; keys are {', '.join(_CUSTOM_KEYS)}")
-        values[key.strip()] = value.strip()
-    missing = [k for k in ("hidden", "layers", "heads", "vocab") if k not in values]
-    if missing:
-        raise UserError(f"model shape {spec!r} lacks {', '.join(missing)}")
-    family = values.pop("family", "llama")
-    if family not in ("llama", "gpt2"):
-        raise UserError(f"model shape {spec!r}: family must be llama or gpt2, got {family!r}")
-    tie = values.pop("tie", "true" if family == "gpt2" else "false").lower()
-    if tie not in ("true", "false"):
-        raise UserError(f"model shape {spec!r}: tie must be true or false, got {tie!r}")
-    try:
-        ints = {k: int(v) for k, v in values.items() if k != "dropout"}
-        dropout = float(values.get("dropout", 0.0))
-    except ValueError:
-        raise UserError(f"model shape {spec!r}: sizes must be integers") from None
-    hidden = ints["hidden"]
-    style = (dict(norm="layernorm", activation="gelu", position="learned", tie_embeddings=True, bias=True)
-             if family == "gpt2" else
-             dict(norm="rmsnorm", activation="swiglu", position="rope", tie_embeddings=False, bias=False))
-    default_ffn = 4 * hidden if family == "gpt2" else 256 * math.ceil(8 * hidden / 3 / 256)
-    args = ModelArgs(vocab_size=ints["vocab"], dim=hidden, n_layers=ints["layers"], n_heads=ints["heads"],
-                     n_kv_heads=ints.get("kv_heads", 0), ffn_dim=ints.get("ffn", default_ffn), max_seq_len=seq,
-                     dropout=dropout, **{**style, "tie_embeddings": tie == "true"})
-    if min(args.vocab_size, args.dim, args.n_layers, args.n_heads, args.ffn_dim) < 1:
-        raise UserError(f"model shape {spec!r}: sizes must be positive")
-    try:
-        args.check()
-    except ValueError as e:
-        raise UserError(f"model shape {spec!r}: {e}") from None
-    return args
+    args = shape_args(parse_shape(model), seq)
+    if seq > args.max_seq_len:
+        raise UserError(f"--seq {seq} is longer than {model}'s max_seq_len {args.max_seq_len}; "
+                        f"use --seq {args.max_seq_len} or less, or give the shape a larger max_seq_len")
+    return _count(model, model if "=" not in model else None, args)
 
 
 @functools.lru_cache(maxsize=64)
@@ -331,7 +253,10 @@ def stage_params(shape: ModelShape, layout: Layout, stage: int, layers: int) -> 
     if stage == layout.pp - 1:
         # A tied output weight is the embedding itself on one stage, a second copy on the last of several.
         params += shape.head_params - (shape.vocab * shape.hidden if shape.tied and layout.pp == 1 else 0)
-    return params / layout.tp
+    # A vocabulary tp does not divide is split unevenly: count the rank with the most rows of each vocabulary matrix.
+    vocab_matrices = (stage == 0) + (stage == layout.pp - 1 and not (shape.tied and layout.pp == 1))
+    uneven = vocab_matrices * (largest_shard(shape.vocab, layout.tp) - shape.vocab / layout.tp) * shape.hidden
+    return params / layout.tp + uneven
 
 
 def _in_flight(layout: Layout, stage: int, microbatches: int) -> float:
@@ -341,7 +266,7 @@ def _in_flight(layout: Layout, stage: int, microbatches: int) -> float:
         return 1
     if layout.schedule == "gpipe":
         return microbatches
-    if layout.schedule == "interleaved_1f1b":
+    if layout.schedule in INTERLEAVED:
         return min(microbatches, (p - stage) * (1 + (p - 1) / (p * v)))
     return min(microbatches, p - stage)
 
@@ -369,7 +294,7 @@ def memory_by_stage(shape: ModelShape, work: Workload, layout: Layout, device: D
         buffers = 0.0
         if stage == layout.pp - 1:
             # Logits, their fp32 log-softmax in the loss, and the logits' gradient.
-            buffers += tokens * shape.vocab / layout.tp * (2 * e + 4)
+            buffers += tokens * largest_shard(shape.vocab, layout.tp) * (2 * e + 4)
         if layout.zero <= 1 and layout.dp > 1 and layout.tp == layout.pp == 1:
             buffers += g_bytes * params  # torch DDP's gradient buckets are a copy of the gradients
         if layout.zero == 3:
@@ -584,7 +509,8 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     slot = per_stage[slot_times.index(max(slot_times))][0]
     tail = max((t for _, t in per_stage), key=lambda t: sum(t.values()))
     breakdown = {k: microbatches * x for k, x in slot.items()}
-    breakdown["bubble"] = (sum(slot_times) - max(slot_times)) / v
+    bubble_share = ZERO_BUBBLE_SHARE if lay.schedule == "zero_bubble" else 1.0
+    breakdown["bubble"] = (sum(slot_times) - max(slot_times)) / v * bubble_share
     breakdown.update(tail)
     step_s = sum(breakdown.values())
 
@@ -600,56 +526,6 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
         time_breakdown_s=breakdown)
     prediction.fits = fits(prediction, device)
     return prediction
-
-
-# ---------------------------------------------------------------- what cannot work
-
-def check_layout(shape: ModelShape, work: Workload, layout: Layout, devices: int,
-                 gpus_per_node: int) -> list[tuple[str, str]]:
-    """(kind, what is wrong) for each reason this layout cannot run, memory aside; empty when it can."""
-    lay, problems = layout, []
-
-    def bad(kind: str, message: str) -> None:
-        problems.append((kind, message))
-
-    if min(lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.microbatch, lay.stages_per_rank) < 1:
-        return [("bad value", "every degree and the microbatch must be at least 1")]
-    if lay.devices != devices:
-        bad("degrees do not multiply to the device count",
-            f"dp_replicate*dp_shard*tp*pp = {lay.devices} but there are {devices} devices")
-    if lay.zero not in ZERO_NAMES:
-        bad("bad value", f"zero={lay.zero} is not one of 0 (ddp), 1, 2, 3")
-    if lay.zero == 0 and lay.dp_shard > 1:
-        bad("bad value", "dp_shard > 1 needs zero >= 1 (DDP replicates: use dp_replicate)")
-    if lay.recompute not in RECOMPUTE:
-        bad("bad value", f"recompute={lay.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-    if lay.schedule not in SCHEDULES:
-        bad("bad value", f"schedule={lay.schedule!r} is not one of {', '.join(SCHEDULES)}")
-    for name, size in (("heads", shape.heads), ("kv_heads", shape.kv_heads), ("ffn", shape.ffn),
-                       ("vocab", shape.vocab)):
-        if size % lay.tp:
-            bad("tp does not divide the model", f"tp={lay.tp} does not divide {name}={size}")
-    if lay.tp > gpus_per_node or gpus_per_node % lay.tp:
-        bad("tp would span nodes", f"tp={lay.tp} would span nodes of {gpus_per_node} devices "
-                                   "(TP all-reduces every layer and needs the node's own links)")
-    if lay.sequence_parallel and lay.tp == 1:
-        bad("bad value", "sequence parallelism needs tp > 1")
-    if lay.sequence_parallel and work.seq % lay.tp:
-        bad("tp does not divide the sequence", f"sequence parallelism needs tp={lay.tp} to divide seq={work.seq}")
-    if lay.pp > 1 and lay.schedule == "interleaved_1f1b" and lay.stages_per_rank < 2:
-        bad("bad value", "interleaved_1f1b needs v (stages per rank) >= 2")
-    if lay.stages_per_rank > 1 and lay.schedule != "interleaved_1f1b":
-        bad("bad value", "v > 1 needs schedule=interleaved_1f1b")
-    if lay.pp * lay.stages_per_rank > shape.layers:
-        bad("more pipeline stages than layers",
-            f"pp*v = {lay.pp * lay.stages_per_rank} pipeline stages but only {shape.layers} layers")
-    if work.global_batch % (lay.dp * lay.microbatch):
-        bad("global batch does not split", f"global batch {work.global_batch} is not divisible by "
-                                           f"dp*microbatch = {lay.dp}*{lay.microbatch}")
-    elif lay.pp > 1 and work.global_batch // (lay.dp * lay.microbatch) < lay.pp:
-        bad("too few microbatches for the pipeline", f"{work.global_batch // (lay.dp * lay.microbatch)} "
-                                                      f"microbatches per step cannot fill {lay.pp} pipeline stages")
-    return problems
 
 
 def fits(prediction: Prediction, device: DeviceSpec) -> bool:

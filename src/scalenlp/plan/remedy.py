@@ -12,8 +12,9 @@ import dataclasses
 from itertools import combinations
 
 from scalenlp.hardware import DeviceSpec
-from scalenlp.plan.cost import Layout, ModelShape, Prediction, Workload, check_layout, predict
-from scalenlp.plan.search import RECOMPUTE_ORDER
+from scalenlp.layout import Layout
+from scalenlp.plan.cost import ModelShape, Prediction, Workload, predict
+from scalenlp.plan.search import RECOMPUTE_ORDER, check_layout
 
 
 def _changes(layout: Layout) -> list[tuple[str, dict]]:

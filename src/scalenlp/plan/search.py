@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from scalenlp.plan.cost import Layout, ModelShape, Prediction, Workload, check_layout, fits, predict
 from scalenlp.hardware import DeviceSpec
+from scalenlp.layout import INTERLEAVED, Layout, ModelSizes, problems
+from scalenlp.plan.cost import ModelShape, Prediction, Workload, fits, predict
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MAX_DEVICES = 1 << 17  # the largest cluster planned for; the search enumerates the divisors of the count
@@ -24,6 +25,19 @@ class SearchResult:
     ranked: list[Prediction]
     rejected: Counter = field(default_factory=Counter)  # kind of problem -> how many layouts it ruled out
     evaluated: int = 0
+
+
+def check_layout(shape: ModelShape, work: Workload, layout: Layout, devices: int,
+                 gpus_per_node: int) -> list[tuple[str, str]]:
+    """(kind, what is wrong) for each reason this layout cannot run, memory aside; empty when it can: the one
+    layout check the trainer and the sharded server make (scalenlp.layout), and one rule of the
+    planner's own, which runs but is never worth recommending: tensor parallelism across nodes."""
+    found = problems(layout, ModelSizes(heads=shape.heads, kv_heads=shape.kv_heads, ffn=shape.ffn, layers=shape.layers),
+                     devices, work.seq, work.global_batch)
+    if layout.tp > gpus_per_node or gpus_per_node % layout.tp:
+        found.append(("tp would span nodes", f"tp={layout.tp} would span nodes of {gpus_per_node} devices "
+                                             "(TP all-reduces every layer and needs the node's own links)"))
+    return found
 
 
 def divisors(n: int) -> list[int]:
@@ -50,7 +64,9 @@ def _microbatches(per_replica: int) -> list[int]:
 def _schedules(pp: int, layers: int) -> list[tuple[str, int]]:
     if pp == 1:
         return [("1f1b", 1)]
-    interleaved = [("interleaved_1f1b", v) for v in range(2, MAX_STAGES_PER_RANK + 1) if pp * v <= layers]
+    # One stage per rank makes interleaved_1f1b a plain 1F1B; zero_bubble fills the bubble either way.
+    interleaved = [(schedule, v) for schedule in INTERLEAVED for v in range(1, MAX_STAGES_PER_RANK + 1)
+                   if pp * v <= layers and (v > 1 or schedule == "zero_bubble")]
     return [("gpipe", 1), ("1f1b", 1), *interleaved]
 
 

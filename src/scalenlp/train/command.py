@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
                    help="override one config key; repeatable, e.g. --set training.steps=100")
     p.add_argument("--run-dir", metavar="DIR", help="where config, metrics, checkpoints and the export go "
-                                                    "(default: runs/<model.flavor>)")
+                                                    "(default: runs/<model.flavor>, runs/custom without one)")
     p.add_argument("--nproc", type=int, default=1, metavar="N", help="processes on this machine (default 1)")
     p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="nodes, passed to torchrun")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank, passed to torchrun")
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:  # workers receive it with the other overrides
         args.overrides.append(f"monitor.metrics_port={args.metrics_port}")
     cfg = load_config(args.config, args.overrides)
-    run_dir = Path(args.run_dir or Path("runs") / cfg.model.flavor)
+    run_dir = Path(args.run_dir or Path("runs") / (cfg.model.flavor or "custom"))
     from scalenlp.train.trainer import train, validate_run
 
     if args.nproc < 1:

@@ -28,9 +28,10 @@ from scalenlp.data import DataLoader, TokenDataset, open_data, prepare_data
 from scalenlp.data.sft import IGNORE_INDEX, ChatDataset
 from scalenlp.data.labeled import LabeledLoader
 from scalenlp.errors import UserError
+from scalenlp.layout import Layout
 from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.encoder import Encoder, EncoderArgs
-from scalenlp.models.flavors import FLAVORS, build_model, model_args
+from scalenlp.models.flavors import SIZES, build_model, shape_args, shape_spec
 from scalenlp.models.io import build_decoder, save_pretrained
 from scalenlp.models.loader import read
 from scalenlp.models.pretrained import Pretrained
@@ -57,11 +58,14 @@ def _checkpoint_args(cfg: Config, pretrained: Pretrained) -> ModelArgs:
             "a decoder; training.task=\"classification\" needs an encoder (a BERT-family checkpoint)" if classify else
             f"an encoder; training.task={cfg.training.task!r} needs a decoder (encoders train with "
             f"training.task=\"classification\")"))
-    for key in ("vocab_size", "max_seq_len"):
+    if cfg.model.family:
+        raise ConfigError(f"model.family={cfg.model.family!r} contradicts model.init={cfg.model.init!r}, which brings "
+                          "its own architecture; remove model.family")
+    for key, field in (*SIZES.items(), ("vocab_size", "vocab_size"), ("max_seq_len", "max_seq_len")):
         value = getattr(cfg.model, key)
-        if value and value != getattr(args, key):
+        if value and value != getattr(args, field, None):
             raise ConfigError(f"model.{key}={value} contradicts model.init={cfg.model.init!r}, whose model has "
-                              f"{key}={getattr(args, key)}; remove model.{key} (0 follows the checkpoint)")
+                              f"{field}={getattr(args, field, None)}; remove model.{key} (0 follows the checkpoint)")
     vocab = pretrained.tokenizer.get_vocab_size(with_added_tokens=True)
     if vocab > args.vocab_size:
         raise ConfigError(f"model.init={cfg.model.init!r} has a tokenizer of {vocab} tokens but a model of only "
@@ -88,30 +92,21 @@ def resolve_model_args(cfg: Config, vocab_size: int | None = None, pretrained: P
 
 
 def _flavor_args(cfg: Config, vocab_size: int | None) -> ModelArgs:
-    if cfg.model.flavor not in FLAVORS:
-        raise ConfigError(f"model.flavor={cfg.model.flavor!r} is unknown; choose one of {', '.join(FLAVORS)}")
-    vocab = cfg.model.vocab_size or vocab_size or FLAVORS[cfg.model.flavor].vocab_size
-    if vocab_size and vocab < vocab_size:
-        raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {vocab_size} tokens; "
-                          f"set it to 0 to follow the tokenizer")
-    return model_args(cfg.model.flavor, vocab_size=vocab, max_seq_len=cfg.model.max_seq_len or None,
-                      dropout=cfg.model.dropout)
+    """model.flavor with the model.* shape keys over it, read as `scalenlp plan --model` reads a shape; before
+    the tokenizer exists (``vocab_size`` None) the BPE's target size stands in for its vocabulary."""
+    if vocab_size and cfg.model.vocab_size and cfg.model.vocab_size < vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab_size} "
+                          f"tokens; set it to 0 to follow the tokenizer")
+    return shape_args(cfg.model, cfg.training.seq_len, vocab_size or cfg.tokenizer.vocab_size)
 
 
 def batch_shape(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
     """(sequences per micro-batch on one rank, micro-batches per step)."""
-    g, mb = cfg.training.global_batch_size, cfg.training.micro_batch_size
-    if g % dims.dp:
-        raise ConfigError(f"training.global_batch_size={g} is not divisible by the {dims.dp} data-parallel ranks; "
-                          f"use a multiple of {dims.dp}")
-    local = g // dims.dp
+    local = cfg.training.global_batch_size // dims.dp
     if dims.pp > 1:  # the pipeline schedule splits the local batch into parallel.pp_microbatches itself
         return local, 1
-    mb = mb or local
-    if local % mb:
-        raise ConfigError(f"training.micro_batch_size={mb} does not divide the {local} sequences each rank "
-                          f"gets per step (global_batch_size / data-parallel ranks)")
-    return mb, local // mb
+    micro = Layout.from_config(cfg, dims.world_size).microbatch
+    return micro, local // micro
 
 
 def validate_run(cfg: Config, world_size: int, pretrained: Pretrained | None = None) -> ParallelDims:
@@ -121,7 +116,6 @@ def validate_run(cfg: Config, world_size: int, pretrained: Pretrained | None = N
     if cfg.model.init and pretrained is None:
         pretrained = read(cfg.model.init)
     check_layout(resolve_model_args(cfg, pretrained=pretrained), dims, cfg)
-    batch_shape(cfg, dims)
     return dims
 
 
@@ -443,7 +437,7 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
         cfg, t = self.cfg, self.cfg.training
-        self.log(f"model {cfg.model.init or cfg.model.flavor}: {self.n_params / 1e6:.2f}M parameters, "
+        self.log(f"model {cfg.model.init or shape_spec(cfg.model)}: {self.n_params / 1e6:.2f}M parameters, "
                  f"{self.flops_per_token / 1e6:.1f} MFLOPs/token | layout "
                  + " ".join(f"{n}={s}" for n, s in self.dims.names_and_sizes())
                  + (f" ({cfg.parallel.data_parallel})" if self.dims.dp > 1 else "")
