@@ -70,6 +70,11 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
         worker += ["--config", args.config]
     # One thread per process unless the user chose otherwise: N processes share the cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A restarted attempt must not find the previous attempt's process-group keys (gloo's and NCCL's peer
+    # addresses) in the store: torchrun's agent keeps one store for all attempts, and the workers' keys in
+    # it carry no attempt number (pytorch/pytorch#135712), so a restart would connect to the dead workers'
+    # ports. With the store hosted per attempt by the workers' rank 0, every attempt starts clean.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     signal.signal(signal.SIGTERM, _pass_sigterm_on)
     try:
         run(get_args_parser().parse_args(launcher + ["--module", "scalenlp", "train"] + worker))
