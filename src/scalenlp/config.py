@@ -78,12 +78,19 @@ class TrainingConfig:
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables")
     seed: int = opt(1234, "seed for weights, data order and dropout")
     mixed_precision: str = opt("fp32", "fp32 | bf16 (bf16 autocast; master weights stay fp32)")
+    param_dtype: str = opt("float32", "float32 | bfloat16: FSDP keeps fp32 master weights and gathers them in bf16, "
+                                      "so every op computes in bf16 (torchtitan's bf16); FSDP then wraps one process "
+                                      "too. The alternative to mixed_precision=bf16 (autocast)")
     device: str = opt("auto", "auto | cpu | cuda")
     log_every: int = opt(10, "steps between metric lines")
     eval_every: int = opt(100, "steps between evaluations on the held-out split; 0 disables")
     eval_batches: int = opt(4, "batches per evaluation")
     activation_checkpointing: str = opt("none", "none | full | selective")
     compile: bool = opt(False, "torch.compile each transformer block")
+    stack_projections: bool = opt(True, "run q/k/v and SwiGLU's gate/up as one matmul each (the weights stay "
+                                        "separate; not under tensor parallelism, whose column shards run apart)")
+    peak_tflops: float = opt(0.0, "peak TFLOP/s of one process that MFU divides by; 0: the device table's on a known "
+                                  "GPU, else measured once per machine and cached (~/.cache/scalenlp)")
     timeout_s: int = opt(300, "process-group timeout: a rank that waits longer fails instead of hanging")
     task: str = opt("lm", "lm: next-token loss on packed text | sft: supervised fine-tuning on chat JSONL "
                           "(a `messages` list per line, rendered with model.init's chat template; loss on "
@@ -241,7 +248,7 @@ RANGES = {
     "training.beta1": FRACTION, "training.beta2": FRACTION, "training.grad_clip": Range(0, math.inf),
     # seed + 1 + rank seeds torch, which takes up to 2**64 - 1.
     "training.seed": COUNT, "training.log_every": POSITIVE, "training.eval_every": COUNT,
-    "training.eval_batches": POSITIVE,
+    "training.eval_batches": POSITIVE, "training.peak_tflops": Range(0, math.inf),
     # The process group holds the timeout in milliseconds as a 64-bit integer; 2**31 s is 68 years.
     "training.timeout_s": Range(1, 2**31 - 1),
     "checkpoint.every": COUNT, "checkpoint.keep": POSITIVE,
@@ -281,6 +288,7 @@ def validate(cfg: Config) -> None:
     t, p = cfg.training, cfg.parallel
     _choice(t.on_nonfinite, ("stop", "skip", "rollback"), "training.on_nonfinite")
     _choice(t.mixed_precision, ("fp32", "bf16"), "training.mixed_precision")
+    _choice(t.param_dtype, ("float32", "bfloat16"), "training.param_dtype")
     _choice(t.device, ("auto", "cpu", "cuda"), "training.device")
     _choice(t.activation_checkpointing, ("none", "full", "selective"), "training.activation_checkpointing")
     _choice(p.data_parallel, ("ddp", "zero1", "zero2", "zero3"), "parallel.data_parallel")
