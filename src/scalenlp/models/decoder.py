@@ -105,7 +105,7 @@ def stack_projections(model: nn.Module, enabled: bool) -> None:
     the same parameters and the same function either way."""
     for module in model.modules():
         if isinstance(module, (Attention, FeedForward)):
-            module.fused = enabled
+            module.stacked = enabled
 
 
 @dataclass
@@ -170,14 +170,14 @@ class Attention(nn.Module):
         # each weight is read once per token, and one wide product streams them better than three.
         self.wqkv: nn.Module | None = None
         self.qkv_heads: list[int] = []  # its output's split into query, key and value heads
-        self.fused = True  # training: q/k/v as one product (stacked_linear); false runs three (a reference)
+        self.stacked = True  # training: q/k/v as one product (stacked_linear); false runs three (a reference)
 
     def forward(self, x, rope, cache_index: CacheIndex | None = None):
         B, T, _ = x.shape
         if self.wqkv is not None:
             q, k, v = self.wqkv(x).view(B, T, -1, self.head_dim).split(self.qkv_heads, dim=2)
         else:
-            qkv = stacked_linear(x, (self.wq, self.wk, self.wv)) if self.fused else None
+            qkv = stacked_linear(x, (self.wq, self.wk, self.wv)) if self.stacked else None
             q, k, v = qkv or (self.wq(x), self.wk(x), self.wv(x))
             q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
         if rope is not None:
@@ -202,14 +202,14 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=args.bias)
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=args.bias) if self.swiglu else None
         self.w13: nn.Module | None = None  # w1 and w3 as one matmul, where inference packing fuses them
-        self.fused = True  # training: gate and up as one product (stacked_linear); false runs two
+        self.stacked = True  # training: gate and up as one product (stacked_linear); false runs two
 
     def forward(self, x):
         if self.w13 is not None:
             gate, up = self.w13(x).chunk(2, dim=-1)  # w1 is Llama's gate projection, w3 its up projection
             return self.w2(F.silu(gate) * up)
         if self.swiglu:
-            gate_up = stacked_linear(x, (self.w1, self.w3)) if self.fused else None
+            gate_up = stacked_linear(x, (self.w1, self.w3)) if self.stacked else None
             gate, up = gate_up or (self.w1(x), self.w3(x))
             return self.w2(F.silu(gate) * up)
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
