@@ -20,7 +20,7 @@ import torch
 
 from scalenlp.config import load_config
 from scalenlp.models.flavors import build_model, model_args
-from scalenlp.train.metrics import measure_matmul_flops
+from scalenlp.train.peak import MATMUL_SIZE, measure_matmul_flops
 from scalenlp.train.trainer import Trainer
 
 
@@ -81,8 +81,8 @@ def main() -> None:
     shape = model_args(args.flavor, vocab_size=args.vocab)
     flops_per_token = build_model(shape, "meta").flops_per_token(args.seq)
     cpu = torch.device("cpu")
-    peaks = {"fp32": measure_matmul_flops(cpu, torch.float32, seconds=1.0),
-             "bf16": measure_matmul_flops(cpu, torch.bfloat16, seconds=1.0)}
+    peaks = {"fp32": measure_matmul_flops(cpu, torch.float32, MATMUL_SIZE["cpu"]),
+             "bf16": measure_matmul_flops(cpu, torch.bfloat16, MATMUL_SIZE["cpu"])}
     print(f"{args.flavor} (vocab {args.vocab}), batch {args.batch} x {args.seq}, {torch.get_num_threads()} threads; "
           f"measured matmul peak fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s")
     rows = []

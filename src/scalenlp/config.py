@@ -88,12 +88,19 @@ class TrainingConfig:
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables")
     seed: int = opt(1234, "seed for weights, data order and dropout")
     mixed_precision: str = opt("fp32", "fp32 | bf16 (bf16 autocast; master weights stay fp32)")
+    param_dtype: str = opt("float32", "float32 | bfloat16: FSDP keeps fp32 master weights and gathers them in bf16, "
+                                      "so every op computes in bf16 (torchtitan's bf16); FSDP then wraps one process "
+                                      "too. The alternative to mixed_precision=bf16 (autocast)")
     device: str = opt("auto", "auto | cpu | cuda")
     log_every: int = opt(10, "steps between metric lines")
     eval_every: int = opt(100, "steps between evaluations on the held-out split; 0 disables")
     eval_batches: int = opt(4, "batches per evaluation")
     activation_checkpointing: str = opt("none", "none | full | selective")
     compile: bool = opt(False, "torch.compile each transformer block")
+    stack_projections: bool = opt(True, "run q/k/v and SwiGLU's gate/up as one matmul each (the weights stay "
+                                        "separate; not under tensor parallelism, whose column shards run apart)")
+    peak_tflops: float = opt(0.0, "peak TFLOP/s of one process that MFU divides by; 0: the device table's on a known "
+                                  "GPU, else measured once per machine and cached (~/.cache/scalenlp)")
     timeout_s: int = opt(300, "process-group timeout: a rank that waits longer fails instead of hanging")
     hang_timeout: float = opt(0.0, "seconds one training step may last before the watchdog names the rank the "
                                    "others wait for, dumps every rank's stacks to <run_dir>/hang and ends the "
@@ -276,7 +283,7 @@ RANGES = {
     "training.beta1": FRACTION, "training.beta2": FRACTION, "training.grad_clip": Range(0, math.inf),
     # seed + 1 + rank seeds torch, which takes up to 2**64 - 1.
     "training.seed": COUNT, "training.log_every": POSITIVE, "training.eval_every": COUNT,
-    "training.eval_batches": POSITIVE,
+    "training.eval_batches": POSITIVE, "training.peak_tflops": Range(0, math.inf),
     # The process group holds the timeout in milliseconds as a 64-bit integer; 2**31 s is 68 years.
     "training.timeout_s": Range(1, 2**31 - 1),
     "training.hang_timeout": Range(0, math.inf),
@@ -318,6 +325,7 @@ def validate(cfg: Config) -> None:
     t, p = cfg.training, cfg.parallel
     _choice(t.on_nonfinite, ("stop", "skip", "rollback"), "training.on_nonfinite")
     _choice(t.mixed_precision, ("fp32", "bf16"), "training.mixed_precision")
+    _choice(t.param_dtype, ("float32", "bfloat16"), "training.param_dtype")
     _choice(t.device, ("auto", "cpu", "cuda"), "training.device")
     _choice(p.data_parallel, DATA_PARALLEL, "parallel.data_parallel")
     for problem in choice_problems(p.pp_schedule, t.activation_checkpointing):  # the layout check's own words

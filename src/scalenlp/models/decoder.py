@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scalenlp.models.loss import linear_cross_entropy
+
 
 @dataclass
 class ModelArgs:
@@ -83,6 +85,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).type_as(x)
 
 
+def stacked_linear(x: torch.Tensor, parts: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...] | None:
+    """``x`` through linears that all read it, as one matmul over their stacked weights: one wide product
+    reads ``x`` once and keeps the cores busier than several narrow ones (torchtitan fuses q/k/v the
+    same way). The parameters stay separate, so checkpoints keep their names (wq, wk, wv, w1, w3) and
+    every layout shards them as before; the stacking costs a copy of the weights per call, small
+    beside the activations of a training batch. None under tensor parallelism (DTensor weights):
+    each column-parallel part's own hooks all-reduce the input's gradient, which a product over the
+    local shards would skip, so the caller runs the parts one by one."""
+    if any(hasattr(p.weight, "device_mesh") for p in parts):
+        return None
+    bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None
+    out = F.linear(x, torch.cat([p.weight for p in parts]), bias)
+    return out.split([p.weight.shape[0] for p in parts], dim=-1)
+
+
+def stack_projections(model: nn.Module, enabled: bool) -> None:
+    """Whether training runs q/k/v and gate/up as one product each (``stacked_linear``) or one by one;
+    the same parameters and the same function either way."""
+    for module in model.modules():
+        if isinstance(module, (Attention, FeedForward)):
+            module.stacked = enabled
+
+
 @dataclass
 class CacheIndex:
     """Where one forward writes and reads the KV caches. Every layer uses the same positions, so the
@@ -145,15 +170,16 @@ class Attention(nn.Module):
         # each weight is read once per token, and one wide product streams them better than three.
         self.wqkv: nn.Module | None = None
         self.qkv_heads: list[int] = []  # its output's split into query, key and value heads
+        self.stacked = True  # training: q/k/v as one product (stacked_linear); false runs three (a reference)
 
     def forward(self, x, rope, cache_index: CacheIndex | None = None):
         B, T, _ = x.shape
         if self.wqkv is not None:
             q, k, v = self.wqkv(x).view(B, T, -1, self.head_dim).split(self.qkv_heads, dim=2)
         else:
-            q = self.wq(x).view(B, T, -1, self.head_dim)
-            k = self.wk(x).view(B, T, -1, self.head_dim)
-            v = self.wv(x).view(B, T, -1, self.head_dim)
+            qkv = stacked_linear(x, (self.wq, self.wk, self.wv)) if self.stacked else None
+            q, k, v = qkv or (self.wq(x), self.wk(x), self.wv(x))
+            q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -176,13 +202,16 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=args.bias)
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=args.bias) if self.swiglu else None
         self.w13: nn.Module | None = None  # w1 and w3 as one matmul, where inference packing fuses them
+        self.stacked = True  # training: gate and up as one product (stacked_linear); false runs two
 
     def forward(self, x):
         if self.w13 is not None:
             gate, up = self.w13(x).chunk(2, dim=-1)  # w1 is Llama's gate projection, w3 its up projection
             return self.w2(F.silu(gate) * up)
         if self.swiglu:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            gate_up = stacked_linear(x, (self.w1, self.w3)) if self.stacked else None
+            gate, up = gate_up or (self.w1(x), self.w3(x))
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
@@ -198,6 +227,44 @@ class Block(nn.Module):
     def forward(self, x, rope, cache_index: CacheIndex | None = None):
         h = x + self.drop(self.attention(self.attention_norm(x), rope, cache_index))
         return h + self.drop(self.feed_forward(self.ffn_norm(h)))
+
+
+def init_recipe(args: ModelArgs):
+    """The initialisation of each parameter, by name: (std, cutoff) for a normal distribution truncated
+    at ±cutoff (None: not truncated), "ones" for norm gains, None for zeros (biases, LayerNorm shifts).
+    Two published recipes:
+
+    - GPT-2 family (learned positions; GPT-2, Megatron-LM): every matrix N(0, 0.02), the residual
+      stream's output projections (attention ``wo``, MLP ``w2``) N(0, 0.02 / sqrt(2 · n_layers)), so the
+      residual stream's variance does not grow with depth.
+    - Llama family (RoPE), as torchtitan initialises Llama 3: ``wq``, ``wk``, ``wv`` and ``w1`` (gate)
+      truncated normal std 0.02; ``wo``, ``w2`` and ``w3`` (up) std 0.02 / sqrt(2 · (layer + 1)), depth-scaled
+      per layer; token embeddings N(0, 1), since RMSNorm rescales them; the output projection std
+      dim^-0.5 truncated at 3 std, so logits start at unit scale. A tied embedding is the output
+      projection and takes its init. (torchtitan truncates its std-0.02 draws at ±2, which is no truncation.)
+    """
+    llama = args.position == "rope"
+    gpt2_residual = 0.02 / math.sqrt(2 * args.n_layers)
+    head = args.dim ** -0.5
+
+    def recipe(name: str):
+        module, _, kind = name.rpartition(".")
+        if kind == "bias":
+            return None
+        if module.rsplit(".", 1)[-1].endswith("norm"):
+            return "ones"
+        if not llama:
+            return (gpt2_residual if module.endswith(("wo", "w2")) else 0.02), None
+        if module == "output" or module == "tok_embeddings" and args.tie_embeddings:
+            return head, 3 * head
+        if module == "tok_embeddings":
+            return 1.0, None
+        if module.endswith(("wo", "w2", "w3")):
+            layer = int(module.split(".")[1])  # layers.<i>.attention.wo
+            return 0.02 / math.sqrt(2 * (layer + 1)), 2.0
+        return 0.02, 2.0
+
+    return recipe
 
 
 class Transformer(nn.Module):
@@ -221,19 +288,23 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2L). Also rebuilds the RoPE
-        tables, so a model built on the meta device and moved with ``to_empty`` is complete after it."""
-        residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith(("wo", "w2")) else 0.02
-                nn.init.normal_(module.weight, 0.0, std)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, 0.02)
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                module.reset_parameters()
+        """Initialise every weight by its family's published recipe (``init_recipe``), in a fixed order
+        from the global RNG: the same seed gives the same weights whatever the layout, because the
+        trainer initialises the whole model once, before tensor parallelism, FSDP or a pipeline split
+        it. Also rebuilds the RoPE tables, so a model built on the meta device and moved with
+        ``to_empty`` is complete after it."""
+        recipe = init_recipe(self.args)
+        for name, param in self.named_parameters():  # a tied embedding comes once, as tok_embeddings.weight
+            init = recipe(name)
+            if init is None:  # biases and LayerNorm shifts
+                param.zero_()
+            elif init == "ones":
+                param.fill_(1.0)
+            elif init[1] is None:
+                nn.init.normal_(param, 0.0, init[0])
+            else:
+                std, cutoff = init
+                nn.init.trunc_normal_(param, 0.0, std, -cutoff, cutoff)
         if self.args.position == "rope":
             cos, sin = rope_tables(self.args, device=self.rope_cos.device)
             self.rope_cos.copy_(cos)
@@ -255,12 +326,15 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None,
                 slots: torch.Tensor | None = None, kv_len: int | None = None,
-                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                logits_at: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (B, T) ids, or (B, T, dim) hidden states on a pipeline stage without embeddings.
         input_pos: (B, T) positions, required with a KV cache. slots, kv_len: see ``CacheIndex.build``.
         logits_at: (B,) one position per row whose logits are wanted, giving (B, 1, vocab); a prefill
         then skips the output projection (the largest matmul) for every other position.
-        Returns logits or hidden states."""
+        targets: (B, T) next tokens; the summed fp32 cross-entropy is returned instead of the logits,
+        computed a chunk of tokens at a time (scalenlp.models.loss), so the full logits never exist
+        (not under tensor parallelism, whose sharded output projection needs the vocabulary-parallel loss).
+        Returns logits, hidden states, or the loss."""
         B, T = tokens.shape[:2]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than the model's max_seq_len {self.args.max_seq_len}")
@@ -284,6 +358,8 @@ class Transformer(nn.Module):
             h = h[torch.arange(B, device=h.device), logits_at].unsqueeze(1)
         if self.norm is not None:
             h = self.norm(h)
+        if targets is not None:
+            return linear_cross_entropy(h, self.output.weight, targets)
         return self.output(h) if self.output is not None else h
 
     def num_params(self, exclude_embedding: bool = False) -> int:

@@ -114,7 +114,14 @@ def model_args(flavor: str, **overrides) -> ModelArgs:
 
 
 def build_model(args: ModelArgs, device: str | torch.device = "cpu") -> Transformer:
-    """Build on ``device``; "meta" allocates nothing (for counting, planning, or sharding before
-    materialising with ``to_empty`` + ``init_weights``)."""
-    with torch.device(device):
-        return Transformer(args)
+    """Build on ``device`` and initialise once, by the family's recipe (``Transformer.init_weights``), from
+    the global RNG; "meta" allocates nothing (for counting, planning, or sharding before materialising
+    with ``to_empty`` + ``init_weights``)."""
+    with torch.device("meta"):  # skips nn.Linear's own initialisation, which init_weights would overwrite
+        model = Transformer(args)
+    if torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        if args.tie_embeddings:  # to_empty gives each module its own tensor
+            model.output.weight = model.tok_embeddings.weight
+        model.init_weights()
+    return model

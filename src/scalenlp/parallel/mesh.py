@@ -48,15 +48,19 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_distributed(timeout_s: int) -> tuple[int, int]:
+def init_distributed(timeout_s: int, group_of_one: bool = False) -> tuple[int, int]:
     """Join the process group that torchrun describes in the environment; (rank, world_size).
 
-    A single process (no WORLD_SIZE) runs without a process group. The timeout bounds every
+    A single process (no WORLD_SIZE) runs without a process group, unless ``group_of_one`` asks for one
+    (FSDP's mixed precision, training.param_dtype, needs a mesh even of one). The timeout bounds every
     collective, so a rank that died makes the others fail instead of hanging forever.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and not dist.is_initialized():
-        return 0, 1
+        if not group_of_one:
+            return 0, 1
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if device_type() == "cuda" else "gloo",
+                                store=dist.HashStore(), rank=0, world_size=1)
     if not dist.is_initialized():
         backend = "cuda:nccl,cpu:gloo" if device_type() == "cuda" else "gloo"
         if device_type() == "cuda":

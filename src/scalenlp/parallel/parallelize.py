@@ -29,7 +29,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from scalenlp.config import Config, ConfigError
 from scalenlp.layout import Layout, ModelSizes, check
-from scalenlp.models.decoder import ModelArgs
+from scalenlp.models.decoder import ModelArgs, stack_projections
 from scalenlp.models.encoder import EncoderArgs
 from scalenlp.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, zero1_optimizer
 from scalenlp.parallel.mesh import ParallelDims
@@ -52,6 +52,10 @@ def check_layout(model_args: ModelArgs | EncoderArgs, dims: ParallelDims, cfg: C
     p, t = cfg.parallel, cfg.training
     check(Layout.from_config(cfg, dims.world_size), ModelSizes.of(model_args, isinstance(model_args, EncoderArgs)),
           dims.world_size, t.seq_len, t.global_batch_size, error=ConfigError)
+    if t.param_dtype == "bfloat16" and dims.dp > 1 and p.data_parallel in ("ddp", "zero1") and dims.tp == dims.pp == 1:
+        raise ConfigError("training.param_dtype=\"bfloat16\" casts weights through FSDP, which "
+                          f"parallel.data_parallel=\"{p.data_parallel}\" does not use here; choose \"zero2\" or "
+                          f"\"zero3\", or training.mixed_precision=\"bf16\" (autocast)")
     if p.offload and (p.data_parallel not in ("zero2", "zero3") or not torch.cuda.is_available()):
         raise ConfigError("parallel.offload=true needs a GPU and parallel.data_parallel=\"zero2\" or \"zero3\"; "
                           "set parallel.offload=false")
@@ -98,19 +102,24 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, c
     """Apply TP, activation checkpointing, compile and data parallelism; returns the module to train
     (a DDP wrapper for ddp/zero1 without tp/pp, the model itself, sharded in place, otherwise)."""
     p, t = cfg.parallel, cfg.training
+    stack_projections(model, t.stack_projections)
     if mesh is not None and dims.tp > 1:
         apply_tp(model, mesh["tp"], p.sequence_parallel, shard_logits=p.loss_parallel)
     apply_ac(model, t.activation_checkpointing)
     if t.compile:
         apply_compile(model)
+    bf16 = t.mixed_precision == "bf16" or t.param_dtype == "bfloat16"
+    if t.param_dtype == "bfloat16" and mesh is not None and dims.dp == 1:
+        # FSDP over one rank shards nothing; its mixed-precision policy casts each unit's weights to bf16.
+        return apply_fsdp(model, dp_mesh(mesh, flat=False), reshard_after_forward=False, bf16=True, offload=False)
     if mesh is None or dims.dp == 1:
         return model
     if p.data_parallel in ("ddp", "zero1"):
         if dims.tp == 1 and dims.pp == 1:
             return apply_ddp(model, dp_mesh(mesh, flat=True), p.ddp_bucket_mb)
-        return apply_replicate(model, dp_mesh(mesh, flat=True), bf16=t.mixed_precision == "bf16")
+        return apply_replicate(model, dp_mesh(mesh, flat=True), bf16=bf16)
     return apply_fsdp(model, dp_mesh(mesh, flat=False), reshard_after_forward=p.data_parallel == "zero3",
-                      bf16=t.mixed_precision == "bf16", offload=p.offload)
+                      bf16=bf16, offload=p.offload)
 
 
 def loss_context(dims: ParallelDims, cfg: Config) -> contextlib.AbstractContextManager:

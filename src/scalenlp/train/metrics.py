@@ -1,47 +1,13 @@
-"""Metrics people can trust: tokens/s, MFU against a stated peak, peak memory.
-
-Peak FLOP/s: on a GPU we know, the datasheet's dense figure; anywhere else, a matmul measured at
-start-up on this process (so with N processes sharing a CPU each measures its own share). The log
-says which, because an MFU is only as good as the peak it divides by.
-"""
+"""Metrics people can trust: tokens/s, MFU against a stated peak (scalenlp.train.peak), peak memory."""
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
 
-from scalenlp.hardware import DEVICES, GPU_NAMES, resident_bytes
-
-
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:
-    """Sustained FLOP/s of a square matmul on this process's share of the device."""
-    gen = torch.Generator(device).manual_seed(0)  # leave the training RNG streams untouched
-    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
-    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
-    torch.mm(a, b)  # warm-up: thread pool, kernel selection
-    iters, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.mm(a, b)
-        iters += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    return 2 * size**3 * iters / elapsed
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """(peak FLOP/s, where the figure comes from)."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for marker, key in GPU_NAMES.items():
-            if marker in name:
-                precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-                return DEVICES[key].peak_flops(precision), f"datasheet {key} dense {precision}"
-    flops = measure_matmul_flops(device, dtype, size=2048 if device.type == "cuda" else 1024)
-    return flops, f"measured {str(dtype).removeprefix('torch.')} matmul on {device.type}"
+from scalenlp.hardware import resident_bytes
 
 
 def peak_memory_bytes(device: torch.device) -> int:

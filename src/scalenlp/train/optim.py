@@ -31,8 +31,10 @@ def build_optimizer(model: nn.Module, t: TrainingConfig, dims: ParallelDims | No
                     data_parallel: str = "ddp") -> torch.optim.Optimizer:
     """AdamW over ``model`` (one model part); with data_parallel="zero1" its state is sharded over
     the data-parallel ranks of ``mesh``."""
-    # foreach=True batches the per-parameter update into a few kernels; fused is GPU-only.
-    fused = next(model.parameters()).device.type == "cuda"
+    # The fused kernel updates each parameter in one pass (PyTorch has it for CPUs and CUDA GPUs, DTensor
+    # shards included); elsewhere foreach=True batches the update into a few kernels. On a 2-core CPU the
+    # fused step of a 6M-parameter model took a third to a quarter of the foreach step's time.
+    fused = next(model.parameters()).device.type in ("cpu", "cuda")
     return shard_optimizer_state(param_groups(model, t.weight_decay), torch.optim.AdamW, dims, mesh, data_parallel,
                                  lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused or None,
                                  foreach=None if fused else True)

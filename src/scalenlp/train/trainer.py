@@ -44,8 +44,9 @@ from scalenlp.train.checkpoint import STATE_FILE, Checkpointer, load_full_model,
 from scalenlp.train.guard import StepCheck, StopRequest, check_step, weights_finite
 from scalenlp.train.classify import (build_classifier, classification_loss, classifier_args, evaluate_classifier,
                                      load_classification_data)
-from scalenlp.train.metrics import MetricsWriter, peak_flops, peak_memory_bytes
+from scalenlp.train.metrics import MetricsWriter, peak_memory_bytes
 from scalenlp.train.monitor import Monitor
+from scalenlp.train.peak import peak_flops
 from scalenlp.train.optim import build_optimizer, build_scheduler
 from scalenlp.train.profile import StepProfiler
 
@@ -145,6 +146,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
+def lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """Summed next-token loss of a whole model (not a pipeline stage): computed by the model chunk by chunk
+    (no full logits), unless tensor parallelism shards them (run under ``loss_context`` then)."""
+    if dims.tp == 1:
+        return model(inputs, targets=targets)
+    return cross_entropy(model(inputs), targets, reduction="sum")
+
+
 def _sum_over(value: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         value = value.clone()
@@ -161,7 +170,7 @@ class Trainer:
         validate(cfg)  # a Config built in Python gets the checks load_config gives the CLI's
         self.cfg, self.run_dir, self.stop = cfg, Path(run_dir), stop
         watchdog.record_collectives()
-        self.rank, self.world = init_distributed(cfg.training.timeout_s)
+        self.rank, self.world = init_distributed(cfg.training.timeout_s, cfg.training.param_dtype == "bfloat16")
         # model.init: every rank reads the checkpoint (memory-mapped where the format allows); its
         # tokenizer tokenizes the data, its weights are assigned below, its tokenizer config is exported.
         pretrained = read(cfg.model.init) if cfg.model.init else None
@@ -260,8 +269,8 @@ class Trainer:
         barrier()
         self.fault = faults.planned(self.rank)
 
-        dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
-        self.peak_flops, self.peak_source = peak_flops(self.device, dtype)
+        dtype = torch.bfloat16 if t.mixed_precision == "bf16" or t.param_dtype == "bfloat16" else torch.float32
+        self.peak = peak_flops(self.device, dtype, t.peak_tflops)
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
         self.monitor = Monitor(cfg.monitor, self.device, self.rank)
 
@@ -364,8 +373,7 @@ class Trainer:
         next-token (inputs, targets), or classification (input_ids, attention_mask, token_type_ids, labels)."""
         if self.classify:
             return classification_loss(self.model_parts[0], micro)
-        inputs, targets = micro
-        return cross_entropy(self.model_parts[0](inputs), targets, reduction="sum")
+        return lm_loss(self.model_parts[0], *micro, self.dims)
 
     def evaluate_classifier(self) -> dict[str, float]:
         """eval_loss, accuracy and macro_f1 on the whole eval file."""
@@ -400,7 +408,7 @@ class Trainer:
                     total += self.pipeline.eval(inputs, targets)
                 else:
                     with loss_context(self.dims, self.cfg):
-                        total += cross_entropy(self.model_parts[0](inputs), targets, reduction="sum")
+                        total += lm_loss(self.model_parts[0], inputs, targets, self.dims)
         for part in self.model_parts:
             part.train()
         total, counted = _sum_over(torch.stack([total, counted]), self.dp_group)
@@ -461,8 +469,8 @@ class Trainer:
                  + " ".join(f"{n}={s}" for n, s in self.dims.names_and_sizes())
                  + (f" ({cfg.parallel.data_parallel})" if self.dims.dp > 1 else "")
                  + f" on {self.world} x {self.device.type} | batch {t.global_batch_size} x {t.seq_len} tokens "
-                 f"({self.accum} micro-batch(es) of {self.micro_batch}/rank) | peak {self.peak_flops / 1e12:.3f} "
-                 f"TFLOP/s per process ({self.peak_source})")
+                 f"({self.accum} micro-batch(es) of {self.micro_batch}/rank) | peak {self.peak.flops / 1e12:.3f} "
+                 f"TFLOP/s per process ({self.peak.source})")
         records = []
         bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", disable=not self.is_main,
                    dynamic_ncols=True, file=sys.stderr)
@@ -500,13 +508,18 @@ class Trainer:
             if self.step % t.log_every == 0 or self.step == t.steps:
                 # Tokens the model ran on: classification batches are padded to their longest row, not seq_len.
                 tokens_per_sec = self.tokens_seen * self.dims.dp / window_time
+                mfu, peak_note = self.peak.mfu(tokens_per_sec / self.world * self.flops_per_token)
+                if peak_note:
+                    self.log(f"step {self.step}: {peak_note}")
                 record = {
                     "step": self.step,
                     "loss": _mean_over(window_loss / window_steps, self.dp_group),
                     "lr": self.scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm.item(),
                     "tokens_per_sec": tokens_per_sec,
-                    "mfu": tokens_per_sec / self.world * self.flops_per_token / self.peak_flops,
+                    "mfu": mfu,
+                    "peak_tflops": self.peak.flops / 1e12,
+                    "peak_source": self.peak.source,
                     "peak_mem_bytes": peak_memory_bytes(self.device),
                     "step_time_s": window_time / window_steps,
                     "samples_per_sec": window_steps * t.global_batch_size / window_time,

@@ -1,0 +1,62 @@
+"""Next-token loss straight from the last hidden states, a chunk of tokens at a time.
+
+The output projection's logits are the largest activation of a small model's step: (tokens, vocab)
+in fp32, kept for backward along with their gradient (at torchtitan's debug shape, 16k tokens x 2k
+vocabulary, 128 MiB each). Here the projection, the log-softmax and their gradients run one chunk
+of tokens at a time inside the forward pass, and only the gradients of the hidden states and of the
+weight (each the size of its input) are kept for backward, so no more than one chunk's logits is
+ever alive. The arithmetic is that of the projection's forward and backward; nothing is recomputed.
+The gradients are those of the summed loss, scaled in backward by the incoming gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# A chunk's fp32 logits: 2**23 elements, 32 MiB, whatever the vocabulary.
+CHUNK_LOGITS = 2**23
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int):
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        chunk = max(1, CHUNK_LOGITS // weight.shape[0])
+        for start in range(0, hidden.shape[0], chunk):
+            h, t = hidden[start:start + chunk].to(weight.dtype), targets[start:start + chunk]
+            logits = (h @ weight.t()).float()  # under autocast the product runs in its dtype, as nn.Linear's would
+            lse = logits.logsumexp(dim=-1)
+            counted = t != ignore_index
+            safe = torch.where(counted, t, 0).unsqueeze(1)
+            total += torch.where(counted, lse - logits.gather(1, safe).squeeze(1), 0.0).sum()
+            if not (want_hidden or want_weight):
+                continue
+            # d(summed loss)/d(logits) = softmax - one_hot(target), zero on ignored rows; in place over the logits.
+            grad = logits.sub_(lse.unsqueeze(1)).exp_()
+            grad.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad.dtype))
+            grad.mul_(counted.unsqueeze(1))
+            grad = grad.to(weight.dtype)
+            if want_hidden:
+                grad_hidden[start:start + chunk] = grad @ weight
+            if want_weight:
+                grad_weight += grad.t() @ h
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (None if grad_hidden is None else grad_hidden * grad_output.to(grad_hidden.dtype),
+                None if grad_weight is None else (grad_weight * grad_output).to(ctx.weight_dtype), None, None)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         ignore_index: int = -100) -> torch.Tensor:
+    """Summed cross-entropy (fp32) of ``hidden @ weight.T`` against ``targets``, without ever holding all
+    the logits. hidden: (..., dim); weight: (vocab, dim); targets: hidden's leading shape; targets equal
+    to ``ignore_index`` (F.cross_entropy's default) count for nothing."""
+    return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), ignore_index)
