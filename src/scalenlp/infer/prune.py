@@ -249,11 +249,11 @@ def prune_structured(model: Transformer, share: float, norms: dict[str, torch.Te
     for i, block in model.layers.items():
         p = f"layers.{i}."
         attn, ffn = block.attention, block.feed_forward
-        score = unit_scores(attn.wo.weight, norms and norms[p + "attention.wo"], per_group * hd)
+        score = unit_scores(attn.wo.weight, norms[p + "attention.wo"] if norms else None, per_group * hd)
         kept = score.topk(keep_groups).indices.sort().values
         kv_rows = (kept[:, None] * hd + torch.arange(hd, device=kept.device)).flatten()
         q_rows = (kept[:, None] * per_group * hd + torch.arange(per_group * hd, device=kept.device)).flatten()
-        neurons = unit_scores(ffn.w2.weight, norms and norms[p + "feed_forward.w2"], 1)
+        neurons = unit_scores(ffn.w2.weight, norms[p + "feed_forward.w2"] if norms else None, 1)
         kept_neurons = neurons.topk(keep_neurons).indices.sort().values
         for name, rows in (("attention.wq", q_rows), ("attention.wk", kv_rows), ("attention.wv", kv_rows),
                            ("feed_forward.w1", kept_neurons), ("feed_forward.w3", kept_neurons)):
