@@ -164,7 +164,7 @@ def test_cli_export_loads_and_still_answers(tmp_path, capsys, method):
                  "--max-tokens", "200"]) == 0
 
 
-def test_structured_export_loads_in_transformers_with_our_logits(tmp_path):
+def test_structured_export_loads_in_transformers_and_as_gguf_with_our_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
     export = make_export(tmp_path, "small-llama")
@@ -178,6 +178,12 @@ def test_structured_export_loads_in_transformers_with_our_logits(tmp_path):
     tokens = torch.randint(0, ours.args.vocab_size, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
+    gguf = tmp_path / "pruned.gguf"  # the head size travels as attention.key_length
+    assert main(["export", "--checkpoint", str(pruned), "--format", "gguf", "--type", "f32", "--out", str(gguf)]) == 0
+    back, _ = load(gguf)
+    assert back.args == ours.args
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens), ours(tokens), atol=1e-4, rtol=1e-4)
 
 
 def test_structured_export_refuses_a_tp_degree_it_no_longer_divides(tmp_path):
