@@ -191,7 +191,7 @@ def test_structured_export_refuses_a_tp_degree_it_no_longer_divides(tmp_path):
     export = make_export(tmp_path, "debug")  # 4 heads in 2 KV groups: 0.5 keeps one group
     out = tmp_path / "pruned"
     assert main(["prune", "--checkpoint", str(export), "--method", "structured", "--out", str(out)]) == 0
-    with pytest.raises(UserError, match="--tp 2 does not divide the model's n_kv_heads"):
+    with pytest.raises(UserError, match="tp=2 does not divide the model's 1 key/value heads"):
         LLM(out, tp=2)
 
 

@@ -171,7 +171,9 @@ class Attention(nn.Module):
         # each weight is read once per token, and one wide product streams them better than three.
         self.wqkv: nn.Module | None = None
         self.qkv_heads: list[int] = []  # its output's split into query, key and value heads
-        self.stacked = True  # training: q/k/v as one product (stacked_linear); false runs three (a reference)
+        # q/k/v as one product (stacked_linear): parallelize turns it on for training (training.stack_projections).
+        # Off otherwise, so that hooks and module swaps on wq/wk/wv (pruning's calibration, quantization) see calls.
+        self.stacked = False
 
     def forward(self, x, rope, cache_index: CacheIndex | None = None):
         B, T, _ = x.shape
@@ -203,7 +205,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=args.bias)
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=args.bias) if self.swiglu else None
         self.w13: nn.Module | None = None  # w1 and w3 as one matmul, where inference packing fuses them
-        self.stacked = True  # training: gate and up as one product (stacked_linear); false runs two
+        self.stacked = False  # gate and up as one product (stacked_linear) when training turns it on, as Attention
 
     def forward(self, x):
         if self.w13 is not None:
