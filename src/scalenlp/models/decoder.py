@@ -37,6 +37,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dropout: float = 0.0
+    fixed_head_dim: int = 0  # 0 = dim // n_heads; set where heads were pruned (or a Llama gives head_dim)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads == 0:
@@ -44,11 +45,11 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.fixed_head_dim or self.dim // self.n_heads
 
     def check(self) -> None:
         """Raise ValueError with a readable reason for a shape that cannot be built."""
-        if self.dim % self.n_heads:
+        if self.dim % self.n_heads and not self.fixed_head_dim:
             raise ValueError(f"model dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")

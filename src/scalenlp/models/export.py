@@ -42,14 +42,20 @@ def write_hf_folder(model, pre, out: Path) -> None:
         write_tokenizer(tmp, pre.tokenizer, tokenizer_config)
 
 
-def run(args) -> int:
-    from scalenlp.models.loader import load
-
-    out = Path(args.out)
+def new_output(path: str) -> Path:
+    """``--out`` as a path that does not exist yet, in a folder that does (nothing is ever overwritten)."""
+    out = Path(path)
     if out.exists():
         raise UserError(f"--out {out} already exists; choose a new path (nothing is overwritten)")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: its folder {out.parent} does not exist")
+    return out
+
+
+def run(args) -> int:
+    from scalenlp.models.loader import load
+
+    out = new_output(args.out)
     if args.format == "gguf" and out.suffix != ".gguf":
         raise UserError(f"--out {out} must end in .gguf for --format gguf")
     model, pre = load(args.checkpoint)

@@ -112,11 +112,11 @@ def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
         return value
 
     dim, heads = meta("embedding_length"), meta("attention.head_count")
-    head_dim = dim // heads
-    for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
+    head_dim = meta("attention.key_length", dim // heads)  # differs from dim // heads where heads were pruned
+    for key in ("attention.value_length", "rope.dimension_count"):
         if meta(key, head_dim) != head_dim:
-            raise UserError(f"{path}: {arch}.{key}={meta(key)} differs from embedding_length / head_count = "
-                            f"{head_dim}; such models are not supported")
+            raise UserError(f"{path}: {arch}.{key}={meta(key)} differs from the head size {head_dim}; "
+                            f"such models are not supported")
     scaling = meta("rope.scaling.type", "none")
     if scaling != "none":
         raise UserError(f"{path}: RoPE scaling {scaling!r} is not supported; only plain RoPE")
@@ -129,7 +129,8 @@ def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
                      n_kv_heads=meta("attention.head_count_kv", heads), ffn_dim=meta("feed_forward_length"),
                      max_seq_len=meta("context_length"), norm_eps=_decimal(meta("attention.layer_norm_rms_epsilon")),
                      rope_theta=_decimal(meta("rope.freq_base", 10000.0)),
-                     bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors), **LLAMA_SHAPE)
+                     bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
+                     fixed_head_dim=head_dim if head_dim != dim // heads else 0, **LLAMA_SHAPE)
 
 
 def _decimal(x: float) -> float:
@@ -209,6 +210,8 @@ def write_gguf(model: nn.Module, tokenizer: Tokenizer, tokenizer_config: dict, o
     writer.add_head_count(args.n_heads)
     writer.add_head_count_kv(args.n_kv_heads)
     writer.add_rope_dimension_count(args.head_dim)
+    writer.add_key_length(args.head_dim)
+    writer.add_value_length(args.head_dim)
     writer.add_rope_freq_base(args.rope_theta)
     writer.add_layer_norm_rms_eps(args.norm_eps)
     writer.add_vocab_size(args.vocab_size)

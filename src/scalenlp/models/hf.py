@@ -24,7 +24,8 @@ LLAMA_SHAPE = dict(norm="rmsnorm", activation="swiglu", position="rope")
 
 def family(args: ModelArgs) -> str:
     """'gpt2' or 'llama': the Hugging Face class that computes exactly what this model computes."""
-    if all(getattr(args, k) == v for k, v in GPT2_SHAPE.items()) and args.n_kv_heads == args.n_heads:
+    if (all(getattr(args, k) == v for k, v in GPT2_SHAPE.items()) and args.n_kv_heads == args.n_heads
+            and args.n_heads * args.head_dim == args.dim):  # GPT2Config has no head size of its own
         return "gpt2"
     if all(getattr(args, k) == v for k, v in LLAMA_SHAPE.items()):
         return "llama"
@@ -63,9 +64,7 @@ def args_from_hf(config) -> ModelArgs:
                          tie_embeddings=c.get("tie_word_embeddings", True), **GPT2_SHAPE)
     if model_type == "llama":
         heads, dim = c["num_attention_heads"], c["hidden_size"]
-        if c.get("head_dim") not in (None, dim // heads):
-            raise UserError(f"head_dim={c['head_dim']} differs from hidden_size / num_attention_heads = {dim // heads}; "
-                            f"such Llama variants are not supported")
+        head_dim = c.get("head_dim") or dim // heads
         rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise UserError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; "
@@ -79,7 +78,7 @@ def args_from_hf(config) -> ModelArgs:
                          max_seq_len=c.get("max_position_embeddings", 2048), norm_eps=c.get("rms_norm_eps", 1e-6),
                          rope_theta=c.get("rope_theta") or rope.get("rope_theta", 10000.0),
                          bias=c.get("attention_bias", False), tie_embeddings=c.get("tie_word_embeddings", False),
-                         **LLAMA_SHAPE)
+                         fixed_head_dim=head_dim if head_dim != dim // heads else 0, **LLAMA_SHAPE)
     raise UserError(f"cannot load a Hugging Face {model_type!r} model; supported: gpt2 (GPT2LMHeadModel), "
                     f"llama (LlamaForCausalLM and its relatives), bert (BertModel, BertForSequenceClassification, "
                     f"BertForTokenClassification)")
