@@ -11,7 +11,6 @@ that every command loading a model (serve, generate, chat, eval, classify, embed
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from scalenlp.errors import UserError
 
@@ -25,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a floating-point model: a run folder, an export folder, a Hugging Face folder or a .gguf")
     parser.add_argument("--method", required=True, choices=METHOD_CHOICES, help=METHOD_HELP)
     parser.add_argument("--group-size", type=int, default=64, help="int4: inputs per scale, 32, 64 or 128 (default 64)")
-    parser.add_argument("--out", required=True, help="export folder to write (replaced if it exists)")
+    parser.add_argument("--out", required=True, help="export folder to write; must not exist")
 
 
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,18 +40,17 @@ def run(args) -> int:
 
     from safetensors.torch import save_file
 
+    from scalenlp.models.export import new_output
     from scalenlp.models.io import ARGS, WEIGHTS, replacing_folder, write_tokenizer
     from scalenlp.models.loader import instantiate, read
     from scalenlp.models.quantized import QUANTIZATION, quantization_json, quantization_of
 
     spec = quantization_of(args.method, args.group_size)
-    out = Path(args.out)
+    out = new_output(args.out)
     pre = read(args.checkpoint)
     if pre.quantization is not None:
         raise UserError(f"{args.checkpoint} is already quantized ({pre.quantization.describe()}); quantize its "
                         f"floating-point original")
-    if Path(args.checkpoint).resolve() in (out.resolve(), out.resolve() / "export"):
-        raise UserError(f"--out {args.out} is the checkpoint being read; write the quantized model elsewhere")
     # Built on the CPU in the checkpoint's own dtype: the stored tensors are the same on every device.
     model = instantiate(pre, "cpu", None, quantize=spec)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
