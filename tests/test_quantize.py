@@ -4,14 +4,18 @@ quantized models served through the engine (a real SmolLM2 among them)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 
+import httpx
 import pytest
 import torch
 from torch import nn
 
 from infer_helpers import train_tokenizer
 from scalenlp.cli import main
+from scalenlp.infer.quantize import METHOD_CHOICES
 from scalenlp.infer.llm import LLM
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.models.encoder import Encoder, EncoderArgs
@@ -19,7 +23,7 @@ from scalenlp.models.flavors import build_model, model_args
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.loader import instantiate, load, read
 from scalenlp.models.packaged import packaged_model
-from scalenlp.models.quantized import (QUANTIZATION, Int4Linear, Int8DynamicLinear, Int8Linear, Quantization,
+from scalenlp.models.quantized import (METHODS, QUANTIZATION, Int4Linear, Int8DynamicLinear, Int8Linear, Quantization,
                                        QuantizedLinear, empty_linear, quantize_weight, unpack_int4)
 
 torch.set_num_threads(1)
@@ -201,3 +205,33 @@ def test_quantized_smollm2_answers_through_the_engine(method):
         answers = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]] * 2,
                            SamplingParams(max_tokens=12, temperature=0))
     assert all("Paris" in a for a in answers)
+
+
+def test_the_command_lists_the_methods_the_models_module_has():
+    assert METHOD_CHOICES == METHODS
+
+
+@pytest.mark.slow  # starts Ray
+def test_quantized_replicas_on_ray_serve_answer_as_the_local_engine(tmp_path):
+    """`serve --replicas` with --quantize: each replica quantizes at load, and answers as a local engine does."""
+    pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
+    from scalenlp.infer import cluster
+    from scalenlp.infer.sharded import free_port
+
+    os.environ.update(cluster.LOCAL_RAY_ENV)
+    export = tiny_decoder(tmp_path)
+    with LLM(export, dtype="float32", quantize="int4", group_size=32) as llm:
+        expected = llm.generate(["the quick brown fox"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=2, max_seq_len=None,
+                              compile=False, max_queue=64, model_name="m", api_key=None, replicas=1,
+                              max_replicas=None, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
+                              ray_address=None, quantize="int4", group_size=32)
+    url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
+                                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
+    try:
+        answer = httpx.post(url + "/v1/completions", timeout=600, json={
+            "model": "m", "prompt": "the quick brown fox", "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+    finally:
+        cluster.stop(owns_serve)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == expected[0]
