@@ -54,16 +54,25 @@ def dequantized(module: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
     return module.weight.float() * scales[:, None], scales[:, None].expand(-1, module.in_features)
 
 
+def activation_steps(x: torch.Tensor, spec: Quantization) -> torch.Tensor:
+    """int8dyn's activation rounding step for each token of ``x``: symmetric per token (max |x| over 127), or for
+    a single token on CPU, fbgemm's asymmetric 7-bit range (max - min, zero included, over 127 levels)."""
+    if x.numel() == x.shape[-1]:
+        return (x.max().clamp(min=0) - x.min().clamp(max=0)) / 127
+    return x.abs().amax(dim=-1, keepdim=True) / 127
+
+
 @pytest.mark.parametrize("spec", [Quantization("int8"), Quantization("int4", 32), Quantization("int4", 64),
                                   Quantization("int4", 128), Quantization("int8dyn")], ids=lambda s: s.describe())
 def test_each_quantized_linear_is_within_its_rounding_bound(spec):
     """Bounds, element by element. Rounding to the nearest step leaves each weight within half a step of the
-    original (the tests checks that first: it is what the stored scales promise). Then, for y = x W^T:
+    original (the test checks that first: it is what the stored scales promise). Then, for y = x W^T:
     - weight-only: |y - y_q| <= sum_k |x_k| step_k / 2 (the weights' rounding) plus bf16 roundings relative to
       sum_k |x_k w_k|: the activations cast to bf16, the weights dequantized in bf16, the output rounded to
       bf16 (3 u), and float32 accumulation (K u_fp32);
-    - int8dyn: also the activations' own rounding, half fbgemm's per-tensor step (max - min over 127 levels,
-      its 7-bit range) times sum_k |w_k|; products are exact in int32, the rescale is float32."""
+    - int8dyn: also the activations' own rounding, half their step times sum_k |w_k|; products are exact in
+      int32, the rescale is float32.
+    Checked on a batch of tokens and on one token (a decode step, which int8dyn sends to another kernel)."""
     torch.manual_seed(0)
     K, N = 512, 192
     linear = nn.Linear(K, N, bias=True)
@@ -72,24 +81,25 @@ def test_each_quantized_linear_is_within_its_rounding_bound(spec):
     w_q, step = dequantized(module)
     assert ((linear.weight.detach() - w_q).abs() <= step / 2 * (1 + 1e-6)).all()
 
-    x = torch.randn(4, 3, K)
-    y, y_q = linear(x).detach(), module(x)
-    assert y_q.shape == y.shape and y_q.dtype == x.dtype
-    magnitude = x.abs() @ w_q.abs().T
-    bound = x.abs() @ (step / 2).T + (K * U_FP32 + (0 if spec.method == "int8dyn" else 3 * U_BF16)) * magnitude
-    x_step = (x.max().clamp(min=0) - x.min().clamp(max=0)) / 127
-    if spec.method == "int8dyn":
-        bound = bound + x_step / 2 * w_q.abs().sum(dim=1) + 4 * U_FP32 * magnitude
-    error = (y - y_q).abs()
-    assert (error <= bound).all(), f"worst excess {(error - bound).max():.3g}"
-    # The worst case adds every rounding with the same sign; independent roundings, uniform within half a
-    # step, add up to a root-mean-square error of sqrt(sum_k x_k^2 step_k^2 / 12) per output. The measured
-    # error has that size: the kernels round no worse than the stored scales allow.
-    variance = (x ** 2) @ (step ** 2).T / 12
-    if spec.method == "int8dyn":  # the activations' rounding too
-        variance = variance + x_step ** 2 / 12 * w_q.square().sum(dim=1)
-    ratio = (error.square().mean() / variance.mean()).sqrt()
-    assert 0.9 < ratio < 1.2
+    for x in (torch.randn(4, 3, K), torch.randn(1, 1, K)):
+        y, y_q = linear(x).detach(), module(x)
+        assert y_q.shape == y.shape and y_q.dtype == x.dtype
+        magnitude = x.abs() @ w_q.abs().T
+        bound = x.abs() @ (step / 2).T + (K * U_FP32 + (0 if spec.method == "int8dyn" else 3 * U_BF16)) * magnitude
+        variance = (x ** 2) @ (step ** 2).T / 12
+        if spec.method == "int8dyn":
+            x_step = activation_steps(x, spec)
+            bound = bound + x_step / 2 * w_q.abs().sum(dim=1) + 4 * U_FP32 * magnitude
+            variance = variance + x_step ** 2 / 12 * w_q.square().sum(dim=1)
+        error = (y - y_q).abs()
+        assert (error <= bound).all(), f"worst excess {(error - bound).max():.3g}"
+        if x.shape[0] > 1:
+            # The worst case adds every rounding with the same sign; independent roundings, uniform within half
+            # a step, add up to a root-mean-square error of sqrt(sum_k x_k^2 step_k^2 / 12) per output (plus the
+            # activations' share for int8dyn). The measured error has that size: the kernels round no worse
+            # than the stored scales allow.
+            ratio = (error.square().mean() / variance.mean()).sqrt()
+            assert 0.9 < ratio < 1.2
 
 
 def tiny_decoder(root, tie: bool = True):
