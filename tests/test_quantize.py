@@ -111,10 +111,11 @@ def tiny_decoder(root, tie: bool = True):
 
 
 def tiny_classifier(root):
-    """A random BERT classifier; its 3-class head fits no int4 kernel tile and takes the fallback."""
+    """A random BERT classifier with a pooler (whose input is a strided view); its 3-class head fits no int4
+    kernel tile and takes the fallback."""
     torch.manual_seed(0)
     model = Encoder(EncoderArgs(vocab_size=320, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=64,
-                                task="classification", labels=["a", "b", "c"]))
+                                task="classification", labels=["a", "b", "c"], pooler=True))
     return save_pretrained(model, root / "export", train_tokenizer(root / "tok.json"))
 
 

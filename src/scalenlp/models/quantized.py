@@ -150,8 +150,7 @@ class Int8Linear(QuantizedLinear):
         return self.kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(KERNEL_DTYPE), self.weight,
-                                                self.scales)
+        y = torch.ops.aten._weight_int8pack_mm(rows_of(x, self.in_features), self.weight, self.scales)
         return add_bias(y.view(*x.shape[:-1], self.out_features).to(x.dtype), self.bias)
 
 
@@ -195,7 +194,7 @@ class Int4Linear(QuantizedLinear):
         return x2d @ w.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x.reshape(-1, self.in_features).to(KERNEL_DTYPE))
+        y = self.matmul(rows_of(x, self.in_features))
         return add_bias(y.view(*x.shape[:-1], self.out_features).to(x.dtype), self.bias)
 
 
@@ -249,6 +248,11 @@ def int_mm_per_token(x2d: torch.Tensor, weight: torch.Tensor, scales: torch.Tens
     if rows <= 16 and xq.is_cuda:
         xq = F.pad(xq, (0, 0, 0, 17 - rows))
     return torch.ops.aten._int_mm(xq, weight.T)[:rows].float() * x_scales * scales
+
+
+def rows_of(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` as contiguous bf16 rows, as the weight-only kernels take it (a pooler's input is a strided view)."""
+    return x.reshape(-1, width).to(KERNEL_DTYPE).contiguous()
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
