@@ -18,8 +18,7 @@ SST-2 rows: a MiniLM classifier fine-tuned by ``scalenlp train`` on the first ``
 32 texts of similar length): accuracy and sentences/s.
 
 Model bytes are the weights held in memory: every parameter and buffer but the RoPE tables and KV cache, each
-storage once. An int4 model on CPU holds its weights twice (the portable packing and the kernel's), and
-int8dyn's fbgemm copy is not a tensor and is not counted: the table says so beside them.
+storage once. int8dyn's fbgemm copy (for single tokens) is not a tensor and is not counted: the table says so.
 """
 
 from __future__ import annotations
@@ -56,8 +55,7 @@ VARIANTS = [("fp32", torch.float32, None), ("bf16", torch.bfloat16, None),
             ("int4 weight-only, group 32", torch.bfloat16, Quantization("int4", 32)),
             ("int8 dynamic", torch.bfloat16, Quantization("int8dyn"))]
 PRUNE_METHODS = (("magnitude 50%", "magnitude", 0.5), ("wanda 50%", "wanda", 0.5), ("2:4 (wanda score)", "2:4", 0.5))
-NOTES = {"int4 weight-only, group 64": "weights held twice on CPU", "int4 weight-only, group 32": "weights held twice on CPU",
-         "int8 dynamic": "+ fbgemm's packed copy"}
+NOTES = {"int8 dynamic": "+ fbgemm's packed copy"}
 
 
 def model_bytes(model: torch.nn.Module) -> int:

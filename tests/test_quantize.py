@@ -47,7 +47,8 @@ def dequantized(module: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(module, Int4Linear):
         g = module.group_size
         scales, zeros = module.scales_and_zeros.float().transpose(0, 1).unbind(-1)
-        q = unpack_int4(module.weight).view(module.out_features, -1, g).float()
+        # The state's weight, rebuilt from the kernel's layout (memory holds that one alone).
+        q = unpack_int4(module.state_dict()["weight"]).view(module.out_features, -1, g).float()
         w = ((q - 8) * scales[..., None] + zeros[..., None]).view(module.out_features, -1)
         return w, scales.repeat_interleave(g, dim=1)
     scales = module.scales.float()

@@ -101,9 +101,13 @@ def int4_grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.
     scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny).to(KERNEL_DTYPE)
     zeros = (low + 8 * scales.float()).to(KERNEL_DTYPE)
     q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp(0, 15)
-    q = q.to(torch.uint8).reshape(N, K)
-    packed = (q[:, ::2] << 4) | q[:, 1::2]
-    return packed, torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+    return pack_int4(q.to(torch.uint8).reshape(N, K)), torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values 0..15 -> (N, K/2) uint8, the even column in the high nibble."""
+    q = q.to(torch.uint8)
+    return (q[:, ::2] << 4) | q[:, 1::2]
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -156,7 +160,8 @@ class Int8Linear(QuantizedLinear):
 
 class Int4Linear(QuantizedLinear):
     """4-bit weights with a bf16 scale and zero per group of inputs; products in bf16 (tinygemm on CUDA,
-    PyTorch's AVX kernel on CPU). ``packed`` is the kernel's layout of ``weight``."""
+    PyTorch's AVX kernel on CPU). ``packed`` is the kernel's layout of ``weight``; once it is built, memory holds
+    it alone and ``state_dict`` rebuilds the portable layout from it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, device=None):
         super().__init__(in_features, out_features, bias, device)
@@ -171,20 +176,37 @@ class Int4Linear(QuantizedLinear):
         device = self.weight.device
         if device.type == "cpu" and self.out_features % 16 == 0:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.weight), 1)
-            self.matmul, self.kernel = self.cpu_matmul, "aten._weight_int4pack_mm_for_cpu"
+            self.int4_mm, self.kernel = torch.ops.aten._weight_int4pack_mm_for_cpu, "aten._weight_int4pack_mm_for_cpu"
         elif device.type == "cuda" and self.out_features % 8 == 0 and self.in_features % 256 == 0:
             # tinygemm's tiles: 8 output rows, innerKTiles * 16 inputs (innerKTiles 8 as gpt-fast picks).
             self.packed = torch.ops.aten._convert_weight_to_int4pack(self.weight, 8)
-            self.matmul, self.kernel = self.cuda_matmul, "aten._weight_int4pack_mm"
+            self.int4_mm, self.kernel = torch.ops.aten._weight_int4pack_mm, "aten._weight_int4pack_mm"
         else:
             self.matmul, self.kernel = self.dequantized_matmul, "dequantize-then-matmul"
+            return self.kernel
+        self.matmul = self.kernel_matmul
+        # A zero-stride stand-in keeps the weight's shape, which the KV cache's setup reads.
+        self.weight = torch.zeros((), dtype=torch.uint8, device=device).expand(self.weight.shape)
         return self.kernel
 
-    def cpu_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group_size, self.scales_and_zeros)
+    def kernel_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        return self.int4_mm(x2d, self.packed, self.group_size, self.scales_and_zeros)
 
-    def cuda_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm(x2d, self.packed, self.group_size, self.scales_and_zeros)
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed is not None:
+            destination[prefix + "weight"] = self.portable_weight()
+
+    @torch.no_grad()
+    def portable_weight(self, rows: int = 256) -> torch.Tensor:
+        """``int4_grouped``'s layout rebuilt from the kernel's, exactly: the kernel multiplies rows of the identity
+        by the weights dequantized with scale 1 and zero 8, which is each 4-bit value as a bf16 integer."""
+        unit = torch.tensor([1.0, 8.0], dtype=KERNEL_DTYPE, device=self.packed.device)
+        unit = unit.expand_as(self.scales_and_zeros).contiguous()
+        eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.packed.device)
+        values = torch.cat([self.int4_mm(eye[i:i + rows], self.packed, self.group_size, unit)
+                            for i in range(0, self.in_features, rows)])
+        return pack_int4(values.T)
 
     def dequantized_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         # The fallback for shapes no kernel tiles (a 2-class head): rebuild the bf16 weight on each call.
