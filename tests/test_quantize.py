@@ -163,7 +163,7 @@ def test_quantize_bad_input_is_one_line(tmp_path, capsys, argv, says):
     assert err == f"error: {says}\n"
 
 
-def test_a_quantized_checkpoint_is_not_quantized_again_sharded_or_exported(tmp_path, capsys):
+def test_a_quantized_checkpoint_is_not_quantized_again_sharded_exported_or_trained(tmp_path, capsys):
     export = tiny_decoder(tmp_path)
     q = tmp_path / "q"
     assert main(["quantize", "--checkpoint", str(export), "--method", "int8", "--out", str(q)]) == 0
@@ -178,6 +178,8 @@ def test_a_quantized_checkpoint_is_not_quantized_again_sharded_or_exported(tmp_p
          "--replicas N, or drop the quantization to use --tp"),
         (["export", "--checkpoint", str(q), "--format", "hf", "--out", str(tmp_path / "hf")],
          f"{q} is quantized (int8); export its floating-point original"),
+        (["train", "--run-dir", str(tmp_path / "run"), "--set", f"model.init={q}", "--set", "training.steps=1"],
+         f"model.init={q} is quantized (int8); fine-tune its floating-point original, then quantize the result"),
     ]
     for argv, says in cases:
         assert main(argv) == 2
