@@ -163,21 +163,22 @@ def decoder_rows(args, tmp: Path) -> tuple[list[dict], str]:
 
 
 def print_table(title: str, rows: list[dict], quality: str, speed_columns: list[str]) -> None:
+    """A markdown table: each row beside the first (fp32)."""
     base = rows[0]
     print(f"\n{title}")
-    header = f"| {'method':<44} | {'model MiB':>9} | {quality:>10} | {'vs fp32':>8} |" + "".join(
-        f" {c:>20} |" for c in speed_columns) + " note"
-    print(header)
-    print("|" + "|".join("-" * (len(part) + 2) for part in header.split("|")[1:-1]) + "|")
+    header = [f"{'method':<44}", f"{'model MiB':>9}", f"{quality:>10}", f"{'vs fp32':>8}"]
+    header += [f"{c:>20}" for c in speed_columns] + ["note"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("-" * (len(c) + 2) for c in header) + "|")
     for row in rows:
         change = row["quality"] / base["quality"] - 1
-        cells = [f"{row['bytes'] / 2**20:>9.1f}", f"{row['quality']:>10.4f}",
+        cells = [f"{row['name']:<44}", f"{row['bytes'] / 2**20:>9.1f}", f"{row['quality']:>10.4f}",
                  f"{change:>+8.2%}" if row is not base else f"{'':>8}"]
         for i, _ in enumerate(speed_columns):
             value = row["speed"][i] if row.get("speed") else None
             cells.append(f"{value:>9.1f} ({value / base['speed'][i]:>5.2f}x)".rjust(20) if value else f"{'-':>20}")
-        note = NOTES.get(row["name"], "") + (" same shapes as fp32: its speed" if row.get("same_speed_as") else "")
-        print(f"| {row['name']:<44} | " + " | ".join(cells) + f" | {note}")
+        cells.append(NOTES.get(row["name"], "") + ("same shapes as fp32: its speed" if row.get("same_speed_as") else ""))
+        print("| " + " | ".join(cells) + " |")
 
 
 def main() -> int:
