@@ -178,6 +178,7 @@ def test_structured_export_loads_in_transformers_and_as_gguf_with_our_logits(tmp
     tokens = torch.randint(0, ours.args.vocab_size, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
+    assert load(hf_dir)[0].args == ours.args  # and back: config.json's head_dim keeps the head size
     gguf = tmp_path / "pruned.gguf"  # the head size travels as attention.key_length
     assert main(["export", "--checkpoint", str(pruned), "--format", "gguf", "--type", "f32", "--out", str(gguf)]) == 0
     back, _ = load(gguf)

@@ -22,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="magnitude: smallest |w| | wanda: |w|·input norm per output row (needs --calibration) "
                              "| 2:4: 2 of every 4 input weights | structured: whole KV groups and MLP neurons")
     parser.add_argument("--sparsity", type=float, default=0.5,
-                        help="share of the block weights (structured: of the heads and neurons) removed, in (0, 1); "
-                             "default 0.5")
+                        help="share of the block weights (structured: of the KV groups and MLP neurons, rounded to whole "
+                             "units) removed, in (0, 1); default 0.5")
     parser.add_argument("--scope", default="layer",
                         help="magnitude: each layer loses --sparsity (layer) or one threshold over all (global)")
     parser.add_argument("--calibration", metavar="FILE",
