@@ -90,7 +90,7 @@ def make_hf_chat_model(root: Path, template: str | None = CHATML, logit_scale: f
 
 def engine_args(checkpoint, **kw) -> argparse.Namespace:
     return argparse.Namespace(checkpoint=str(checkpoint), dtype="float32", device="cpu", max_batch=2,
-                              max_seq_len=None, compile=False, tp=1, **kw)
+                              max_seq_len=None, compile=False, tp=1, quantize=None, group_size=64, **kw)
 
 
 def run_request(engine, ids, params) -> tuple[str, list[int], str]:

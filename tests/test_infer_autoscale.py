@@ -34,7 +34,7 @@ def test_load_above_the_target_adds_replicas_up_to_the_bound(tmp_path):
     args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=2, max_seq_len=None,
                               compile=False, max_queue=64, model_name="m", api_key=None, replicas=1,
                               max_replicas=2, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
-                              ray_address=None)
+                              ray_address=None, quantize=None, group_size=64)
     url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
                                            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
     try:

@@ -301,7 +301,8 @@ def test_replicas_on_ray_serve(classifier):
     args = argparse.Namespace(checkpoint=str(classifier), dtype="float32", device="cpu", max_batch=8, max_seq_len=None,
                               compile=False, max_queue=64, model_name="cls", api_key=KEY, replicas=2,
                               max_replicas=None, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
-                              ray_address=None, forward_batch=4, batch_wait_ms=2.0, max_batch_texts=8)
+                              ray_address=None, forward_batch=4, batch_wait_ms=2.0, max_batch_texts=8,
+                              quantize=None, group_size=64)
     url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
                                            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
     headers = {"Authorization": f"Bearer {KEY}"}

@@ -58,7 +58,7 @@ def test_generation_ends_at_the_tokenizers_end_of_text(tmp_path, special, config
     if config:
         (export / "tokenizer_config.json").write_text(json.dumps(config))
     args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=2, max_seq_len=None,
-                              compile=False, tp=1)
+                              compile=False, tp=1, quantize=None, group_size=64)
     engine = build_engine(args)
     events = queue.Queue()
     try:

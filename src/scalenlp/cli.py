@@ -22,6 +22,7 @@ COMMANDS = {
     "classify": ("scalenlp.infer.encode", "label texts with a classification encoder (label and probabilities)"),
     "embed": ("scalenlp.infer.encode", "sentence embeddings of texts from an encoder (pooled as its folder says)"),
     "export": ("scalenlp.models.export", "write a checkpoint as a Hugging Face folder or a GGUF file"),
+    "quantize": ("scalenlp.infer.quantize", "write a checkpoint with int8 or int4 weights that every command loads"),
     "prune": ("scalenlp.infer.prune_command", "prune a checkpoint (magnitude, wanda, 2:4 or structured) to an export"),
     "plan": ("scalenlp.plan.command", "which parallel layout fits a model on a cluster, and how fast it runs"),
     "deploy": ("scalenlp.deploy", "write Kubernetes manifests for a training job or a server (deploy k8s)"),

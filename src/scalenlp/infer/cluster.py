@@ -368,7 +368,8 @@ def start(args, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
     encoder = is_encoder(checkpoint)
     options = {"checkpoint": str(checkpoint.resolve()), **(encoder_options(args) if encoder else {
                "dtype": args.dtype, "device": args.device, "max_batch": args.max_batch, "max_seq_len": args.max_seq_len,
-               "compile": args.compile, "max_queue": args.max_queue, "tp": args.tp})}
+               "compile": args.compile, "max_queue": args.max_queue, "tp": args.tp, "quantize": args.quantize,
+               "group_size": args.group_size})}
     if not ray.is_initialized():
         _init_ray(ray, args.ray_address, ray_init_kwargs or {})
     before = serve.status()

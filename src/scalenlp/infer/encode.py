@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from scalenlp.infer.quantize import add_load_arguments
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True,
@@ -21,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weight dtype; auto = bf16 where the device computes in it natively (default)")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
+    add_load_arguments(parser)
 
 
 def run(args) -> int:
@@ -30,7 +33,8 @@ def run(args) -> int:
 
     kind = "classify" if args.command == "classify" else "embed"
     engine = encoder_from_checkpoint(args.checkpoint, dtype=args.dtype, device=args.device,
-                                     max_request_texts=len(args.text))
+                                     max_request_texts=len(args.text), quantize=args.quantize,
+                                     group_size=args.group_size)
     try:
         rows = engine.run(kind, args.text)
     except RequestError as e:

@@ -39,7 +39,8 @@ def engine_options(args) -> dict:
         raise UserError("--tp and --compile are for decoders; serve an encoder without them")
     return {"dtype": args.dtype, "device": args.device, "batch_texts": args.forward_batch,
             "max_wait_s": args.batch_wait_ms / 1000, "max_queue": args.max_queue,
-            "max_request_texts": args.max_batch_texts, "max_len": args.max_seq_len}
+            "max_request_texts": args.max_batch_texts, "max_len": args.max_seq_len, "quantize": args.quantize,
+            "group_size": args.group_size}
 
 
 @functools.cache

@@ -25,6 +25,7 @@ from scalenlp.models.encoder import EncoderArgs
 from scalenlp.models.hf import read_hf_config
 from scalenlp.models.io import load_model_args
 from scalenlp.models.loader import checkpoint_kind, instantiate, read
+from scalenlp.models.quantized import quantization_of
 
 KINDS = ("embed", "classify")
 
@@ -262,13 +263,16 @@ def _settle(future: Future, result=None, exception: BaseException | None = None)
 
 def encoder_from_checkpoint(checkpoint: str | Path, *, dtype: str = "auto", device: str | None = None,
                             batch_texts: int = 32, max_wait_s: float = 0.002, max_queue: int = 64,
-                            max_request_texts: int = 2048, max_len: int | None = None) -> EncoderEngine:
+                            max_request_texts: int = 2048, max_len: int | None = None, quantize: str | None = None,
+                            group_size: int = 64) -> EncoderEngine:
     """Load an encoder checkpoint and start a batcher on it. Texts are truncated at ``max_len``, else where
-    sentence-transformers truncates them for this folder, else at the model's position table."""
+    sentence-transformers truncates them for this folder, else at the model's position table. ``quantize``
+    (int8, int4, int8dyn) quantizes the linear layers at load; ``group_size`` is int4's."""
+    spec = quantization_of(quantize, group_size)
     pre = read(checkpoint)
     if not isinstance(pre.args, EncoderArgs):
         raise UserError(f"{checkpoint} is a decoder (it generates text); embed and classify need an encoder")
     torch_device = torch.device(device) if device else pick_device()
-    model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, dtype))
+    model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, dtype), quantize=spec)
     return EncoderEngine(model, pre.tokenizer, max_len=max_len or sentence_max_len(pre.path), batch_texts=batch_texts,
                          max_wait_s=max_wait_s, max_queue=max_queue, max_request_texts=max_request_texts).start()

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from scalenlp.errors import UserError
+from scalenlp.infer.quantize import add_load_arguments
 
 
 @dataclass
@@ -44,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weight dtype (default float32: perplexity is a quality figure, bf16 shifts it)")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
+    add_load_arguments(parser)
     parser.add_argument("--max-answer-tokens", type=int, default=48, help="with --chat: tokens per answer")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -107,7 +109,8 @@ def chat_accuracy(args) -> int:
 
     questions = read_questions(args.chat)
     start = time.perf_counter()
-    with LLM(args.checkpoint, dtype=args.dtype, device=args.device, max_batch=min(16, len(questions))) as llm:
+    with LLM(args.checkpoint, dtype=args.dtype, device=args.device, max_batch=min(16, len(questions)),
+             quantize=args.quantize, group_size=args.group_size) as llm:
         answers = llm.chat([q["messages"] for q in questions],
                            SamplingParams(max_tokens=args.max_answer_tokens, temperature=0))
     right = [q["expect"].lower() in a.lower() for q, a in zip(questions, answers)]
@@ -131,6 +134,7 @@ def run(args) -> int:
     from scalenlp.infer.engine import pick_device, pick_dtype
     from scalenlp.models.decoder import Transformer
     from scalenlp.models.loader import load
+    from scalenlp.models.quantized import quantization_of
 
     if args.chat:
         return chat_accuracy(args)
@@ -142,7 +146,8 @@ def run(args) -> int:
     except UnicodeDecodeError as e:
         raise UserError(f"--data {args.data} is not UTF-8 text (byte {e.start}); convert it first") from None
     device = torch.device(args.device) if args.device else pick_device()
-    model, pre = load(args.checkpoint, device=device, dtype=pick_dtype(device, args.dtype))
+    model, pre = load(args.checkpoint, device=device, dtype=pick_dtype(device, args.dtype),
+                      quantize=quantization_of(args.quantize, args.group_size))
     if not isinstance(model, Transformer):
         raise UserError(f"{args.checkpoint} is not a language model; eval measures a decoder's perplexity")
     seq = args.seq or min(model.args.max_seq_len, 1024)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from scalenlp.infer.quantize import add_load_arguments
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by `generate` and `serve`."""
@@ -19,6 +21,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel processes for one model (gloo on CPU, NCCL on GPUs)")
+    add_load_arguments(parser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +41,8 @@ def build_engine(args, max_queue: int = 64):
     from scalenlp.infer.llm import engine_from_checkpoint
 
     return engine_from_checkpoint(args.checkpoint, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
-                                  max_seq_len=args.max_seq_len, compile=args.compile, tp=args.tp, max_queue=max_queue)
+                                  max_seq_len=args.max_seq_len, compile=args.compile, tp=args.tp, max_queue=max_queue,
+                                  quantize=args.quantize, group_size=args.group_size)
 
 
 def stream_to_stdout(engine, prompt_ids: list[int], params) -> tuple[str, str]:

@@ -21,29 +21,35 @@ from scalenlp.infer.engine import Engine, pick_device, pick_dtype
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.models.encoder import EncoderArgs
 from scalenlp.models.loader import instantiate, read
+from scalenlp.models.quantized import quantization_of
 
 
 def engine_from_checkpoint(checkpoint: str | Path, *, dtype: str = "auto", device: str | None = None,
                            max_batch: int = 8, max_seq_len: int | None = None, compile: bool = False, tp: int = 1,
-                           max_queue: int = 64) -> Engine:
+                           max_queue: int = 64, quantize: str | None = None, group_size: int = 64) -> Engine:
     """Load any checkpoint the loader reads and start an engine on it. Generation ends at the end-of-text
-    token and, for a chat model, at its template's end-of-turn tokens."""
+    token and, for a chat model, at its template's end-of-turn tokens. ``quantize`` (int8, int4, int8dyn)
+    quantizes the linear layers at load; ``group_size`` is int4's."""
     if max_batch < 1:
         raise UserError(f"--max-batch must be at least 1, got {max_batch}")
     if max_seq_len is not None and max_seq_len < 2:  # a prompt token and an output token
         raise UserError(f"--max-seq-len must be at least 2, got {max_seq_len}")
     if tp > 1 and compile:
         raise UserError("--compile is not supported with --tp yet; drop one of them")
+    spec = quantization_of(quantize, group_size)
     pre = read(checkpoint)
     if isinstance(pre.args, EncoderArgs):
         raise UserError(f"{checkpoint} is an encoder; it embeds and classifies text but does not generate it")
     torch_device = torch.device(device) if device else pick_device()
+    if tp > 1 and (spec or pre.quantization):
+        raise UserError("--tp shards floating-point weights only; serve a quantized model on one process, or "
+                        "several with --replicas N, or drop the quantization to use --tp")
     if tp > 1:
         from scalenlp.infer.sharded import start_sharded  # starts processes: only when asked for
 
         model = start_sharded(pre, tp, dtype)
     else:
-        model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, dtype))
+        model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, dtype), quantize=spec)
     return Engine(model, pre.tokenizer, max_batch=max_batch, max_queue=max_queue, max_seq_len=max_seq_len,
                   eos_id=end_of_text_id(pre.tokenizer, pre.tokenizer_config),  # none: runs to max_tokens
                   stop_ids=end_of_turn_ids(pre.tokenizer, pre.tokenizer_config),

@@ -59,6 +59,9 @@ def run(args) -> int:
     if args.format == "gguf" and out.suffix != ".gguf":
         raise UserError(f"--out {out} must end in .gguf for --format gguf")
     model, pre = load(args.checkpoint)
+    if pre.quantization is not None:
+        raise UserError(f"{args.checkpoint} is quantized ({pre.quantization.describe()}); export its floating-point "
+                        f"original")
     if args.format == "gguf":
         from scalenlp.models.gguf import write_gguf
 

@@ -21,6 +21,7 @@ from scalenlp.models.hf import read_hf_config, read_hf_folder
 from scalenlp.models.hf_bert import read_bert_folder
 from scalenlp.models.io import ARGS, build, read_export
 from scalenlp.models.pretrained import Pretrained
+from scalenlp.models.quantized import Quantization, build_quantized, read_quantization
 
 
 def checkpoint_kind(path: str | Path) -> tuple[str, Path]:
@@ -51,16 +52,26 @@ def read(path: str | Path) -> Pretrained:
     if kind == "hf":
         config = read_hf_config(p)
         return (read_bert_folder if config.get("model_type") == "bert" else read_hf_folder)(p, config)
-    return read_export(p)
+    pre = read_export(p)
+    pre.quantization = read_quantization(p)
+    return pre
 
 
-def instantiate(pre: Pretrained, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
-    """Build the model on the meta device and assign the checkpoint's tensors to it."""
+def instantiate(pre: Pretrained, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                quantize: Quantization | None = None) -> nn.Module:
+    """Build the model on the meta device and assign the checkpoint's tensors to it; ``quantize`` swaps its
+    linears for quantized ones (a quantized export is built quantized without it)."""
+    if quantize is not None and pre.quantization is not None:
+        raise UserError(f"{pre.path} is already quantized ({pre.quantization.describe()}); load it without "
+                        f"--quantize, or quantize its floating-point original")
+    if quantize is not None or pre.quantization is not None:
+        return build_quantized(pre.args, pre.state, quantize or pre.quantization, quantize is not None, device, dtype,
+                               where=str(pre.path))
     return build(pre.args, pre.state, device, dtype, where=str(pre.path))
 
 
-def load(path: str | Path, device: str | torch.device = "cpu",
-         dtype: torch.dtype | None = None) -> tuple[nn.Module, Pretrained]:
+def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+         quantize: Quantization | None = None) -> tuple[nn.Module, Pretrained]:
     """(model in eval mode, what was read): the one entry point for every checkpoint kind."""
     pre = read(path)
-    return instantiate(pre, device, dtype), pre
+    return instantiate(pre, device, dtype, quantize), pre

@@ -24,6 +24,7 @@ class Pretrained:
     tokenizer_config: dict = field(default_factory=dict)  # bos_token, eos_token, chat_template, add_bos_token
     source: str = "export"  # export | hf | gguf
     path: Path = Path()
+    quantization: Any = None  # a models.quantized.Quantization for a quantized export
 
     def token_id(self, key: str) -> int | None:
         """The id of a special token named in the tokenizer config (``bos_token``, ``eos_token``)."""

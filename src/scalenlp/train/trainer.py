@@ -117,6 +117,9 @@ def validate_run(cfg: Config, world_size: int, pretrained: Pretrained | None = N
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     if cfg.model.init and pretrained is None:
         pretrained = read(cfg.model.init)
+    if pretrained is not None and pretrained.quantization is not None:
+        raise ConfigError(f"model.init={cfg.model.init} is quantized ({pretrained.quantization.describe()}); fine-tune "
+                          f"its floating-point original, then quantize the result")
     check_layout(resolve_model_args(cfg, pretrained=pretrained), dims, cfg)
     return dims
 

@@ -1,0 +1,67 @@
+"""`scalenlp quantize`: a checkpoint's linear weights rounded to int8 or int4 and written as an export folder
+that every command loading a model (serve, generate, chat, eval, classify, embed) reads directly; and the
+``--quantize`` option those commands take to quantize at load instead. The rounding and the kernels live in
+``scalenlp.models.quantized``; both paths produce the same tensors, so they run identically.
+
+    scalenlp quantize --checkpoint model.gguf --method int4 --group-size 64 --out smollm2-int4
+    scalenlp generate --checkpoint smollm2-int4 --prompt "Once upon a time"
+    scalenlp eval --checkpoint model.gguf --quantize int8 --data wiki.test.raw
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from scalenlp.errors import UserError
+
+METHOD_CHOICES = ("int8", "int4", "int8dyn")  # models.quantized.METHODS, without importing torch for --help
+METHOD_HELP = ("int8: int8 weights, a scale per output channel; int4: 4-bit weights, a scale and zero per group of "
+               "--group-size inputs; int8dyn: int8 weights and int8 activations")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True,
+                        help="a floating-point model: a run folder, an export folder, a Hugging Face folder or a .gguf")
+    parser.add_argument("--method", required=True, choices=METHOD_CHOICES, help=METHOD_HELP)
+    parser.add_argument("--group-size", type=int, default=64, help="int4: inputs per scale, 32, 64 or 128 (default 64)")
+    parser.add_argument("--out", required=True, help="export folder to write; must not exist")
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--quantize``/``--group-size`` for the commands that load a model."""
+    parser.add_argument("--quantize", default=None, choices=METHOD_CHOICES,
+                        help="quantize the linear layers at load (" + METHOD_HELP + ")")
+    parser.add_argument("--group-size", type=int, default=64, help="with --quantize int4: inputs per scale (default 64)")
+
+
+def run(args) -> int:
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    from scalenlp.models.export import new_output
+    from scalenlp.models.io import ARGS, WEIGHTS, replacing_folder, write_tokenizer
+    from scalenlp.models.loader import instantiate, read
+    from scalenlp.models.quantized import QUANTIZATION, quantization_json, quantization_of
+
+    spec = quantization_of(args.method, args.group_size)
+    out = new_output(args.out)
+    pre = read(args.checkpoint)
+    if pre.quantization is not None:
+        raise UserError(f"{args.checkpoint} is already quantized ({pre.quantization.describe()}); quantize its "
+                        f"floating-point original")
+    # Built on the CPU in the checkpoint's own dtype: the stored tensors are the same on every device.
+    model = instantiate(pre, "cpu", None, quantize=spec)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    with replacing_folder(out) as tmp:
+        save_file(state, str(tmp / WEIGHTS))
+        (tmp / ARGS).write_text(json.dumps(dataclasses.asdict(pre.args), indent=2))
+        (tmp / QUANTIZATION).write_text(quantization_json(spec))
+        write_tokenizer(tmp, pre.tokenizer, pre.tokenizer_config)
+        sentence_config = pre.path / "sentence_bert_config.json"  # where an embedding model truncates
+        if pre.path.is_dir() and sentence_config.is_file():
+            (tmp / sentence_config.name).write_text(sentence_config.read_text())
+    size = (out / WEIGHTS).stat().st_size
+    print(f"wrote {out}: {spec.describe()}, {size / 2**20:,.1f} MiB of weights")
+    return 0

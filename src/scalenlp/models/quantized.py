@@ -1,0 +1,372 @@
+"""Weight quantization for inference, as a module swap (gpt-fast style): every ``nn.Linear`` of a decoder or
+encoder becomes a small quantized linear whose forward is one call to one of PyTorch's low-bit kernels.
+
+- ``int8``: int8 weights, one scale per output channel; activations stay floating (weight-only).
+- ``int4``: 4-bit weights with a scale and a zero point per group of ``group_size`` inputs (weight-only).
+- ``int8dyn``: int8 weights per output channel and int8 activations quantized per call (dynamic).
+
+A quantized checkpoint is an export folder whose ``model.safetensors`` holds each quantized linear as
+``weight`` (int8, or int4 packed two to a byte: even column in the high nibble, the layout CUDA's
+``_convert_weight_to_int4pack`` takes) and its scales, in a layout no device owns; ``quantization.json``
+names the method. Each device's kernel layout is built from it at load (``prepare``), so a file written
+on one machine loads on any. The embedding table stays floating: a lookup reads one row per token, not
+the whole matrix; a tied output projection becomes its own quantized matrix.
+
+Weight-only kernels compute in bfloat16 on every device: PyTorch's CPU int8/int4 kernels run 15-30 times
+slower with float32 activations (measured on this machine's AVX-512 CPU), and CUDA's int4 kernel takes
+bfloat16 alone. The scales are stored in bfloat16 too, and the weights are rounded against those stored
+scales, so the dequantized weight is exactly ``q * scale`` in the kernel's own arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scalenlp.errors import UserError
+from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
+from scalenlp.models.encoder import Encoder, EncoderArgs
+from scalenlp.models.io import assign_state, cast_state
+
+METHODS = ("int8", "int4", "int8dyn")
+GROUP_SIZES = (32, 64, 128)
+QUANTIZATION = "quantization.json"  # the method, beside model_args.json in an export folder
+KERNEL_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Quantization:
+    method: str
+    group_size: int | None = None  # int4 only
+
+    def check(self) -> "Quantization":
+        if self.method not in METHODS:
+            raise UserError(f"quantization method {self.method!r} is not one of {', '.join(METHODS)}")
+        if self.method == "int4" and self.group_size not in GROUP_SIZES:
+            raise UserError(f"--group-size {self.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
+        return self
+
+    def describe(self) -> str:
+        return f"int4 (group {self.group_size})" if self.method == "int4" else self.method
+
+
+def quantization_of(method: str | None, group_size: int = 64) -> Quantization | None:
+    """The ``--quantize``/``--group-size`` options as a checked ``Quantization`` (None: no quantization)."""
+    if method is None:
+        return None
+    return Quantization(method, group_size if method == "int4" else None).check()
+
+
+def read_quantization(folder: Path) -> Quantization | None:
+    """An export folder's ``quantization.json``, or None for a floating-point export."""
+    file = folder / QUANTIZATION
+    if not file.is_file():
+        return None
+    try:
+        return Quantization(**json.loads(file.read_text())).check()
+    except (json.JSONDecodeError, TypeError, UserError) as e:
+        raise UserError(f"{file} is corrupt ({e}); quantize the model again") from None
+
+
+def quantization_json(spec: Quantization) -> str:
+    return json.dumps(asdict(spec), indent=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rounding: float weights -> the stored tensors (device-independent layout)
+
+
+def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weights, bf16 scales): symmetric, one scale per output row, rounded against the stored scale."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(KERNEL_DTYPE)
+    q = torch.round(w / scales.float()[:, None]).clamp(-128, 127).to(torch.int8)
+    return q, scales
+
+
+def int4_grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed uint8 (N, K/2), bf16 scales_and_zeros (K/group, N, 2)): asymmetric min/max per group of
+    ``group_size`` inputs, in the kernels' convention w = (q - 8) * scale + zero with q in 0..15."""
+    w = w.float()
+    N, K = w.shape
+    groups = w.reshape(N, K // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny).to(KERNEL_DTYPE)
+    zeros = (low + 8 * scales.float()).to(KERNEL_DTYPE)
+    q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp(0, 15)
+    return pack_int4(q.to(torch.uint8).reshape(N, K)), torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values 0..15 -> (N, K/2) uint8, the even column in the high nibble."""
+    q = q.to(torch.uint8)
+    return (q[:, ::2] << 4) | q[:, 1::2]
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) uint8 -> (N, K) int32 values 0..15, undoing ``int4_grouped``'s packing."""
+    return torch.stack([packed >> 4, packed & 15], dim=-1).flatten(1).to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The quantized linears. Each is built empty (on the meta device, for loading) and filled by assignment;
+# ``prepare`` then builds the kernel's own layout on the weights' device and names the kernel it will run.
+
+
+class QuantizedLinear(nn.Module):
+    kernel = "unprepared"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("bias", torch.empty(out_features, device=device) if bias else None)
+
+    def prepare(self) -> str:
+        """Make the loaded tensors ready for the kernel; returns the kernel's name."""
+        for name, tensor in self.named_buffers(recurse=False):
+            # Tensors memory-mapped from safetensors start wherever the file puts them, and PyTorch's CPU int8
+            # kernel crashes on a weight that is not 64-byte aligned (from 17 rows of input on); a copy is.
+            if tensor is not None and tensor.device.type == "cpu" and tensor.data_ptr() % 64:
+                setattr(self, name, tensor.clone())
+        return self.prepare_kernel()
+
+    def prepare_kernel(self) -> str:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantizedLinear):
+    """int8 weights, one bf16 scale per output channel; products in bf16."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
+        super().__init__(in_features, out_features, bias, device)
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(out_features, dtype=KERNEL_DTYPE, device=device))
+
+    def prepare_kernel(self) -> str:
+        self.kernel = "aten._weight_int8pack_mm"
+        return self.kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(rows_of(x, self.in_features), self.weight, self.scales)
+        return add_bias(y.view(*x.shape[:-1], self.out_features).to(x.dtype), self.bias)
+
+
+class Int4Linear(QuantizedLinear):
+    """4-bit weights with a bf16 scale and zero per group of inputs; products in bf16 (tinygemm on CUDA,
+    PyTorch's AVX kernel on CPU). ``packed`` is the kernel's layout of ``weight``; once it is built, memory holds
+    it alone and ``state_dict`` rebuilds the portable layout from it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, device=None):
+        super().__init__(in_features, out_features, bias, device)
+        self.group_size = group_size
+        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales_and_zeros", torch.empty(in_features // group_size, out_features, 2,
+                                                             dtype=KERNEL_DTYPE, device=device))
+        self.register_buffer("packed", None, persistent=False)
+        self.matmul = self.dequantized_matmul
+
+    def prepare_kernel(self) -> str:
+        device = self.weight.device
+        if device.type == "cpu" and self.out_features % 16 == 0:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.weight), 1)
+            self.int4_mm, self.kernel = torch.ops.aten._weight_int4pack_mm_for_cpu, "aten._weight_int4pack_mm_for_cpu"
+        elif device.type == "cuda" and self.out_features % 8 == 0 and self.in_features % 256 == 0:
+            # tinygemm's tiles: 8 output rows, innerKTiles * 16 inputs (innerKTiles 8 as gpt-fast picks).
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(self.weight, 8)
+            self.int4_mm, self.kernel = torch.ops.aten._weight_int4pack_mm, "aten._weight_int4pack_mm"
+        else:
+            self.matmul, self.kernel = self.dequantized_matmul, "dequantize-then-matmul"
+            return self.kernel
+        self.matmul = self.kernel_matmul
+        # A zero-stride stand-in keeps the weight's shape, which the KV cache's setup reads.
+        self.weight = torch.zeros((), dtype=torch.uint8, device=device).expand(self.weight.shape)
+        return self.kernel
+
+    def kernel_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        return self.int4_mm(x2d, self.packed, self.group_size, self.scales_and_zeros)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed is not None:
+            destination[prefix + "weight"] = self.portable_weight()
+
+    @torch.no_grad()
+    def portable_weight(self, rows: int = 256) -> torch.Tensor:
+        """``int4_grouped``'s layout rebuilt from the kernel's, exactly: the kernel multiplies rows of the identity
+        by the weights dequantized with scale 1 and zero 8, which is each 4-bit value as a bf16 integer."""
+        unit = torch.tensor([1.0, 8.0], dtype=KERNEL_DTYPE, device=self.packed.device)
+        unit = unit.expand_as(self.scales_and_zeros).contiguous()
+        eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.packed.device)
+        values = torch.cat([self.int4_mm(eye[i:i + rows], self.packed, self.group_size, unit)
+                            for i in range(0, self.in_features, rows)])
+        return pack_int4(values.T)
+
+    def dequantized_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        # The fallback for shapes no kernel tiles (a 2-class head): rebuild the bf16 weight on each call.
+        q = unpack_int4(self.weight).view(self.out_features, -1, self.group_size).to(KERNEL_DTYPE)
+        scales, zeros = self.scales_and_zeros.transpose(0, 1).unbind(-1)
+        w = ((q - 8) * scales[..., None] + zeros[..., None]).view(self.out_features, self.in_features)
+        return x2d @ w.T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(rows_of(x, self.in_features))
+        return add_bias(y.view(*x.shape[:-1], self.out_features).to(x.dtype), self.bias)
+
+
+class Int8DynamicLinear(QuantizedLinear):
+    """int8 weights per output channel (float32 scales), activations quantized to int8 per token on each call,
+    products in int32: ``torch._int_mm``. One token on CPU goes to fbgemm's dynamic linear instead, 8 times
+    faster there; its per-tensor scale is then the token's own (in fbgemm's 7-bit range, which its x86 kernels
+    need to avoid overflow). Per token, not per tensor, because a few tokens (the first of a sequence) carry
+    activations hundreds of times larger than the rest: one scale for a 512-token window doubled SmolLM2's
+    perplexity."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
+        super().__init__(in_features, out_features, bias, device)
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32, device=device))
+        self.packed = None
+
+    def prepare_kernel(self) -> str:
+        if self.weight.device.type == "cpu":
+            if "fbgemm" not in torch.backends.quantized.supported_engines:
+                raise UserError("int8dyn needs PyTorch's fbgemm engine (x86 CPUs), absent here; use int8 or int4")
+            import warnings
+
+            with warnings.catch_warnings():
+                # Quantized-tensor construction is deprecated in PyTorch, but fbgemm's prepack still takes one
+                # and has no replacement on CPU yet.
+                warnings.simplefilter("ignore")
+                qweight = torch._make_per_channel_quantized_tensor(
+                    self.weight, self.scales.double(), torch.zeros_like(self.scales, dtype=torch.long), 0)
+                self.packed = torch.ops.quantized.linear_prepack(qweight, None if self.bias is None else self.bias.float())
+            self.kernel = "torch._int_mm, one token: quantized.linear_dynamic (fbgemm)"
+        elif self.weight.device.type == "cuda":
+            self.kernel = "torch._int_mm"
+        else:
+            raise UserError(f"int8dyn has no kernel on {self.weight.device.type}; use int8 or int4")
+        return self.kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.numel() == self.in_features:
+            return torch.ops.quantized.linear_dynamic(x.float(), self.packed, True).to(x.dtype)
+        return add_bias(int_mm_per_token(x.reshape(-1, self.in_features), self.weight, self.scales)
+                        .view(*x.shape[:-1], self.out_features).to(x.dtype), self.bias)
+
+
+def int_mm_per_token(x2d: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 x int8 -> int32 products with symmetric per-token activation scales. CUDA's ``torch._int_mm``
+    needs more than 16 rows, so a decode batch is padded with zero rows."""
+    x_scales = (x2d.abs().amax(dim=1, keepdim=True).float() / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    xq = torch.round(x2d.float() / x_scales).to(torch.int8)
+    rows = xq.shape[0]
+    if rows <= 16 and xq.is_cuda:
+        xq = F.pad(xq, (0, 0, 0, 17 - rows))
+    return torch.ops.aten._int_mm(xq, weight.T)[:rows].float() * x_scales * scales
+
+
+def rows_of(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` as contiguous bf16 rows, as the weight-only kernels take it (a pooler's input is a strided view)."""
+    return x.reshape(-1, width).to(KERNEL_DTYPE).contiguous()
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
+
+
+def empty_linear(spec: Quantization, linear: nn.Linear) -> QuantizedLinear:
+    """An unfilled quantized linear of ``linear``'s shape, on the meta device."""
+    shape = (linear.in_features, linear.out_features, linear.bias is not None)
+    if spec.method == "int4":
+        return Int4Linear(*shape, spec.group_size, device="meta")
+    return (Int8Linear if spec.method == "int8" else Int8DynamicLinear)(*shape, device="meta")
+
+
+def quantize_weight(spec: Quantization, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The stored tensors of one quantized linear weight, under their buffer names."""
+    if spec.method == "int4":
+        weight, scales_and_zeros = int4_grouped(w, spec.group_size)
+        return {"weight": weight, "scales_and_zeros": scales_and_zeros}
+    weight, scales = int8_per_channel(w)
+    return {"weight": weight, "scales": scales if spec.method == "int8" else scales.float()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Whole models: which linears, their stored tensors, the swap
+
+
+def linears_of(model: nn.Module) -> dict[str, nn.Linear]:
+    return {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+
+
+def check_shapes(spec: Quantization, linears: dict[str, nn.Linear]) -> None:
+    """Every linear's input width must split into whole groups (int4) and pack two values to a byte."""
+    if spec.method != "int4":
+        return
+    for name, linear in linears.items():
+        if linear.in_features % spec.group_size:
+            fits = [g for g in GROUP_SIZES if all(m.in_features % g == 0 for m in linears.values())]
+            raise UserError(f"--group-size {spec.group_size} does not divide the input width {linear.in_features} "
+                            f"of {name}; use " + (" or ".join(map(str, fits)) if fits else "int8") + " for this model")
+
+
+def quantize_state(state: dict[str, torch.Tensor], linears: dict[str, nn.Linear], spec: Quantization,
+                   tied: bool) -> dict[str, torch.Tensor]:
+    """A float state dict with each linear's weight replaced by its quantized tensors (CPU, computed in
+    float32). ``tied``: the output projection shares the embedding table, which the state holds alone."""
+    check_shapes(spec, linears)
+    out = {k: v for k, v in state.items() if not (tied and k == "output.weight")}
+    for name in linears:
+        key = "tok_embeddings.weight" if tied and name == "output" else f"{name}.weight"
+        out.pop(f"{name}.weight", None)
+        for buffer, tensor in quantize_weight(spec, state[key].to("cpu")).items():
+            out[f"{name}.{buffer}"] = tensor
+    return out
+
+
+def swap_linears(model: nn.Module, linears: dict[str, nn.Linear], spec: Quantization) -> None:
+    """Replace each named linear by an empty quantized one (a tied output projection is untied by this)."""
+    for name, linear in linears.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, empty_linear(spec, linear))
+
+
+def prepare_all(model: nn.Module, spec: Quantization) -> str:
+    """Build every quantized linear's kernel layout, and say on stderr which kernels run (a fallback shows)."""
+    kernels = Counter(m.prepare() for m in model.modules() if isinstance(m, QuantizedLinear))
+    line = f"{spec.describe()}: " + ", ".join(f"{kernel} on {n} linears" for kernel, n in kernels.most_common())
+    print(line, file=sys.stderr, flush=True)
+    return line
+
+
+
+def build_quantized(args: ModelArgs | EncoderArgs, state: dict[str, torch.Tensor], spec: Quantization,
+                    quantize: bool, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                    where: str = "the checkpoint") -> Transformer | Encoder:
+    """The model ``args`` describe with quantized linears. ``state`` is a float state dict to quantize now
+    (``quantize``) or one a quantized export stored; both give the same tensors, so quantizing at load and
+    loading a quantized export run identically. ``dtype`` casts the floating rest (embeddings, norms)."""
+    with torch.device("meta"):
+        model = Encoder(args) if isinstance(args, EncoderArgs) else Transformer(args)
+    linears = linears_of(model)
+    tied = getattr(args, "tie_embeddings", False)
+    if quantize:
+        state = quantize_state(state, linears, spec, tied)
+    swap_linears(model, linears, spec)
+    # The quantized tensors keep their own dtypes; a bias is cast with the floating rest.
+    quantized = {f"{name}.{b}" for name in linears for b, _ in model.get_submodule(name).named_buffers()
+                 if b != "bias"}
+    rest = cast_state({k: v for k, v in state.items() if k not in quantized}, device, dtype)
+    assign_state(model, {**rest, **cast_state({k: v for k, v in state.items() if k in quantized}, device, None)},
+                 where)
+    if isinstance(args, ModelArgs) and args.position == "rope":  # non-persistent buffers are still on meta
+        model.rope_cos, model.rope_sin = rope_tables(args, device=device)
+    prepare_all(model, spec)
+    return model.eval()

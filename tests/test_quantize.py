@@ -1,0 +1,251 @@
+"""Quantization: each quantized linear against its float version within the error its rounding allows,
+quantize -> save -> load giving bitwise the same outputs as quantizing at load, the bad-input lines, and
+quantized models served through the engine (a real SmolLM2 among them)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import httpx
+import pytest
+import torch
+from torch import nn
+
+from infer_helpers import train_tokenizer
+from scalenlp.cli import main
+from scalenlp.infer.quantize import METHOD_CHOICES
+from scalenlp.infer.llm import LLM
+from scalenlp.infer.sampling import SamplingParams
+from scalenlp.models.encoder import Encoder, EncoderArgs
+from scalenlp.models.flavors import build_model, model_args
+from scalenlp.models.io import save_pretrained
+from scalenlp.models.loader import instantiate, load, read
+from scalenlp.models.packaged import packaged_model
+from scalenlp.models.quantized import (METHODS, QUANTIZATION, Int4Linear, Int8DynamicLinear, Int8Linear, Quantization,
+                                       QuantizedLinear, empty_linear, quantize_weight, unpack_int4)
+
+torch.set_num_threads(1)
+U_BF16 = 2.0 ** -8  # bf16's unit roundoff: 8 significant bits, round to nearest
+U_FP32 = 2.0 ** -24
+
+
+def quantized_copy(linear: nn.Linear, spec: Quantization) -> QuantizedLinear:
+    """``linear`` quantized through the same path the loader takes: stored tensors, an empty module, assign."""
+    module = empty_linear(spec, linear)
+    state = quantize_weight(spec, linear.weight.detach())
+    if linear.bias is not None:
+        state["bias"] = linear.bias.detach()
+    module.load_state_dict(state, assign=True)
+    module.prepare()
+    return module
+
+
+def dequantized(module: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the weight the module multiplies by, float32; each weight's rounding step)."""
+    if isinstance(module, Int4Linear):
+        g = module.group_size
+        scales, zeros = module.scales_and_zeros.float().transpose(0, 1).unbind(-1)
+        # The state's weight, rebuilt from the kernel's layout (memory holds that one alone).
+        q = unpack_int4(module.state_dict()["weight"]).view(module.out_features, -1, g).float()
+        w = ((q - 8) * scales[..., None] + zeros[..., None]).view(module.out_features, -1)
+        return w, scales.repeat_interleave(g, dim=1)
+    scales = module.scales.float()
+    return module.weight.float() * scales[:, None], scales[:, None].expand(-1, module.in_features)
+
+
+def activation_steps(x: torch.Tensor, spec: Quantization) -> torch.Tensor:
+    """int8dyn's activation rounding step for each token of ``x``: symmetric per token (max |x| over 127), or for
+    a single token on CPU, fbgemm's asymmetric 7-bit range (max - min, zero included, over 127 levels)."""
+    if x.numel() == x.shape[-1]:
+        return (x.max().clamp(min=0) - x.min().clamp(max=0)) / 127
+    return x.abs().amax(dim=-1, keepdim=True) / 127
+
+
+@pytest.mark.parametrize("spec", [Quantization("int8"), Quantization("int4", 32), Quantization("int4", 64),
+                                  Quantization("int4", 128), Quantization("int8dyn")], ids=lambda s: s.describe())
+def test_each_quantized_linear_is_within_its_rounding_bound(spec):
+    """Bounds, element by element. Rounding to the nearest step leaves each weight within half a step of the
+    original (the test checks that first: it is what the stored scales promise). Then, for y = x W^T:
+    - weight-only: |y - y_q| <= sum_k |x_k| step_k / 2 (the weights' rounding) plus bf16 roundings relative to
+      sum_k |x_k w_k|: the activations cast to bf16, the weights dequantized in bf16, the output rounded to
+      bf16 (3 u), and float32 accumulation (K u_fp32);
+    - int8dyn: also the activations' own rounding, half their step times sum_k |w_k|; products are exact in
+      int32, the rescale is float32.
+    Checked on a batch of tokens and on one token (a decode step, which int8dyn sends to another kernel)."""
+    torch.manual_seed(0)
+    K, N = 512, 192
+    linear = nn.Linear(K, N, bias=True)
+    nn.init.normal_(linear.weight, std=0.05)
+    module = quantized_copy(linear, spec)
+    w_q, step = dequantized(module)
+    assert ((linear.weight.detach() - w_q).abs() <= step / 2 * (1 + 1e-6)).all()
+
+    for x in (torch.randn(4, 3, K), torch.randn(1, 1, K)):
+        y, y_q = linear(x).detach(), module(x)
+        assert y_q.shape == y.shape and y_q.dtype == x.dtype
+        magnitude = x.abs() @ w_q.abs().T
+        bound = x.abs() @ (step / 2).T + (K * U_FP32 + (0 if spec.method == "int8dyn" else 3 * U_BF16)) * magnitude
+        variance = (x ** 2) @ (step ** 2).T / 12
+        if spec.method == "int8dyn":
+            x_step = activation_steps(x, spec)
+            bound = bound + x_step / 2 * w_q.abs().sum(dim=1) + 4 * U_FP32 * magnitude
+            variance = variance + x_step ** 2 / 12 * w_q.square().sum(dim=1)
+        error = (y - y_q).abs()
+        assert (error <= bound).all(), f"worst excess {(error - bound).max():.3g}"
+        if x.shape[0] > 1:
+            # The worst case adds every rounding with the same sign; independent roundings, uniform within half
+            # a step, add up to a root-mean-square error of sqrt(sum_k x_k^2 step_k^2 / 12) per output (plus the
+            # activations' share for int8dyn). The measured error has that size: the kernels round no worse
+            # than the stored scales allow.
+            ratio = (error.square().mean() / variance.mean()).sqrt()
+            assert 0.9 < ratio < 1.2
+
+
+def tiny_decoder(root, tie: bool = True):
+    """A random Llama-shaped export (GQA, tied embeddings) whose widths every int4 group size divides but 128."""
+    tok = train_tokenizer(root / "tok.json")
+    torch.manual_seed(0)
+    model = build_model(model_args("debug", vocab_size=320, ffn_dim=128, tie_embeddings=tie))
+    return save_pretrained(model, root / "export", tok)
+
+
+def tiny_classifier(root):
+    """A random BERT classifier with a pooler (whose input is a strided view); its 3-class head fits no int4
+    kernel tile and takes the fallback."""
+    torch.manual_seed(0)
+    model = Encoder(EncoderArgs(vocab_size=320, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=64,
+                                task="classification", labels=["a", "b", "c"], pooler=True))
+    return save_pretrained(model, root / "export", train_tokenizer(root / "tok.json"))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "int8dyn"])
+def test_quantize_save_load_round_trips_bitwise(tmp_path, method, capsys):
+    export = tiny_decoder(tmp_path)
+    assert main(["quantize", "--checkpoint", str(export), "--method", method, "--group-size", "32",
+                 "--out", str(tmp_path / "q")]) == 0
+    assert json.loads((tmp_path / "q" / QUANTIZATION).read_text())["method"] == method
+    spec = Quantization(method, 32 if method == "int4" else None)
+    at_load = instantiate(read(export), dtype=torch.float32, quantize=spec)
+    saved, pre = load(tmp_path / "q", dtype=torch.float32)
+    assert pre.quantization == spec
+    tokens = torch.randint(0, 320, (2, 9))
+    assert torch.equal(at_load(tokens), saved(tokens))
+    assert isinstance(saved.output, QuantizedLinear)  # the tied projection is quantized on its own
+    assert saved.tok_embeddings.weight.is_floating_point()
+    assert sum(isinstance(m, QuantizedLinear) for m in saved.modules()) == 2 * 7 + 1
+    assert f"on {2 * 7 + 1} linears" in capsys.readouterr().err  # the line saying which kernel runs
+
+
+def test_an_encoder_quantizes_and_a_head_no_kernel_tiles_falls_back(tmp_path, capsys):
+    export = tiny_classifier(tmp_path)
+    float_model, _ = load(export, dtype=torch.float32)
+    model, _ = load(export, dtype=torch.float32, quantize=Quantization("int4", 64))
+    assert type(model.classifier) is Int4Linear and model.classifier.kernel == "dequantize-then-matmul"
+    assert "dequantize-then-matmul on 1 linears" in capsys.readouterr().err
+    ids = torch.randint(5, 320, (3, 12))
+    p, p_q = (m(ids, torch.ones_like(ids)).softmax(-1) for m in (float_model, model))
+    assert (p - p_q).abs().max() < 0.05
+    assert main(["classify", "--checkpoint", str(export), "--quantize", "int8", "--text", "hello"]) == 0
+    assert "int8: aten._weight_int8pack_mm on" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--method", "int4", "--group-size", "128"], "--group-size 128 does not divide the input width 64 of "
+                                                  "layers.0.attention.wq; use 32 or 64 for this model"),
+    (["--method", "int4", "--group-size", "48"], "--group-size 48 is not one of 32, 64, 128"),
+])
+def test_quantize_bad_input_is_one_line(tmp_path, capsys, argv, says):
+    export = tiny_decoder(tmp_path)
+    assert main(["quantize", "--checkpoint", str(export), "--out", str(tmp_path / "q"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {says}\n"
+
+
+def test_a_quantized_checkpoint_is_not_quantized_again_sharded_exported_or_trained(tmp_path, capsys):
+    export = tiny_decoder(tmp_path)
+    q = tmp_path / "q"
+    assert main(["quantize", "--checkpoint", str(export), "--method", "int8", "--out", str(q)]) == 0
+    capsys.readouterr()
+    cases = [
+        (["quantize", "--checkpoint", str(q), "--method", "int4", "--out", str(tmp_path / "q2")],
+         f"{q} is already quantized (int8); quantize its floating-point original"),
+        (["generate", "--checkpoint", str(q), "--quantize", "int4", "--prompt", "hi"],
+         f"{q} is already quantized (int8); load it without --quantize, or quantize its floating-point original"),
+        (["generate", "--checkpoint", str(q), "--tp", "2", "--prompt", "hi"],
+         "--tp shards floating-point weights only; serve a quantized model on one process, or several with "
+         "--replicas N, or drop the quantization to use --tp"),
+        (["export", "--checkpoint", str(q), "--format", "hf", "--out", str(tmp_path / "hf")],
+         f"{q} is quantized (int8); export its floating-point original"),
+        (["train", "--run-dir", str(tmp_path / "run"), "--set", f"model.init={q}", "--set", "training.steps=1"],
+         f"model.init={q} is quantized (int8); fine-tune its floating-point original, then quantize the result"),
+    ]
+    for argv, says in cases:
+        assert main(argv) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"error: {says}"
+
+
+def test_eval_quantized_close_to_float(tmp_path, capsys):
+    export = tiny_decoder(tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    figures = {}
+    for extra in ([], ["--quantize", "int8"]):
+        assert main(["eval", "--checkpoint", str(export), "--data", str(text), "--seq", "64", "--json", *extra]) == 0
+        figures[bool(extra)] = json.loads(capsys.readouterr().out)["perplexity"]
+    assert figures[True] == pytest.approx(figures[False], rel=0.01)
+
+
+def test_cuda_kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("GPU missing: the CUDA kernels (tinygemm int4, int8 weight-only, _int_mm) need one")
+    torch.manual_seed(0)
+    linear = nn.Linear(512, 256).cuda()
+    x = torch.randn(5, 512, device="cuda")
+    for spec, kernel in [(Quantization("int8"), "aten._weight_int8pack_mm"),
+                         (Quantization("int4", 64), "aten._weight_int4pack_mm"),
+                         (Quantization("int8dyn"), "torch._int_mm")]:
+        module = quantized_copy(linear, spec)
+        assert module.kernel == kernel
+        assert (module(x) - linear(x)).abs().max() < 0.05 * linear(x).abs().max()
+
+
+@pytest.mark.slow  # loads and quantizes a 135M-parameter model
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_smollm2_answers_through_the_engine(method):
+    with LLM(packaged_model("smollm2"), quantize=method, max_batch=2) as llm:
+        assert all(isinstance(m, (Int8Linear, Int4Linear, Int8DynamicLinear)) for m in [llm.engine.model.output])
+        answers = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]] * 2,
+                           SamplingParams(max_tokens=12, temperature=0))
+    assert all("Paris" in a for a in answers)
+
+
+def test_the_command_lists_the_methods_the_models_module_has():
+    assert METHOD_CHOICES == METHODS
+
+
+@pytest.mark.slow  # starts Ray
+def test_quantized_replicas_on_ray_serve_answer_as_the_local_engine(tmp_path):
+    """`serve --replicas` with --quantize: each replica quantizes at load, and answers as a local engine does."""
+    pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
+    from scalenlp.infer import cluster
+    from scalenlp.infer.sharded import free_port
+
+    os.environ.update(cluster.LOCAL_RAY_ENV)
+    export = tiny_decoder(tmp_path)
+    with LLM(export, dtype="float32", quantize="int4", group_size=32) as llm:
+        expected = llm.generate(["the quick brown fox"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=2, max_seq_len=None,
+                              compile=False, max_queue=64, model_name="m", api_key=None, replicas=1,
+                              max_replicas=None, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
+                              ray_address=None, quantize="int4", group_size=32)
+    url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
+                                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
+    try:
+        answer = httpx.post(url + "/v1/completions", timeout=600, json={
+            "model": "m", "prompt": "the quick brown fox", "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+    finally:
+        cluster.stop(owns_serve)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == expected[0]
