@@ -103,7 +103,9 @@ def train_command(shape, work, layout, devices: int, gpus_per_node: int) -> str:
     from scalenlp.plan.cost import ZERO_NAMES
 
     if devices > gpus_per_node:
-        launch = ["--nproc", str(gpus_per_node), "--nnodes", str(devices // gpus_per_node)]
+        # FIRST_NODE: the address of one of the machines, which hosts the rendezvous (see README, "Several machines")
+        launch = ["--nproc", str(gpus_per_node), "--nnodes", str(devices // gpus_per_node),
+                  "--rdzv-endpoint", "FIRST_NODE:29400"]
     else:
         launch = ["--nproc", str(devices)]
     settings = {
