@@ -96,6 +96,9 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
         worker += ["--config", args.config]
     # One thread per process unless the user chose otherwise: N processes share the cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # torchrun otherwise lets the workers share the rendezvous store, which keeps the previous attempt's keys:
+    # after a restart, gloo can read a dead peer's address from them and wait forever. A store per attempt.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     signal.signal(signal.SIGTERM, _pass_sigterm_on)
     try:
         run(get_args_parser().parse_args(launcher + ["--module", "scalenlp", "train"] + worker))
