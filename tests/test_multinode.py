@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from scalenlp.cli import main
 from scalenlp.testing.hosts import Host, unavailable, virtual_hosts
@@ -48,6 +51,12 @@ def finish(procs: list[subprocess.Popen]) -> list[str]:
     return outputs
 
 
+def last_step(run_dir: Path) -> int:
+    """The newest step in the run's metrics, 0 before the first."""
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    return records[-1]["step"] if records else 0
+
+
 def test_hosts_are_separate_machines_and_vanish_afterwards():
     reason = unavailable()
     if reason:
@@ -58,7 +67,8 @@ def test_hosts_are_separate_machines_and_vanish_afterwards():
             listener = subprocess.Popen(a.command([sys.executable, "-c", server.format(a.address)]),
                                         stdout=subprocess.PIPE, text=True)
             before = b.traffic()
-            client = ("import socket, time\nfor _ in range(100):\n  try: socket.create_connection(('{}', 5000)); break\n"
+            client = ("import socket, time\nfor _ in range(100):\n"
+                      "  try: socket.create_connection(('{}', 5000)); break\n"
                       "  except ConnectionRefusedError: time.sleep(0.1)")
             subprocess.run(b.command([sys.executable, "-c", client.format(a.address)]), check=True)
             assert listener.communicate(timeout=HANG_GUARD_S)[0].strip() == b.address  # the peer is host b
@@ -104,3 +114,37 @@ def test_two_nodes_train_like_one_node(tmp_path, corpus, two_hosts, layout):
     weight_bytes = (tmp_path / "two-nodes" / "export" / "model.safetensors").stat().st_size
     for h, b in zip(two_hosts, before):
         assert h.traffic()["rx_bytes"] - b["rx_bytes"] >= steps * weight_bytes / 2
+
+
+@pytest.mark.slow  # two nodes x 2 processes, one of them lost mid-run, then one node x 4 as the reference
+def test_losing_a_node_continues_from_the_checkpoint_with_nothing_lost(tmp_path, corpus, two_hosts):
+    steps, every = 30, 5
+    sets = [*TINY, f"data.path={corpus}", f"training.steps={steps}", f"checkpoint.every={every}",
+            "checkpoint.keep=10", "checkpoint.resume=true"]
+    run = tmp_path / "elastic"
+    survivor, lost = [start_node(h, two_hosts, run, sets, "--nnodes", "1:2", "--max-restarts", "1")
+                      for h in two_hosts]
+    while last_step(run) < every + 2:  # a checkpoint is written, and steps after it
+        assert survivor.poll() is None, survivor.communicate()[0][-4000:]
+        time.sleep(0.05)
+    two_hosts[1].kill()  # the machine is gone: its agent and its workers, without a word
+    killed_at = last_step(run)
+    out = finish([survivor])[0]
+    lost.wait(timeout=HANG_GUARD_S)
+    assert "on 2 x cpu" in out  # the second attempt ran on the remaining node's 2 processes
+
+    run_train(tmp_path / "reference", *sets, nproc=4)
+    reference = {r["step"]: r for r in read_metrics(tmp_path / "reference")}
+    records = read_metrics(run)
+    resumed = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
+    first_again = records[resumed]["step"]
+    assert killed_at - first_again < every  # only the steps after the newest checkpoint ran twice
+    last = {r["step"]: r for r in records}  # the record of each step that counted
+    assert sorted(last) == list(range(1, steps + 1))  # no step lost
+    for step, r in last.items():
+        assert r["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5)
+    ours = load_file(run / "export" / "model.safetensors")
+    theirs = load_file(tmp_path / "reference" / "export" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6)
