@@ -13,10 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from scalenlp.cli import main
-from scalenlp.testing.hosts import Host, unavailable, virtual_hosts
+from scalenlp.testing.hosts import RDZV_PORT, Host, start_train, unavailable, virtual_hosts
 from train_helpers import HANG_GUARD_S, TINY, cli_env, read_metrics, run_train, write_corpus
-
-RDZV_PORT = 29400
 
 
 @pytest.fixture(scope="module")
@@ -24,24 +22,23 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
 
 
-@pytest.fixture
-def two_hosts():
+def need_hosts() -> None:
     reason = unavailable()
     if reason:
         pytest.skip(f"no test hosts: {reason}")
+
+
+@pytest.fixture
+def two_hosts():
+    need_hosts()
     with virtual_hosts(2) as hosts:
         yield hosts
 
 
 def start_node(host: Host, hosts: list[Host], run_dir: Path, sets: list[str], *extra: str) -> subprocess.Popen:
-    """`scalenlp train` on one host: the same command on each, only --local-addr differs."""
-    cmd = [sys.executable, "-m", "scalenlp", "train", "--run-dir", str(run_dir), "--nproc", "2",
-           "--rdzv-endpoint", f"{hosts[0].address}:{RDZV_PORT}", "--local-addr", host.address, *extra]
-    for s in sets:
-        cmd += ["--set", s]
-    # gloo picks its interface from the host name, which resolves to loopback inside a namespace.
-    env = dict(cli_env(), GLOO_SOCKET_IFNAME=host.interface)
-    return subprocess.Popen(host.command(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = ["--run-dir", str(run_dir), "--nproc", "2", *extra] + [a for s in sets for a in ("--set", s)]
+    return start_train(host, hosts[0], args, cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True)
 
 
 def finish(procs: list[subprocess.Popen]) -> list[str]:
@@ -58,9 +55,7 @@ def last_step(run_dir: Path) -> int:
 
 
 def test_hosts_are_separate_machines_and_vanish_afterwards():
-    reason = unavailable()
-    if reason:
-        pytest.skip(f"no test hosts: {reason}")
+    need_hosts()
     server = "import socket; s = socket.create_server(('{}', 5000)); c, peer = s.accept(); print(peer[0])"
     with pytest.raises(RuntimeError, match="inside"):
         with virtual_hosts(2) as (a, b):

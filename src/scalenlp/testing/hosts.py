@@ -17,12 +17,14 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Iterator
 
 PREFIX = "scalenlp-"
 INTERFACE = "eth0"
 SUBNET = "10.77.0"  # private; the same in every group, which cannot see each other
+RDZV_PORT = 29400
 _groups = itertools.count()
 
 
@@ -52,6 +54,15 @@ class Host:
         for pid in self.pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def start_train(host: Host, rendezvous: Host, args: list[str], env: dict, **popen) -> subprocess.Popen:
+    """`scalenlp train ARGS` on ``host``, as one machine of a job meeting at ``rendezvous``: the command is the
+    same on every host but for --local-addr, which the shared host name cannot stand in for here."""
+    cmd = [sys.executable, "-m", "scalenlp", "train", "--rdzv-endpoint", f"{rendezvous.address}:{RDZV_PORT}",
+           "--local-addr", host.address, *args]
+    # gloo picks its interface from the host name, which resolves to loopback inside a namespace.
+    return subprocess.Popen(host.command(cmd), env=dict(env, GLOO_SOCKET_IFNAME=host.interface), **popen)
 
 
 def _ip(*args: str) -> str:
