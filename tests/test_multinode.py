@@ -83,6 +83,9 @@ def test_hosts_are_separate_machines_and_vanish_afterwards():
     (["--nnodes", "3:2", "--rdzv-endpoint", "h:1", "--max-restarts", "1"], "write it as 2:3"),
     (["--nnodes", "two"], "N or MIN:MAX"),
     (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--set", "training.global_batch_size=6"], "divisible"),
+    # 6 fits the 2 processes of one machine, not the 4 of two: an elastic job must fit both.
+    (["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--set", "training.global_batch_size=6"],
+     "by the 4 data-parallel ranks"),
 ])
 def test_bad_launch_flags_are_one_error_line(capsys, flags, expected):
     assert main(["train", "--nproc", "2", *flags]) == 2
