@@ -85,6 +85,10 @@ class TrainingConfig:
     activation_checkpointing: str = opt("none", "none | full | selective")
     compile: bool = opt(False, "torch.compile each transformer block")
     timeout_s: int = opt(300, "process-group timeout: a rank that waits longer fails instead of hanging")
+    hang_timeout: float = opt(0.0, "seconds one training step may last before the watchdog names the rank the "
+                                   "others wait for, dumps every rank's stacks to <run_dir>/hang and ends the "
+                                   "attempt for torchrun to restart (under torchrun only); 0 = 10 x the slowest of "
+                                   "the last 20 steps, at least 60 s, at most half of training.timeout_s")
     task: str = opt("lm", "lm: next-token loss on packed text | sft: supervised fine-tuning on chat JSONL "
                           "(a `messages` list per line, rendered with model.init's chat template; loss on "
                           "assistant tokens only) | classification: an encoder (model.init) with a sequence "
@@ -100,6 +104,9 @@ class CheckpointConfig:
     every: int = opt(100, "steps between checkpoints; 0 saves only at the end")
     keep: int = opt(2, "number of newest checkpoints kept")
     resume: bool = opt(False, "continue from the newest complete checkpoint in <run_dir>/checkpoints")
+    async_save: bool = opt(False, "write checkpoints from a background thread while training goes on (DCP's "
+                                  "async_save; costs one host-memory copy of model and optimizer state); "
+                                  "the final checkpoint and one before a stop are still awaited")
     export: bool = opt(True, "write final weights as safetensors + config to <run_dir>/export")
     keep_best: str = opt("", "classification: also export the model at its best evaluation to <run_dir>/best, "
                              "judged by accuracy or macro_f1; empty keeps no best")
@@ -244,6 +251,7 @@ RANGES = {
     "training.eval_batches": POSITIVE,
     # The process group holds the timeout in milliseconds as a 64-bit integer; 2**31 s is 68 years.
     "training.timeout_s": Range(1, 2**31 - 1),
+    "training.hang_timeout": Range(0, math.inf),
     "checkpoint.every": COUNT, "checkpoint.keep": POSITIVE,
     "parallel.dp_replicate": POSITIVE, "parallel.dp_shard": Range(-1), "parallel.tp": POSITIVE,
     "parallel.pp": POSITIVE, "parallel.pp_microbatches": COUNT, "parallel.pp_stages_per_rank": POSITIVE,

@@ -6,6 +6,11 @@ one layout loads into another: DCP reshards), ``rng-rank{r}.pt`` per rank, and `
 written as ``step-N.tmp`` and renamed when every rank has finished, so a crash mid-save never leaves
 a half checkpoint that looks complete, and older checkpoints are pruned only after the new one exists.
 
+Asynchronous saves (checkpoint.async_save): DCP copies the state to host memory, then writes it from a
+thread over a process group of its own while training goes on. The train state, with its checksums, is
+written and the folder renamed only once every rank's write has finished (DCP's future on rank 0 resolves
+after it has gathered every rank's result), so an unfinished write is a ``.tmp`` folder like a crashed one.
+
 Trust: reading a checkpoint runs no code from it. DCP keeps its index (``.metadata``) and non-tensor
 values as pickles and reads them with plain ``pickle``; here the index goes through an unpickler that
 only builds DCP's own metadata classes, and the values through ``torch.load(weights_only=True)``, as
@@ -192,8 +197,10 @@ def read_train_state(path: Path) -> dict:
 
 
 class Checkpointer:
-    def __init__(self, root: Path, keep: int, rank: int):
-        self.root, self.keep, self.rank = Path(root), keep, rank
+    def __init__(self, root: Path, keep: int, rank: int, async_save: bool = False):
+        self.root, self.keep, self.rank, self.async_save = Path(root), keep, rank, async_save
+        self._pending = None  # an asynchronous save: (step, tmp folder, DCP's future, train state)
+        self._group = None  # the process group asynchronous writes run over, off the training's own
 
     def complete(self) -> list[tuple[int, Path]]:
         """(step, folder) of every finished checkpoint, oldest first."""
@@ -211,40 +218,81 @@ class Checkpointer:
         return done[-1][1] if done else None
 
     def save(self, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-             train_state: dict) -> Path:
+             train_state: dict, wait: bool = True) -> Path:
+        """Write checkpoint ``step``; with async_save, return once the state is copied unless ``wait``
+        (the folder named exists when ``wait`` returns or a later save starts)."""
+        self.wait()  # one write at a time: the previous one is whole before the next begins
         tmp = self.root / f"step-{step}.tmp"
         try:
-            return self._save(step, tmp, parts, optimizers, train_state)
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            barrier()
+            model_sd, optim_sd = _state_dicts(parts, optimizers)
+            # Before the write starts: the RNG state is this step's, and on disk before any rank's write ends.
+            torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")
+            state = {"model": model_sd, "optim": optim_sd}
+            if self.async_save:
+                self._pending = (step, tmp, self._async_write(state, tmp), train_state)
+            else:
+                _dcp_call(dcp.save, state, tmp, no_dist=not dist.is_initialized())
+                barrier()
+                self._pending = (step, tmp, None, train_state)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
-            shutil.rmtree(tmp, ignore_errors=True)  # every failing rank tries: none knows the others failed
-            if _disk_full(e):
-                kept = self.latest()
-                raise UserError(f"no space left on the device while saving checkpoint step-{step} in {self.root}; "
-                                f"removed the partial {tmp.name}, kept {kept.name if kept else 'no older checkpoint'}; "
-                                f"free space, then continue with --set checkpoint.resume=true") from None
-            raise
+            self._failed(step, tmp, e)
+        if wait or not self.async_save:
+            self.wait()
+        return self.root / f"step-{step}"
 
-    def _save(self, step: int, tmp: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-              train_state: dict) -> Path:
-        final = self.root / f"step-{step}"
+    def _async_write(self, state: dict, tmp: Path):
+        if dist.is_initialized() and self._group is None:
+            # Training's collectives and the writer thread's must not interleave on one group.
+            self._group = dist.new_group(backend="gloo")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            return dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group,
+                                  no_dist=not dist.is_initialized())
+
+    def poll(self) -> None:
+        """At a step boundary: finish an asynchronous save whose write is done, on rank 0 (no collective)."""
+        if self._pending is not None and self._pending[2] is not None and self._pending[2].done():
+            self._finish()
+
+    def wait(self) -> None:
+        """Finish the save in progress, if any; every rank calls it at the same point."""
+        if self._pending is not None:
+            self._finish()
+        if self.async_save:
+            barrier()  # rank 0 may have finished it in poll() already: the others still meet it here
+
+    def _finish(self) -> None:
+        step, tmp, future, train_state = self._pending
+        self._pending = None
+        try:
+            if future is not None:
+                future.result()
+        except BaseException as e:
+            self._failed(step, tmp, e)
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier()
-        model_sd, optim_sd = _state_dicts(parts, optimizers)
-        _dcp_call(dcp.save, {"model": model_sd, "optim": optim_sd}, tmp, no_dist=not dist.is_initialized())
-        torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")
-        barrier()
-        if self.rank == 0:
+            final = self.root / f"step-{step}"
             state = {**train_state, "step": step, "sha256": _manifest(tmp)}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
             if final.exists():  # a re-save of the same step: replace it only once the new one is whole
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            for _, old in self.complete()[:-self.keep]:
+            for _, old in self.complete()[:-self.keep]:  # the new one is complete now: it is never pruned
                 shutil.rmtree(old)
-        barrier()
-        return final
+        if future is None:
+            barrier()
+
+    def _failed(self, step: int, tmp: Path, e: BaseException):
+        shutil.rmtree(tmp, ignore_errors=True)  # every failing rank tries: none knows the others failed
+        if _disk_full(e):
+            kept = self.latest()
+            raise UserError(f"no space left on the device while saving checkpoint step-{step} in {self.root}; "
+                            f"removed the partial {tmp.name}, kept {kept.name if kept else 'no older checkpoint'}; "
+                            f"free space, then continue with --set checkpoint.resume=true") from None
+        raise e
 
     def load(self, path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
         """Restore model, optimizer and this rank's RNG in place from a checkpoint that ``read_train_state``

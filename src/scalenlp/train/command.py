@@ -96,8 +96,10 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
         worker += ["--config", args.config]
     # One thread per process unless the user chose otherwise: N processes share the cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # torchrun otherwise lets the workers share the rendezvous store, which keeps the previous attempt's keys:
-    # after a restart, gloo can read a dead peer's address from them and wait forever. A store per attempt.
+    # A restarted attempt must not find the previous attempt's process-group keys (gloo's and NCCL's peer
+    # addresses) in the store: torchrun's agent keeps one store for all attempts, and the workers' keys in
+    # it carry no attempt number (pytorch/pytorch#135712), so a restart would connect to the dead workers'
+    # ports. With the store hosted per attempt by the workers' rank 0, every attempt starts clean.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     signal.signal(signal.SIGTERM, _pass_sigterm_on)
     try:

@@ -38,7 +38,8 @@ from scalenlp.parallel.mesh import ParallelDims, barrier, build_mesh, device_typ
 from scalenlp.parallel.data_parallel import skip_gradient_sync
 from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, loss_context, parallelize
 from scalenlp.parallel.pipeline import build_pipeline
-from scalenlp.train.checkpoint import Checkpointer, load_full_model, read_train_state
+from scalenlp.train import faults, recovery, watchdog
+from scalenlp.train.checkpoint import STATE_FILE, Checkpointer, load_full_model, read_train_state
 from scalenlp.train.guard import StepCheck, StopRequest, check_step, weights_finite
 from scalenlp.train.classify import (build_classifier, classification_loss, classifier_args, evaluate_classifier,
                                      load_classification_data)
@@ -163,6 +164,7 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, stop: StopRequest | None = None):
         validate(cfg)  # a Config built in Python gets the checks load_config gives the CLI's
         self.cfg, self.run_dir, self.stop = cfg, Path(run_dir), stop
+        watchdog.record_collectives()
         self.rank, self.world = init_distributed(cfg.training.timeout_s)
         # model.init: every rank reads the checkpoint (memory-mapped where the format allows); its
         # tokenizer tokenizes the data, its weights are assigned below, its tokenizer config is exported.
@@ -173,12 +175,18 @@ class Trainer:
         self.mesh = build_mesh(self.dims)
         self.dp_group = None if self.mesh is None or self.dims.dp == 1 else dp_mesh(self.mesh, flat=True).get_group()
         self.is_main = self.rank == 0
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.rank)
-        latest = self.checkpointer.latest() if cfg.checkpoint.resume else None
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.rank,
+                                         cfg.checkpoint.async_save)
+        # A restart by torchrun resumes by itself, from the newest checkpoint that is whole (see recovery.py).
+        restarted, agents = recovery.continues_launch(self.run_dir)
+        if restarted and self.is_main:
+            recovery.set_aside_damaged(self.checkpointer, self.log)
+        barrier()
+        latest = self.checkpointer.latest() if cfg.checkpoint.resume or restarted else None
         self.rolled_back_to = None
         # Nothing is written to the run folder before every check has passed, the checkpoint's included.
         if self.is_main:
-            if self.checkpointer.complete() and not cfg.checkpoint.resume:
+            if self.checkpointer.complete() and not cfg.checkpoint.resume and not restarted:
                 raise UserError(f"{self.run_dir} already has checkpoints; pass --set checkpoint.resume=true to "
                                 f"continue that run, or choose a new --run-dir")
             if cfg.checkpoint.resume and latest is None:
@@ -187,6 +195,9 @@ class Trainer:
             if latest is not None:
                 self._check_resumable(latest, read_train_state(latest))
         barrier()
+        if latest is not None:
+            cfg = self.cfg = recovery.keep_micro_batch(cfg, json.loads((latest / STATE_FILE).read_text()),
+                                                       self.dims, self.log)
 
         t = cfg.training
         self.micro_batch, self.accum = batch_shape(cfg, self.dims)
@@ -245,7 +256,13 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.toml")
+            recovery.record_launch(self.run_dir, agents, restarted)
+        # Under torchrun only: ending a hung attempt hands it to torchrun, which restarts it (or fails the job
+        # now rather than at the process-group timeout); a lone process has no one to hand it to.
+        self.watchdog = watchdog.Watchdog(self.run_dir, self.rank, self.world, t.hang_timeout, t.timeout_s,
+                                          enabled=bool(agents))
         barrier()
+        self.fault = faults.planned(self.rank)
 
         dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
         self.peak_flops, self.peak_source = peak_flops(self.device, dtype)
@@ -281,6 +298,7 @@ class Trainer:
         """training.on_nonfinite=rollback: the newest checkpoint's weights, optimizer and schedule, with the
         data read on from here (the same batches would lead to the same state). Once per checkpoint: a
         second failure before a newer one exists stops the run."""
+        self.checkpointer.wait()
         latest = self.checkpointer.latest()
         if latest is None or latest == self.rolled_back_to:
             raise UserError(f"{check.describe(self.step)}, and "
@@ -391,12 +409,13 @@ class Trainer:
         total, counted = _sum_over(torch.stack([total, counted]), self.dp_group)
         return (total / counted).item()
 
-    def save(self) -> Path:
+    def save(self, wait: bool = True) -> Path:
+        """Checkpoint this step; ``wait=False`` lets an asynchronous save (checkpoint.async_save) write on."""
         if not weights_finite(self.model_parts):
             latest = self.checkpointer.latest()
             raise UserError(f"step {self.step}: the weights are not finite after a finite gradient; nothing saved or "
                             f"exported (newest good checkpoint: {latest or 'none'}). Lower training.lr")
-        return self.checkpointer.save(self.step, self.model_parts, self.optimizers, self._train_state())
+        return self.checkpointer.save(self.step, self.model_parts, self.optimizers, self._train_state(), wait)
 
     def export(self, checkpoint: Path, folder: str = "export", extra_files: dict[str, str] | None = None) -> None:
         """Rank 0 reads a checkpoint into one unsharded model (DCP reshards from any layout) and writes
@@ -454,7 +473,9 @@ class Trainer:
         last_saved = None
         while self.step < t.steps:
             start = time.perf_counter()
+            self.watchdog.step_started(self.step + 1)
             loss, grad_norm, check = self.train_step()
+            self.checkpointer.poll()
             window_loss += loss
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -462,6 +483,7 @@ class Trainer:
             window_steps += 1
             self.step += 1
             bar.update(1)
+            faults.inject(self.fault, self.step, self.checkpointer)
             if not check.finite:
                 if t.on_nonfinite == "stop":
                     latest = self.checkpointer.latest()
@@ -497,6 +519,7 @@ class Trainer:
                          f"peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB")
                 window_loss.zero_()
                 window_steps, window_time, self.tokens_seen = 0, 0.0, 0
+            self.watchdog.step_finished()  # evaluations and saves are bounded by training.timeout_s instead
             saved_best = None
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                 saved_best = self.evaluate_and_record()
@@ -504,7 +527,7 @@ class Trainer:
             if saved_best is not None:
                 last_saved = saved_best
             elif stopping or cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or self.step == t.steps:
-                last_saved = self.save()
+                last_saved = self.save(wait=stopping or self.step == t.steps)
                 if not stopping:
                     self.log(f"checkpoint saved: {last_saved}")
             if stopping:
@@ -527,7 +550,9 @@ def train(cfg: Config, run_dir: Path) -> list[dict]:
     """Run training in this process (one rank of a torchrun job, or alone); metric records of rank 0."""
     try:
         with StopRequest() as stop:
-            return Trainer(cfg, run_dir, stop).fit()
+            trainer = Trainer(cfg, run_dir, stop)
+            with trainer.watchdog:
+                return trainer.fit()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

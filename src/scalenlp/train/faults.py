@@ -1,0 +1,50 @@
+"""Fault injection for tests and benchmarks/faults.py; does nothing unless SCALENLP_FAULT is set.
+
+SCALENLP_FAULT=<kind>@<rank>:<step> makes that rank fail on purpose once it has finished that step, on
+the first attempt of a torchrun job only (TORCHELASTIC_RESTART_COUNT=0), so the restart runs clean:
+
+- ``kill``: the rank SIGKILLs itself, as the kernel's OOM killer or a lost machine would end it.
+- ``hang``: the rank sleeps for an hour before its next collective; the other ranks wait in it.
+- ``sigterm``: the rank sends SIGTERM to its torchrun agent, as a scheduler does before a kill.
+- ``damage``: the rank overwrites the middle of one shard of the newest checkpoint, then SIGKILLs itself:
+  a checkpoint that looks complete but is not whole.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+ENV = "SCALENLP_FAULT"
+KINDS = ("kill", "hang", "sigterm", "damage")
+
+
+def planned(rank: int) -> tuple[str, int] | None:
+    """(kind, step) of the fault this rank is to inject in this attempt, if any."""
+    spec = os.environ.get(ENV, "")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    kind, _, where = spec.partition("@")
+    at_rank, _, step = where.partition(":")
+    if kind not in KINDS or not at_rank.isdigit() or not step.isdigit():
+        raise ValueError(f"{ENV}={spec!r}: expected <{'|'.join(KINDS)}>@<rank>:<step>")
+    return (kind, int(step)) if int(at_rank) == rank else None
+
+
+def inject(fault: tuple[str, int] | None, step: int, checkpointer) -> None:
+    """Called by the trainer after each step."""
+    if fault is None or fault[1] != step:
+        return
+    kind = fault[0]
+    if kind == "hang":
+        time.sleep(3600)
+    elif kind == "sigterm":
+        os.kill(os.getppid(), signal.SIGTERM)
+        return
+    if kind == "damage" and (newest := checkpointer.latest()) is not None:
+        shard = max((p for p in newest.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+        with open(shard, "r+b") as f:
+            f.seek(shard.stat().st_size // 2)
+            f.write(b"\xff" * 64)
+    os.kill(os.getpid(), signal.SIGKILL)

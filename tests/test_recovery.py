@@ -1,0 +1,177 @@
+"""Failure as a non-event: torchrun's restarts resume by themselves from the newest whole checkpoint, and the
+job ends with the losses and weights of a run that never failed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+import pytest
+from safetensors.torch import load_file
+
+from scalenlp.config import load_config
+from scalenlp.parallel.mesh import ParallelDims
+from scalenlp.train import faults, recovery, watchdog
+from scalenlp.train.checkpoint import Checkpointer, read_train_state
+from train_helpers import TINY, read_metrics, run_train, write_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+def final_records(run_dir):
+    """The last record of every step: a restart appends the steps it recomputes again."""
+    return {r["step"]: r for r in read_metrics(run_dir)}
+
+
+def weights(run_dir):
+    return load_file(run_dir / "export" / "model.safetensors")
+
+
+def faulty_run(run_dir, sets, fault, restarts=1):
+    env = {faults.ENV: fault}
+    os.environ.update(env)
+    try:
+        return run_train(run_dir, *sets, nproc=2, extra=["--max-restarts", str(restarts)], check=False)
+    finally:
+        os.environ.pop(faults.ENV)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus):
+    sets = [*TINY, f"data.path={corpus}", "training.steps=8", "checkpoint.every=2", "checkpoint.keep=2"]
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    run_train(run, *sets, nproc=2)
+    return sets, run
+
+
+@pytest.mark.slow  # multi-process
+@pytest.mark.parametrize("fault, resumed_from", [("kill@1:5", "step-4"), ("damage@0:5", "step-2")])
+def test_a_killed_rank_restarts_and_ends_as_if_nothing_happened(tmp_path, uninterrupted, fault, resumed_from):
+    sets, reference = uninterrupted
+    run = tmp_path / "run"
+    proc = faulty_run(run, sets, fault)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"resumed from {run / 'checkpoints' / resumed_from} at step" in proc.stderr
+    if fault.startswith("damage"):
+        assert "is damaged" in proc.stderr and "sets it aside as step-4.damaged" in proc.stderr
+        assert (run / "checkpoints" / "step-4.damaged").is_dir()
+    got, want = final_records(run), final_records(reference)
+    assert sorted(got) == list(range(1, 9))
+    assert [got[s]["loss"] for s in got] == [want[s]["loss"] for s in got]
+    a, b = weights(run), weights(reference)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_a_relaunch_is_not_a_restart(tmp_path, monkeypatch):
+    """A launch's record names its agents; a new launch (new agents) does not continue it, a restart does."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert recovery.continues_launch(tmp_path) == (False, [recovery._agent()])
+    recovery.record_launch(tmp_path, [recovery._agent()], restarted=False)
+    assert recovery.continues_launch(tmp_path)[0]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-launch")
+    assert not recovery.continues_launch(tmp_path)[0]
+    recovery.record_launch(tmp_path, [recovery._agent()], restarted=True)  # a node joined: both listed
+    assert len(json.loads((tmp_path / recovery.LAUNCH_FILE).read_text())["agents"]) == 2
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert recovery.continues_launch(tmp_path) == (False, [])  # one process outside torchrun never restarts
+
+
+def test_fewer_ranks_keep_the_micro_batch_and_the_global_batch(corpus):
+    cfg = load_config(None, [*TINY, f"data.path={corpus}", "training.global_batch_size=8"])
+    saved = {"layout": [["pp", 1], ["dp_replicate", 1], ["dp_shard", 4], ["tp", 1]]}
+    lines = []
+    two = recovery.keep_micro_batch(cfg, saved, ParallelDims(1, 2, 1, 1, 2), lines.append)
+    assert two.training.micro_batch_size == 2 and two.training.global_batch_size == 8
+    assert lines == ["data-parallel ranks 4 -> 2: the global batch stays 8 sequences, as 2 micro-batches of 2 per "
+                     "rank (training.micro_batch_size=2)"]
+    assert recovery.keep_micro_batch(cfg, saved, ParallelDims(1, 4, 1, 1, 4), lines.append) is cfg
+    chosen = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, micro_batch_size=4))
+    assert recovery.keep_micro_batch(chosen, saved, ParallelDims(1, 2, 1, 1, 2), lines.append) is chosen
+
+
+def test_a_restart_sets_damaged_checkpoints_aside(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        (root / f"step-{step}").mkdir(parents=True)
+        (root / f"step-{step}" / "train_state.json").write_text("{}")  # no checksums: not whole
+    lines = []
+    recovery.set_aside_damaged(Checkpointer(root, 2, 0), lines.append)
+    assert sorted(p.name for p in root.iterdir()) == ["step-2.damaged", "step-4.damaged"]
+    assert len(lines) == 2 and all(line.startswith("warning: checkpoint") for line in lines)
+
+
+@pytest.mark.slow  # multi-process
+def test_a_hung_rank_is_named_its_stacks_written_and_the_job_restarted(tmp_path, uninterrupted):
+    sets, reference = uninterrupted
+    run = tmp_path / "run"
+    proc = faulty_run(run, [*sets, "training.hang_timeout=5"], "hang@1:5")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    named = [line for line in proc.stderr.splitlines() if line.startswith("error: hang:")]
+    assert len(named) == 1, proc.stderr[-4000:]
+    assert "exceeded 5.0 s" in named[0] and "rank 1 has not joined gloo:all_reduce" in named[0]
+    assert "rank 1 is at faults.py" in named[0]
+    (folder,) = (p for p in (run / "hang").iterdir() if p.is_dir())
+    for rank in (0, 1):
+        assert "(most recent call first)" in (folder / f"stacks-rank{rank}.txt").read_text()
+    assert "in inject" in (folder / "stacks-rank1.txt").read_text()  # the sleeping rank's own stack
+    report = json.loads((folder / "report.json").read_text())
+    assert report["message"] in named[0]
+    got, want = final_records(run), final_records(reference)
+    assert [got[s]["loss"] for s in sorted(got)] == [want[s]["loss"] for s in sorted(want)]
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_async_save_writes_the_checkpoints_a_sync_save_writes(tmp_path, corpus, nproc):
+    sets = [*TINY, f"data.path={corpus}", "training.steps=4", "checkpoint.every=1", "checkpoint.keep=2"]
+    for mode in ("sync", "async"):
+        run_train(tmp_path / mode, *sets, f"checkpoint.async_save={mode == 'async'}", nproc=nproc)
+    sync, not_sync = tmp_path / "sync" / "checkpoints", tmp_path / "async" / "checkpoints"
+    assert sorted(p.name for p in not_sync.iterdir()) == sorted(p.name for p in sync.iterdir()) == ["step-3", "step-4"]
+    for step in ("step-3", "step-4"):
+        a, b = read_train_state(sync / step), read_train_state(not_sync / step)
+        # DCP's index records a save id of its own; every shard and RNG state is byte for byte the same.
+        assert {k: v for k, v in a.pop("sha256").items() if k != ".metadata"} == \
+            {k: v for k, v in b.pop("sha256").items() if k != ".metadata"}
+        assert a == b
+    assert [r["loss"] for r in read_metrics(tmp_path / "async")] == [r["loss"] for r in read_metrics(tmp_path / "sync")]
+
+
+def test_the_hang_timeout_follows_the_steps_within_its_floor_and_ceiling():
+    assert watchdog.hang_timeout(5.0, [], 300) == 5.0  # the override, as given
+    assert watchdog.hang_timeout(0.0, [], 300) is None  # nothing measured yet
+    assert watchdog.hang_timeout(0.0, [0.01, 0.02], 300) == watchdog.FLOOR_S
+    assert watchdog.hang_timeout(0.0, [9.0, 12.0], 300) == 120.0
+    assert watchdog.hang_timeout(0.0, [9.0, 20.0], 300) == 150.0  # before the process group's own timeout
+
+
+def beat(rank, seq, done, where, age=0.0):
+    return {"rank": rank, "time": 100.0 - age, "where": where,
+            "collectives": {"0/default_pg": {"seq": seq, "op": "gloo:all_reduce", "sizes": [[]], "done": done}}}
+
+
+def test_the_watchdog_names_the_rank_the_others_wait_for():
+    behind = {0: beat(0, 7, False, "trainer.py:155 (_sum_over)"), 1: beat(1, 6, True, "faults.py:41 (inject)"),
+              2: beat(2, 7, False, "trainer.py:155 (_sum_over)")}
+    assert watchdog.diagnose(behind, 3, 100.0) == (
+        "rank 1 has not joined gloo:all_reduce #7 on process group 0/default_pg, which rank 0, 2 wait(s) in at "
+        "trainer.py:155 (_sum_over); rank 1 is at faults.py:41 (inject)")
+    stuck = {r: beat(r, 7, False, "guard.py:67 (check_step)") for r in range(2)}
+    assert "every rank is inside gloo:all_reduce #7" in watchdog.diagnose(stuck, 2, 100.0)
+    silent = {0: beat(0, 7, False, "x"), 1: beat(1, 6, True, "y", age=60.0)}
+    assert watchdog.diagnose(silent, 3, 100.0).startswith("rank 1, 2 gave no heartbeat")
+
+
+def test_faults_are_injected_only_where_and_when_asked(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "kill@1:5")
+    assert faults.planned(0) is None and faults.planned(1) == ("kill", 5)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the restart runs clean
+    assert faults.planned(1) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv(faults.ENV, "explode@1:5")
+    with pytest.raises(ValueError, match=re.escape("expected <kill|hang|sigterm|damage>@<rank>:<step>")):
+        faults.planned(1)
