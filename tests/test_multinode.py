@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from scalenlp.cli import main
 from scalenlp.testing.hosts import RDZV_PORT, Host, start_train, unavailable, virtual_hosts
-from train_helpers import HANG_GUARD_S, TINY, cli_env, read_metrics, run_train, write_corpus
+from train_helpers import HANG_GUARD_S, TINY, cli_env, last_step, read_metrics, run_train, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +46,6 @@ def finish(procs: list[subprocess.Popen]) -> list[str]:
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-4000:]
     return outputs
-
-
-def last_step(run_dir: Path) -> int:
-    """The newest step in the run's metrics, 0 before the first."""
-    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
-    return records[-1]["step"] if records else 0
 
 
 def test_hosts_are_separate_machines_and_vanish_afterwards():
