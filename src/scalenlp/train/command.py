@@ -59,7 +59,7 @@ def _pass_sigterm_on(signum: int, frame) -> None:
 def _is_own_address(endpoint: str) -> bool:
     """Whether the rendezvous endpoint is this machine, which then hosts the rendezvous store. torchrun
     guesses from the host name alone and misses addresses of a second interface; binding to it is the test."""
-    host = endpoint.rsplit(":", 1)[0].strip("[]") if ":" in endpoint else endpoint
+    host = endpoint.rsplit(":", 1)[0].strip("[]")
     try:
         addresses = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
     except socket.gaierror:
@@ -115,8 +115,6 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
 def node_counts(args: argparse.Namespace) -> range:
     """The machine counts the job may run with (one, or MIN..MAX when elastic), after checking that the
     launch flags fit together."""
-    from scalenlp.errors import UserError
-
     if args.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")
     parts = args.nnodes.split(":")
