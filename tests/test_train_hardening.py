@@ -170,7 +170,8 @@ def test_nonfinite_step_rollback_reads_on_and_stops_if_it_recurs(tmp_path, corpu
 
 # -- a full disk ---------------------------------------------------------------------------------------
 
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpus, monkeypatch):
+@pytest.mark.parametrize("async_save", [False, True])  # True: the write fails in DCP's writer thread
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpus, monkeypatch, async_save):
     """ENOSPC simulated in-process: DCP's file streams for step-4 fail after their first bytes."""
     real = FileSystem.create_stream
 
@@ -193,7 +194,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpu
     monkeypatch.setattr(FileSystem, "create_stream", full_disk)
     run = tmp_path / "run"
     with pytest.raises(UserError, match="no space left.*removed the partial step-4.tmp, kept step-2") as e:
-        in_process(run, corpus, "training.steps=4", "checkpoint.every=2")
+        in_process(run, corpus, "training.steps=4", "checkpoint.every=2", f"checkpoint.async_save={async_save}")
     assert "\n" not in str(e.value)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
     read_train_state(run / "checkpoints" / "step-2")  # whole
