@@ -8,7 +8,7 @@ every process SIGKILLed after a step; what it costs, beside an uninterrupted two
 - data lost: whether every step is there, with the uninterrupted run's losses and final weights (to float32
   rounding: the attempt after the kill sums the gradients of 2 processes instead of 4).
 
-`measure` gives the row of benchmarks/faults.py's table; run alone, this prints that one row. Needs root.
+`measure` gives benchmarks/faults.py its node-kill row; run alone, this prints that one row. Needs root.
 
     python benchmarks/node_kill.py [--steps 30] [--every 5] [--kill-after 8]
 """
