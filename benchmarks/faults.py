@@ -4,7 +4,8 @@ Each row runs `scalenlp train --nproc 2` on the debug model with one fault (SCAL
 src/scalenlp/train/faults.py, or a real full disk: a tmpfs mounted for the run, which needs root) and
 compares the job's end with an uninterrupted run of the same config, measured in the same invocation:
 
-- time to recover: the faulty job's wall time (every launch it needed) minus the uninterrupted one's;
+- time to recover: the faulty job's wall time (every launch it needed) minus the uninterrupted one's (for
+  the node kill, an uninterrupted run on the same two test hosts; see benchmarks/node_kill.py);
 - steps recomputed: steps trained before the fault and trained again after it, and how many of those lie
   before the newest checkpoint that was whole at the fault (the goal is none);
 - data lost: whether the final weights and every step's loss equal the uninterrupted run's.
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from train_helpers import TINY, read_metrics, write_corpus  # noqa: E402  (the tests' tiny run and corpus)
 
 from scalenlp.train import faults  # noqa: E402
+import node_kill  # noqa: E402  (benchmarks/node_kill.py, beside this script: two test hosts, one killed)
 
 RESUMED = re.compile(r"resumed from \S*step-(\d+) at step")
 STOPPED = re.compile(r"stopped by SIGTERM after step (\d+)")
@@ -131,7 +133,7 @@ def main() -> None:
                      failed_save - resumed[-1] if resumed else None, 0, outcome(work / "full-disk", reference)))
     else:
         rows.append(("full disk (tmpfs)", None, None, None, "skipped: mounting a tmpfs needs root"))
-    rows.append(("node kill", None, None, None, "not measured here yet (multi-node)"))
+    rows.append(node_kill.measure(work, sets, args.steps, args.every, f))
 
     load = os.getloadavg()
     print(f"uninterrupted: {args.steps} steps, 2 gloo processes, checkpoint every {args.every} steps, {base_s:.1f} s "

@@ -56,3 +56,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def last_step(run_dir: Path) -> int:
+    """The newest step in the run's metrics, 0 before the first (for watching a run that is under way)."""
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    return records[-1]["step"] if records else 0

@@ -114,7 +114,9 @@ def train_command(shape, work, layout, devices: int, gpus_per_node: int) -> str:
     from scalenlp.models.flavors import parse_shape, shape_keys
 
     if devices > gpus_per_node:
-        launch = ["--nproc", str(gpus_per_node), "--nnodes", str(devices // gpus_per_node)]
+        # FIRST_NODE: the address of one of the machines, which hosts the rendezvous (see README, "Several machines")
+        launch = ["--nproc", str(gpus_per_node), "--nnodes", str(devices // gpus_per_node),
+                  "--rdzv-endpoint", "FIRST_NODE:29400"]
     else:
         launch = ["--nproc", str(devices)]
     settings = {f"model.{key}": value for key, value in shape_keys(parse_shape(shape.name)).items()}

@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
+
+from scalenlp.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,10 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", metavar="DIR", help="where config, metrics, checkpoints and the export go "
                                                     "(default: runs/<model.flavor>, runs/custom without one)")
     p.add_argument("--nproc", type=int, default=1, metavar="N", help="processes on this machine (default 1)")
-    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="nodes, passed to torchrun")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's rank, passed to torchrun")
-    p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT", help="rendezvous address for multi-node")
-    p.add_argument("--rdzv-id", default="scalenlp", help="rendezvous job id for multi-node")
+    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="machines in the job; MIN:MAX is elastic (the job goes on while at least MIN remain)")
+    p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
+                   help="where the machines meet: one machine's address (it hosts the rendezvous), the same "
+                        "on every machine; needed when --nnodes is above 1")
+    p.add_argument("--rdzv-id", default="scalenlp", help="job id, the same on every machine of one job")
+    p.add_argument("--local-addr", default="", metavar="ADDR",
+                   help="the address other machines reach this one at (default: its host name)")
     p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of failed workers")
     p.add_argument("--metrics-port", type=int, metavar="P",
                    help="serve every rank's CPU, memory, GPU and training figures in Prometheus' format on port P "
@@ -52,6 +59,24 @@ def _pass_sigterm_on(signum: int, frame) -> None:
             pass
 
 
+def _is_own_address(endpoint: str) -> bool:
+    """Whether the rendezvous endpoint is this machine, which then hosts the rendezvous store. torchrun
+    guesses from the host name alone and misses addresses of a second interface; binding to it is the test."""
+    host = endpoint.rsplit(":", 1)[0].strip("[]")
+    try:
+        addresses = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as s:
+            try:
+                s.bind(address)
+                return True
+            except OSError:  # not an address of this machine
+                pass
+    return False
+
+
 def _launch(args: argparse.Namespace, run_dir: Path) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -60,11 +85,15 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
     # ours passes the signal on and waits for what the workers make of it.
     launcher = ["--nproc-per-node", str(args.nproc), "--nnodes", args.nnodes, "--max-restarts",
                 str(args.max_restarts), "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
+    # c10d rendezvous numbers the machines in the order they join, so one command serves every machine.
     if args.rdzv_endpoint:
-        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id,
-                     "--node-rank", str(args.node_rank)]
+        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
+        if _is_own_address(args.rdzv_endpoint):
+            launcher += ["--rdzv-conf", "is_host=true"]
     else:
         launcher += ["--standalone"]
+    if args.local_addr:
+        launcher += ["--local-addr", args.local_addr]
     worker = ["--run-dir", str(run_dir)] + [a for o in args.overrides for a in ("--set", o)]
     if args.config:
         worker += ["--config", args.config]
@@ -86,9 +115,28 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
     return 0
 
 
+def node_counts(args: argparse.Namespace) -> range:
+    """The machine counts the job may run with (one, or MIN..MAX when elastic), after checking that the
+    launch flags fit together."""
+    if args.nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {args.nproc}")
+    parts = args.nnodes.split(":")
+    if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise UserError(f"--nnodes takes N or MIN:MAX with whole numbers of at least 1, got {args.nnodes!r}")
+    low, high = int(parts[0]), int(parts[-1])
+    if low > high:
+        raise UserError(f"--nnodes {args.nnodes}: MIN is above MAX; write it as {high}:{low}")
+    if high > 1 and not args.rdzv_endpoint:
+        raise UserError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, one machine's address, "
+                        f"the same on every machine")
+    if low < high and args.max_restarts < 1:
+        raise UserError(f"--nnodes {args.nnodes} is elastic, but a machine leaving or failing ends the job "
+                        f"without restarts; add --max-restarts N")
+    return range(low, high + 1)
+
+
 def run(args: argparse.Namespace) -> int:
     from scalenlp.config import describe, load_config
-    from scalenlp.errors import UserError
 
     if args.help_config:
         print(describe())
@@ -104,13 +152,14 @@ def run(args: argparse.Namespace) -> int:
         args.overrides.append(f"monitor.metrics_port={args.metrics_port}")
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir or Path("runs") / (cfg.model.flavor or "custom"))
+    from scalenlp.models.loader import read
     from scalenlp.train.trainer import train, validate_run
 
-    if args.nproc < 1:
-        raise UserError(f"--nproc must be at least 1, got {args.nproc}")
-    if args.nproc > 1 or args.nnodes != "1":
-        if args.nnodes.isdigit():
-            validate_run(cfg, args.nproc * int(args.nnodes))
+    nodes = node_counts(args)
+    if args.nproc > 1 or max(nodes) > 1 or args.rdzv_endpoint:
+        pretrained = read(cfg.model.init) if cfg.model.init else None
+        for n in nodes:  # an elastic job must fit every world size it may shrink or grow to
+            validate_run(cfg, args.nproc * n, pretrained)
         return _launch(args, run_dir)
     train(cfg, run_dir)
     return 0

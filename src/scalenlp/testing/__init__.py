@@ -1,0 +1,1 @@
+"""Harnesses for scalenlp's tests and benchmarks; scalenlp itself never imports them."""

@@ -1,0 +1,151 @@
+"""Several machines, simulated: each "node" is a network namespace (scalenlp.testing.hosts), and
+`scalenlp train` runs on each as a user would run it on two machines, meeting through c10d rendezvous."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from scalenlp.cli import main
+from scalenlp.testing.hosts import RDZV_PORT, Host, start_train, unavailable, virtual_hosts
+from train_helpers import HANG_GUARD_S, TINY, cli_env, last_step, read_metrics, run_train, write_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+def need_hosts() -> None:
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"no test hosts: {reason}")
+
+
+@pytest.fixture
+def two_hosts():
+    need_hosts()
+    with virtual_hosts(2) as hosts:
+        yield hosts
+
+
+def start_node(host: Host, hosts: list[Host], run_dir: Path, sets: list[str], *extra: str) -> subprocess.Popen:
+    args = ["--run-dir", str(run_dir), "--nproc", "2", *extra] + [a for s in sets for a in ("--set", s)]
+    return start_train(host, hosts[0], args, cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True)
+
+
+def finish(procs: list[subprocess.Popen]) -> list[str]:
+    outputs = [p.communicate(timeout=HANG_GUARD_S)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-4000:]
+    return outputs
+
+
+def test_hosts_are_separate_machines_and_vanish_afterwards():
+    need_hosts()
+    server = "import socket; s = socket.create_server(('{}', 5000)); c, peer = s.accept(); print(peer[0])"
+    with pytest.raises(RuntimeError, match="inside"):
+        with virtual_hosts(2) as (a, b):
+            listener = subprocess.Popen(a.command([sys.executable, "-c", server.format(a.address)]),
+                                        stdout=subprocess.PIPE, text=True)
+            before = b.traffic()
+            client = ("import socket, time\nfor _ in range(100):\n"
+                      "  try: socket.create_connection(('{}', 5000)); break\n"
+                      "  except ConnectionRefusedError: time.sleep(0.1)")
+            subprocess.run(b.command([sys.executable, "-c", client.format(a.address)]), check=True)
+            assert listener.communicate(timeout=HANG_GUARD_S)[0].strip() == b.address  # the peer is host b
+            assert b.traffic()["tx_packets"] > before["tx_packets"]  # and it went out through b's veth
+            own = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+            assert f" {a.address}/" not in own  # the addresses exist in the namespaces only
+            sleeper = subprocess.Popen(a.command(["sleep", "600"]))
+            raise RuntimeError("a test failing inside")
+    assert sleeper.wait(timeout=HANG_GUARD_S) == -9  # cleanup ended what ran on the host
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert a.namespace not in names and b.namespace not in names
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--nnodes", "2"], "needs --rdzv-endpoint"),
+    (["--nnodes", "1:2", "--rdzv-endpoint", "h:1"], "add --max-restarts"),
+    (["--nnodes", "3:2", "--rdzv-endpoint", "h:1", "--max-restarts", "1"], "write it as 2:3"),
+    (["--nnodes", "two"], "N or MIN:MAX"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--set", "training.global_batch_size=6"], "divisible"),
+    # 6 fits the 2 processes of one machine, not the 4 of two: an elastic job must fit both.
+    (["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--set", "training.global_batch_size=6"],
+     "by the 4 data-parallel ranks"),
+])
+def test_bad_launch_flags_are_one_error_line(capsys, flags, expected):
+    assert main(["train", "--nproc", "2", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and expected in err
+
+
+@pytest.mark.slow  # two nodes x 2 processes, then one node x 4
+@pytest.mark.parametrize("layout", ["ddp", "zero3"])
+def test_two_nodes_train_like_one_node(tmp_path, corpus, two_hosts, layout):
+    steps = 3
+    sets = [*TINY, f"data.path={corpus}", f"training.steps={steps}", f"parallel.data_parallel={layout}"]
+    run_train(tmp_path / "one-node", *sets, nproc=4)
+    before = [h.traffic() for h in two_hosts]
+    finish([start_node(h, two_hosts, tmp_path / "two-nodes", sets, "--nnodes", "2") for h in two_hosts])
+
+    one, two = read_metrics(tmp_path / "one-node"), read_metrics(tmp_path / "two-nodes")
+    assert [r["step"] for r in two] == list(range(1, steps + 1))
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    # The training traffic crossed the veth pairs: every step, each node needs at least the half of the
+    # gradient sums (DDP) or of the weights (ZeRO-3) that the other node's processes hold.
+    weight_bytes = (tmp_path / "two-nodes" / "export" / "model.safetensors").stat().st_size
+    for h, b in zip(two_hosts, before):
+        assert h.traffic()["rx_bytes"] - b["rx_bytes"] >= steps * weight_bytes / 2
+
+
+@pytest.mark.slow  # two nodes x 2 processes, one of them lost mid-run, then one node x 4 as the reference
+def test_losing_a_node_continues_from_the_checkpoint_with_nothing_lost(tmp_path, corpus, two_hosts):
+    steps, every = 30, 5
+    sets = [*TINY, f"data.path={corpus}", f"training.steps={steps}", f"checkpoint.every={every}",
+            "checkpoint.keep=10"]  # no checkpoint.resume: a restarted attempt resumes by itself
+    run = tmp_path / "elastic"
+    survivor, lost = [start_node(h, two_hosts, run, sets, "--nnodes", "1:2", "--max-restarts", "1")
+                      for h in two_hosts]
+    while last_step(run) < every + 2:  # a checkpoint is written, and steps after it
+        assert survivor.poll() is None, survivor.communicate()[0][-4000:]
+        time.sleep(0.05)
+    two_hosts[1].kill()  # the machine is gone: its agent and its workers, without a word
+    killed_at = last_step(run)
+    out = finish([survivor])[0]
+    lost.wait(timeout=HANG_GUARD_S)
+    assert "on 2 x cpu" in out  # the second attempt ran on the remaining node's 2 processes
+
+    run_train(tmp_path / "reference", *sets, nproc=4)
+    reference = {r["step"]: r for r in read_metrics(tmp_path / "reference")}
+    records = read_metrics(run)
+    resumed = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
+    first_again = records[resumed]["step"]
+    assert killed_at - first_again < every  # only the steps after the newest checkpoint ran twice
+    last = {r["step"]: r for r in records}  # the record of each step that counted
+    assert sorted(last) == list(range(1, steps + 1))  # no step lost
+    for step, r in last.items():
+        assert r["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5)
+    ours = load_file(run / "export" / "model.safetensors")
+    theirs = load_file(tmp_path / "reference" / "export" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6)
+
+
+def test_the_endpoint_machine_hosts_the_rendezvous(two_hosts):
+    # torchrun's own guess compares host names, which every namespace shares; the address decides here.
+    a, b = two_hosts
+    probe = f"from scalenlp.train.command import _is_own_address as own; print(own('{a.address}:{RDZV_PORT}'))"
+    answers = [subprocess.run(h.command([sys.executable, "-c", probe]), capture_output=True, text=True,
+                              env=cli_env(), check=True).stdout.strip() for h in (a, b)]
+    assert answers == ["True", "False"]
