@@ -171,9 +171,27 @@ def test_compiled_decode_step_matches_eager(tmp_path, dtype):
         eager.stop()
     compiled = start_engine(export, max_batch=4, compile=True, dtype=dtype)
     try:
-        assert ids_of(compiled, prompts, GREEDY) == expected
+        got = ids_of(compiled, prompts, GREEDY)
+        encoded = [compiled.encode(p) for p in prompts]
     finally:
         compiled.stop()
+    if dtype == torch.float32:
+        assert got == expected
+        return
+    # In bf16, compiled kernels round differently from eager ones, and a random model's top two logits are
+    # sometimes closer than that rounding: greedy paths may part there. What must hold is that every token the
+    # compiled step picks is the float32 model's best within the bf16 model's own distance from float32, the
+    # tokens before it taken as given (a wrong cache or position would pick tokens far from the best).
+    reference, rounded = load_pretrained(export), load_pretrained(export, dtype=torch.bfloat16)
+    assert all(got)
+    with torch.no_grad():
+        for prompt_ids, out in zip(encoded, got):
+            seq = torch.tensor([prompt_ids + out[:-1]])
+            exact, approx = reference(seq)[0], rounded(seq)[0].float()
+            tolerance = (approx - exact).abs().max()
+            picked = exact[len(prompt_ids) - 1:]  # the logits each generated token was chosen from
+            shortfall = picked.max(-1).values - picked.gather(-1, torch.tensor(out)[:, None])[:, 0]
+            assert (shortfall <= 2 * tolerance).all(), (shortfall.max(), tolerance)
 
 
 needs_onednn_bf16 = pytest.mark.skipif(
