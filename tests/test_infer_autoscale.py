@@ -12,6 +12,7 @@ import torch
 from infer_helpers import make_export
 
 from scalenlp.infer.cluster import LOCAL_RAY_ENV
+from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES
 from scalenlp.infer.sharded import free_port
 
 pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
@@ -34,7 +35,8 @@ def test_load_above_the_target_adds_replicas_up_to_the_bound(tmp_path):
     args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=2, max_seq_len=None,
                               compile=False, max_queue=64, model_name="m", api_key=None, replicas=1,
                               max_replicas=2, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
-                              ray_address=None, quantize=None, group_size=64)
+                              ray_address=None, quantize=None, group_size=64,
+                              max_prompt_tokens=None, max_tokens_cap=None, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
     url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
                                            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
     try:

@@ -1,5 +1,6 @@
 """Replicas on Ray Serve: both receive traffic under concurrent load; killing one under load fails
-no request (streams resume on another replica with the same text); no Ray -> how to install it."""
+no request (streams resume on another replica with the same text); chat and the request limits answer
+as one process does; no Ray -> how to install it."""
 
 import argparse
 import json
@@ -11,13 +12,15 @@ import time
 import httpx
 import pytest
 import torch
-from infer_helpers import make_export
+from infer_helpers import EOS, ServerThread, make_export
 
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.errors import UserError
 from scalenlp.infer.cluster import LOCAL_RAY_ENV, METRICS_PERIOD_S
 from scalenlp.infer.engine import Engine
 from scalenlp.infer.sampling import SamplingParams
+from scalenlp.infer.serve import generation_backend
+from scalenlp.infer.server import create_app
 from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained
 
@@ -30,16 +33,28 @@ PROMPTS = ["the quick brown fox", "hello", "continuous batching lets requests jo
            "hello world, this is", "x y z", "the lazy dog", "says little"]
 
 
+# Plain text between the turns, so that the tokenizer needs no special tokens but the end of text.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+# Above what the other tests send (prompts of a few tokens, up to 1500 new ones, small bodies).
+LIMITS = {"max_prompt_tokens": 64, "max_tokens_cap": 1600, "max_body_bytes": 16_384}
+
+
+def serve_args(export) -> argparse.Namespace:
+    """`scalenlp serve --replicas 2` with the request LIMITS, as parsed."""
+    return argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=4, max_seq_len=None,
+                              compile=False, max_queue=64, model_name="m", api_key=None, replicas=2,
+                              max_replicas=None, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
+                              ray_address=None, quantize=None, group_size=64, **LIMITS)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from scalenlp.infer import cluster
 
     export = make_export(tmp_path_factory.mktemp("ray"), max_seq_len=2048)
-    args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=4, max_seq_len=None,
-                              compile=False, max_queue=64, model_name="m", api_key=None, replicas=2,
-                              max_replicas=None, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
-                              ray_address=None, quantize=None, group_size=64)
-    url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
+    (export / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "chat_template": CHAT_TEMPLATE}))
+    url, owns_serve = cluster.start(serve_args(export), {"num_cpus": 2, "include_dashboard": False,
                                            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
     yield url, export
     cluster.stop(owns_serve)
@@ -185,6 +200,52 @@ def test_replica_killed_under_load_fails_no_request(cluster):
     while len(replica_actors()) < 2:  # the controller replaces the dead replica
         time.sleep(1)
     assert httpx.get(url + "/health").status_code == 200
+
+
+def answer(url: str, path: str, body: dict) -> tuple[int, object]:
+    """(status, what must match between servers): an error's body; a completion's choices and usage; a
+    stream's text, finish reason and role per choice."""
+    if not body.get("stream"):
+        r = httpx.post(url + path, json={"model": "m", **body}, timeout=600)
+        out = r.json()
+        return r.status_code, out if r.status_code != 200 else (out["choices"], out["usage"])
+    choices: dict[int, list] = {}
+    with httpx.stream("POST", url + path, json={"model": "m", **body}, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    text, finish, role = choices.setdefault(c["index"], ["", None, None])
+                    delta = c["delta"]
+                    choices[c["index"]] = [text + delta.get("content", ""), c["finish_reason"] or finish,
+                                           role or delta.get("role")]
+    return r.status_code, choices
+
+
+def test_chat_and_request_limits_answer_as_one_process_does(cluster):
+    url, export = cluster
+    backend = generation_backend(serve_args(export), "m")
+    local = ServerThread(create_app(backend, None, LIMITS["max_body_bytes"]))
+    question = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"}]
+    cases = [
+        ("/v1/chat/completions", {"messages": question, "max_tokens": 12, "temperature": 0}),
+        ("/v1/chat/completions", {"messages": question, "max_completion_tokens": 20, "temperature": 0,
+                                  "ignore_eos": True, "n": 2}),
+        ("/v1/chat/completions", {"messages": question, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                                  "stream": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}),  # the template's 400
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 80}], "max_tokens": 4}),
+        ("/v1/chat/completions", {"messages": question, "max_tokens": LIMITS["max_tokens_cap"] + 1}),
+        ("/v1/completions", {"prompt": "hello " * 80, "max_tokens": 4}),  # --max-prompt-tokens
+        ("/v1/completions", {"prompt": "hello", "max_tokens": LIMITS["max_tokens_cap"] + 1}),  # --max-tokens-cap
+        ("/v1/completions", {"prompt": "x" * LIMITS["max_body_bytes"]}),  # --max-body-bytes
+    ]
+    try:
+        expected = [answer(local.url, path, body) for path, body in cases]
+    finally:
+        local.stop()
+        backend.engine.stop()
+    assert [status for status, _ in expected] == [200, 200, 200, 400, 400, 400, 400, 400, 413]
+    assert [answer(url, path, body) for path, body in cases] == expected
 
 
 def test_without_ray_says_how_to_install(monkeypatch):

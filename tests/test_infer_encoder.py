@@ -23,7 +23,7 @@ from scalenlp.infer.backend import LocalBackend
 from scalenlp.infer.encoder_api import EncoderBackend
 from scalenlp.infer.encoder_engine import EncoderEngine, encoder_from_checkpoint
 from scalenlp.infer.engine import QueueFull
-from scalenlp.infer.server import create_app
+from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES, create_app
 from scalenlp.models import loader
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.io import save_pretrained
@@ -302,7 +302,8 @@ def test_replicas_on_ray_serve(classifier):
                               compile=False, max_queue=64, model_name="cls", api_key=KEY, replicas=2,
                               max_replicas=None, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
                               ray_address=None, forward_batch=4, batch_wait_ms=2.0, max_batch_texts=8,
-                              quantize=None, group_size=64)
+                              quantize=None, group_size=64,
+                              max_prompt_tokens=None, max_tokens_cap=None, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
     url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
                                            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
     headers = {"Authorization": f"Bearer {KEY}"}

@@ -9,9 +9,12 @@ from infer_helpers import make_export
 
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.infer.engine import Engine, QueueFull, RequestError
-from scalenlp.infer.packing import pack_linears
+from scalenlp.errors import UserError
+from scalenlp.infer.packing import can_pack, pack_linears
+from scalenlp.infer.prune import prune
 from scalenlp.infer.sampling import SamplingBatch, SamplingParams, sample, uniform_from
 from scalenlp.models.io import load_pretrained
+from scalenlp.models.quantized import Quantization, build_quantized
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -248,3 +251,37 @@ def test_token_budget_limits_prefill(export, budget, expected_prefills):
         assert prefills == expected_prefills
     finally:
         e.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engines_built_one_after_another_on_one_model_generate_as_on_a_fresh_one(export, dtype):
+    """The KV cache and, in bf16, the packed weights live in the model: the next engine on it finds q/k/v
+    already fused, and must still size its cache (here a different size) and generate the same text."""
+    tok = load_tokenizer(export)
+    prompts = ["the quick brown", "hello world", "a model"]
+    fresh = Engine(load_pretrained(export, dtype=dtype), tok, max_batch=2).start()
+    try:
+        expected = fresh.generate(prompts, GREEDY)
+    finally:
+        fresh.stop()
+    model = load_pretrained(export, dtype=dtype)
+    packs = can_pack(model)
+    for max_batch in (2, 3):
+        engine = Engine(model, tok, max_batch=max_batch).start()
+        try:
+            assert all((block.attention.wqkv is not None) == packs for block in model.layers.values())
+            assert engine.generate(prompts, GREEDY) == expected
+            with pytest.raises(UserError, match=r"stop\(\) that engine first"):  # both would write one cache
+                Engine(model, tok)
+        finally:
+            engine.stop()
+
+
+@needs_onednn_bf16
+def test_a_packed_model_refuses_pruning_and_quantization_in_one_line(export):
+    model = load_pretrained(export, dtype=torch.bfloat16)
+    Engine(model, load_tokenizer(export)).stop()  # packs the weights; never started
+    with pytest.raises(UserError, match="packed for inference .*prune the model as loaded"):
+        prune(model, "magnitude", 0.5)
+    with pytest.raises(UserError, match="quantize the model as loaded"):
+        build_quantized(model.args, model.state_dict(), Quantization("int8"), quantize=True)

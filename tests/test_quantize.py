@@ -18,6 +18,7 @@ from scalenlp.cli import main
 from scalenlp.infer.quantize import METHOD_CHOICES
 from scalenlp.infer.llm import LLM
 from scalenlp.infer.sampling import SamplingParams
+from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.flavors import build_model, model_args
 from scalenlp.models.io import save_pretrained
@@ -239,7 +240,8 @@ def test_quantized_replicas_on_ray_serve_answer_as_the_local_engine(tmp_path):
     args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=2, max_seq_len=None,
                               compile=False, max_queue=64, model_name="m", api_key=None, replicas=1,
                               max_replicas=None, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
-                              ray_address=None, quantize="int4", group_size=32)
+                              ray_address=None, quantize="int4", group_size=32,
+                              max_prompt_tokens=None, max_tokens_cap=None, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
     url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
                                            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
     try:

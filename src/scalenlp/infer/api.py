@@ -162,30 +162,32 @@ def completion_object(model: str, choices: list[dict], usage_: dict | None, cid:
 # ---- chat completions: a conversation is rendered by the model's chat template into a prompt of token ids,
 # completed as any prompt is, and the completion objects are reshaped into chat objects. ----
 
-def completion_for_chat(req, backend):
-    """The completion request that answers the chat request ``req``. Runs in a worker thread: rendering and
-    tokenizing a long conversation takes time the event loop does not have."""
-    from scalenlp.data.chat import ChatError
-
+async def completion_for_chat(req, backend):
+    """The completion request that answers the chat request ``req``; the backend renders the conversation
+    (off the event loop: a long one takes time), in this process or on a replica."""
     if req.logprobs or req.top_logprobs is not None:
         raise APIError(400, "logprobs are not supported for chat completions", param="logprobs")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise APIError(400, "max_tokens and max_completion_tokens are the same setting; send only one",
                        param="max_tokens")
-    chat_prompt = getattr(backend, "chat_prompt", None)
-    if chat_prompt is None:
-        raise APIError(501, "chat completions are not served with --replicas yet; use /v1/completions",
-                       type="server_error")
-    try:
-        ids = chat_prompt(req.messages)
-    except ChatError as e:
-        raise APIError(400, str(e), param="messages") from None
+    ids = await backend.chat_prompt(req.messages)
     fields = req.model_dump(exclude={"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
     # None: to the end of the context, as OpenAI's chat API (a server's --max-tokens-cap still applies).
     fields["max_tokens"] = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     completion = _request_model()(**fields, prompt=ids)
     check_request(completion)
     return completion
+
+
+def chat_ids(tokenizer, messages: list, tokenizer_config: dict) -> list[int]:
+    """The prompt ids of a conversation by the checkpoint's chat template; a conversation it cannot render is
+    a 400 on the request's messages."""
+    from scalenlp.data.chat import ChatError, encode_chat
+
+    try:
+        return encode_chat(tokenizer, messages, tokenizer_config)
+    except ChatError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 def _on_messages(e: APIError) -> APIError:
@@ -236,7 +238,7 @@ ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error":
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 ERRORS = {400: "invalid request", 401: "missing or wrong API key", 404: "no such model or route",
           405: "method not allowed", 413: "request body too large", 429: "queue full; retry later",
-          500: "generating a choice failed", 501: "not served in this configuration", 503: "the engine stopped"}
+          500: "generating a choice failed", 503: "the engine stopped"}
 
 
 def error_responses(*statuses: int) -> dict:

@@ -10,7 +10,8 @@ import dataclasses
 import time
 from typing import Any, AsyncIterator
 
-from scalenlp.infer.api import APIError, choice_params, completion_object, new_id, prompts_of, sampling_params, usage
+from scalenlp.infer.api import (APIError, chat_ids, choice_params, completion_object, new_id, prompts_of,
+                                sampling_params, usage)
 
 
 class LocalBackend:
@@ -44,11 +45,9 @@ class LocalBackend:
         self.e2e = Histogram("scalenlp_e2e_request_latency_seconds", "arrival to last token",
                              buckets=buckets, registry=self.registry)
 
-    def chat_prompt(self, messages: list) -> list[int]:
-        """The prompt ids of a conversation, by the checkpoint's chat template (ChatError when it cannot)."""
-        from scalenlp.data.chat import encode_chat
-
-        return encode_chat(self.engine.tokenizer, messages, self.engine.tokenizer_config)
+    async def chat_prompt(self, messages: list) -> list[int]:
+        """The prompt ids of a conversation, by the checkpoint's chat template (a 400 when it cannot)."""
+        return await asyncio.to_thread(chat_ids, self.engine.tokenizer, messages, self.engine.tokenizer_config)
 
     def _limited(self, params, n_choices: int, max_tokens_sent: bool):
         """The request's settings under this server's limits; the limits no retry can meet are 400s.

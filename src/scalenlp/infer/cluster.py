@@ -43,8 +43,8 @@ from scalenlp.infer.backend import LocalBackend
 from scalenlp.infer.encoder_api import EncoderBackend, EncoderOnly, request_models
 from scalenlp.infer.encoder_api import engine_options as encoder_options
 from scalenlp.infer.encoder_engine import encoder_from_checkpoint, is_encoder
-from scalenlp.infer.generate import build_engine
-from scalenlp.infer.server import create_app
+from scalenlp.infer.serve import generation_backend
+from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES, create_app
 from scalenlp.models.loader import checkpoint_kind
 
 RETRIES = 5
@@ -82,9 +82,8 @@ class EngineReplica:
         threading.Thread(target=self._report_metrics, name="scalenlp-metrics", daemon=True).start()
 
     @staticmethod
-    def local_backend(engine_options: dict, model_name: str):
-        engine = build_engine(argparse.Namespace(**engine_options), max_queue=engine_options["max_queue"])
-        return LocalBackend(engine, model_name)
+    def local_backend(engine_options: dict, model_name: str) -> LocalBackend:
+        return generation_backend(argparse.Namespace(**engine_options), model_name)
 
     def _report_metrics(self) -> None:
         from ray import serve
@@ -109,6 +108,13 @@ class EngineReplica:
             return {"__error__": [e.status, e.body()]}
         out["system_fingerprint"] = self.replica_id
         return out
+
+    async def chat_prompt(self, messages: list) -> dict:
+        """The conversation rendered by the checkpoint's chat template, which the router does not load."""
+        try:
+            return {"ids": await self.backend.chat_prompt(messages)}
+        except APIError as e:
+            return {"__error__": [e.status, e.body()]}
 
     async def stream(self, body: dict) -> AsyncIterator[dict]:
         try:
@@ -185,9 +191,21 @@ class RayBackend:
         self.registry.register(self.replica_metrics)
 
     def _body(self, req) -> dict:
-        body = req.model_dump(exclude_none=True)
-        body.setdefault("seed", random.getrandbits(62))  # retries must regenerate the same text
+        # The fields as set, not as defaulted: a replica then knows, as a local server does, whether the
+        # client sent max_tokens (--max-tokens-cap refuses a larger one but caps the default).
+        body = req.model_dump(exclude_unset=True)
+        if body.get("seed") is None:
+            body["seed"] = random.getrandbits(62)  # retries must regenerate the same text
         return body
+
+    async def chat_prompt(self, messages: list) -> list[int]:
+        """The prompt ids of a conversation, rendered on a replica (which holds the tokenizer)."""
+        async def attempt():
+            out = await self.handle.chat_prompt.remote(messages)
+            _raise_if_error(out)
+            return out["ids"]
+
+        return await self._retrying(attempt)
 
     async def _retrying(self, attempt):
         """Run ``attempt()`` until it neither dies with its replica nor finds it full."""
@@ -309,9 +327,10 @@ class RayEncoderBackend(EncoderOnly, RayBackend):
 class Router:
     """The ingress deployment: the FastAPI app of `scalenlp serve`, forwarding to the replicas."""
 
-    def __init__(self, replicas, model_name: str, api_key: str | None, encoder: bool = False):
+    def __init__(self, replicas, model_name: str, api_key: str | None, encoder: bool = False,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.backend = (RayEncoderBackend if encoder else RayBackend)(replicas, model_name)
-        self.fastapi_app = create_app(self.backend, api_key)
+        self.fastapi_app = create_app(self.backend, api_key, max_body_bytes)
 
     def __serve_build_asgi_app__(self):
         return self.fastapi_app
@@ -335,7 +354,8 @@ def replica_options(replicas: int, max_replicas: int | None, max_batch: int, rep
 
 
 def build_application(engine_options: dict, model_name: str, api_key: str | None, replicas: int,
-                      max_replicas: int | None, replica_cpus: float, encoder: bool = False):
+                      max_replicas: int | None, replica_cpus: float, encoder: bool = False,
+                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     """The Ray Serve application: Router -> EngineReplica (or EncoderReplica) deployment."""
     _, serve = _import_ray()
     replica_class, batch = ((EncoderReplica, engine_options["batch_texts"]) if encoder else
@@ -345,7 +365,7 @@ def build_application(engine_options: dict, model_name: str, api_key: str | None
     router = serve.deployment(serve.ingress()(Router), name=ROUTER_NAME, num_replicas=1,  # gets every metrics report
                               max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
     options = {**engine_options, "threads": max(1, int(replica_cpus))}
-    return router.bind(replica.bind(options, model_name), model_name, api_key, encoder)
+    return router.bind(replica.bind(options, model_name), model_name, api_key, encoder, max_body_bytes)
 
 
 def _init_ray(ray, address: str | None, init_kwargs: dict) -> None:
@@ -369,7 +389,8 @@ def start(args, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
     options = {"checkpoint": str(checkpoint.resolve()), **(encoder_options(args) if encoder else {
                "dtype": args.dtype, "device": args.device, "max_batch": args.max_batch, "max_seq_len": args.max_seq_len,
                "compile": args.compile, "max_queue": args.max_queue, "tp": args.tp, "quantize": args.quantize,
-               "group_size": args.group_size})}
+               "group_size": args.group_size, "max_prompt_tokens": args.max_prompt_tokens,
+               "max_tokens_cap": args.max_tokens_cap})}
     if not ray.is_initialized():
         _init_ray(ray, args.ray_address, ray_init_kwargs or {})
     before = serve.status()
@@ -391,7 +412,7 @@ def start(args, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
                   "apply only where scalenlp starts Serve", file=sys.stderr, flush=True)
             host, port = config.host, config.port
     app = build_application(options, args.model_name, args.api_key,
-                            args.replicas, args.max_replicas, args.replica_cpus, encoder)
+                            args.replicas, args.max_replicas, args.replica_cpus, encoder, args.max_body_bytes)
     serve.run(app, name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}", owns_serve
 

@@ -89,7 +89,7 @@ class EncoderOnly:
 
     stream = complete
 
-    def chat_prompt(self, messages):
+    async def chat_prompt(self, messages):
         raise APIError(400, ENCODER_ONLY, param="messages")
 
 

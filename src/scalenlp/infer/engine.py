@@ -21,16 +21,20 @@ import logging
 import random
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Collection
 
 import torch
 
+from scalenlp.errors import UserError
 from scalenlp.infer.packing import can_pack, pack_linears
 from scalenlp.infer.sampling import InvalidParam, SamplingBatch, SamplingParams, sample
 from scalenlp.parallel.mesh import device_type
 
 log = logging.getLogger(__name__)
+# model -> the last engine built on it: the KV cache lives in the model, so only one engine may run on it at a time.
+_ENGINE_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class QueueFull(RuntimeError):
@@ -121,6 +125,10 @@ class Engine:
         self.tokenizer_config = tokenizer_config or {}
         ref = next(model.parameters())
         self.device = ref.device
+        previous = _ENGINE_OF.get(model)
+        if previous is not None and not previous._stopping and previous.error is None:
+            raise UserError("this model already has an Engine that has not stopped, and the KV cache lives in the "
+                            "model; stop() that engine first, or load the model again for a second one")
         model.setup_kv_cache(max_batch, self.max_seq_len, cache_dtype or ref.dtype)
         if compile:
             # Inductor's freezing folds the weights into constants and lays them out for the device's
@@ -132,7 +140,7 @@ class Engine:
             torch._inductor.config.freezing = True
             self._decode = torch.compile(model, dynamic=True)
         else:
-            if pack_weights and can_pack(model):  # after the cache, which reads the weights' shapes
+            if pack_weights and can_pack(model):
                 pack_linears(model)
             self._decode = model
         self._waiting: collections.deque[Request] = collections.deque()
@@ -144,6 +152,7 @@ class Engine:
         self.steps = 0  # completed loop steps; a health check watches it move
         # Called with the error when the loop dies: a server exits then, so that its supervisor restarts it.
         self.on_death: Callable[[BaseException], None] | None = None
+        _ENGINE_OF[model] = self
 
     # ---- public API (any thread) ----
 

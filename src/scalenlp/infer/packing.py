@@ -3,8 +3,8 @@
 A plain bf16 ``nn.Linear`` on CPU lets oneDNN reorder the weight on every call; at decode time,
 when each weight is read once per token, that reorder costs as much as the product itself. Packing
 at load time (what torch.compile's freezing does, here without the compile) gives the same
-numbers faster. A module swap whose forward is one line, applied after the KV cache is set up,
-which reads the key projection's shape.
+numbers faster. A module swap whose forward is one line. Idempotent: packing a packed model (a second
+``Engine`` on the same model) finds nothing left to fuse or swap.
 """
 
 from __future__ import annotations
@@ -73,3 +73,9 @@ def pack_linears(model: nn.Module) -> int:
                 setattr(module, name, PackedLinear(child))
                 swapped += 1
     return swapped
+
+
+def packed_module(model: nn.Module) -> str | None:
+    """The name of the first linear that inference packing replaced, or None: a packed model's linear weights
+    are no longer parameters, so whatever reads or rewrites them (pruning, quantization) cannot work on it."""
+    return next((name for name, m in model.named_modules() if isinstance(m, PackedLinear)), None)

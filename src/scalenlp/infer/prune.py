@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from scalenlp.errors import UserError
+from scalenlp.infer.packing import packed_module
 from scalenlp.models.decoder import Transformer
 from scalenlp.models.io import build
 
@@ -128,6 +129,10 @@ def check_request(model: nn.Module, method: str, amount: float, scope: str, cali
         raise UserError(f"sparsity {amount} must be strictly between 0 and 1 (the share of weights removed)")
     if not hasattr(model, "layers"):
         raise UserError(f"cannot prune a {type(model).__name__}; pruning takes scalenlp decoders and encoders")
+    packed = packed_module(model)
+    if packed is not None:
+        raise UserError(f"the model is packed for inference ({packed} was swapped when an Engine was built on it); "
+                        f"prune the model as loaded, before building an Engine on it")
     quantized = [n for n, t in [*model.layers.named_parameters(), *model.layers.named_buffers()]
                  if not t.is_floating_point()]
     if quantized:

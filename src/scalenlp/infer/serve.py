@@ -86,8 +86,7 @@ def run(args) -> int:
     if is_encoder(args.checkpoint):
         backend = build_encoder_backend(args, args.model_name)
     else:
-        backend = LocalBackend(build_engine(args, max_queue=args.max_queue), args.model_name,
-                               max_prompt_tokens=args.max_prompt_tokens, max_tokens_cap=args.max_tokens_cap)
+        backend = generation_backend(args, args.model_name)
     engine = backend.engine
     server = uvicorn.Server(uvicorn.Config(create_app(backend, args.api_key, args.max_body_bytes), host=args.host,
                                            port=args.port, log_level="warning"))
@@ -105,6 +104,13 @@ def run(args) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def generation_backend(args, model_name: str) -> LocalBackend:
+    """The engine the options name, behind this server's request limits: one-process serving, and each
+    replica of --replicas, build it here."""
+    return LocalBackend(build_engine(args, max_queue=args.max_queue), model_name,
+                        max_prompt_tokens=args.max_prompt_tokens, max_tokens_cap=args.max_tokens_cap)
 
 
 def default_model_name(checkpoint: str) -> str:

@@ -154,10 +154,10 @@ def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAUL
         check_model(req)
         return await answer(request, req.stream, lambda: backend.complete(req), lambda: backend.stream(req))
 
-    @app.post("/v1/chat/completions", responses={**completion_responses, **error_responses(501)})
+    @app.post("/v1/chat/completions", responses=completion_responses)
     async def chat_completions(req: ChatRequest, request: Request):
         check_model(req)
-        completion = await asyncio.to_thread(completion_for_chat, req, backend)
+        completion = await completion_for_chat(req, backend)
         return await answer(request, req.stream, lambda: complete_chat(backend, completion),
                             lambda: stream_chat(backend, completion))
 

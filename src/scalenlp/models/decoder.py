@@ -175,6 +175,15 @@ class Attention(nn.Module):
         # Off otherwise, so that hooks and module swaps on wq/wk/wv (pruning's calibration, quantization) see calls.
         self.stacked = False
 
+    def local_kv_heads(self) -> int:
+        """The key/value heads this module computes: the fused projection's share where inference packing
+        fused q/k/v (wk is gone then), else wk's rows (a DTensor's local shard under tensor parallelism)."""
+        if self.wqkv is not None:
+            return self.qkv_heads[1]
+        weight = self.wk.weight
+        weight = weight.to_local() if hasattr(weight, "to_local") else weight
+        return weight.shape[0] // self.head_dim
+
     def forward(self, x, rope, cache_index: CacheIndex | None = None):
         B, T, _ = x.shape
         if self.wqkv is not None:
@@ -318,10 +327,8 @@ class Transformer(nn.Module):
         ref = next(self.parameters())
         for block in self.layers.values():
             attn = block.attention
-            weight = attn.wk.weight
-            weight = weight.to_local() if hasattr(weight, "to_local") else weight  # a DTensor shard under TP
-            n_kv_local = weight.shape[0] // attn.head_dim  # local heads under tensor parallelism
-            attn.cache = KVCache(slots, n_kv_local, max_seq_len, attn.head_dim, dtype or ref.dtype, ref.device)
+            attn.cache = KVCache(slots, attn.local_kv_heads(), max_seq_len, attn.head_dim, dtype or ref.dtype,
+                                 ref.device)
 
     def clear_kv_cache(self) -> None:
         for block in self.layers.values():

@@ -325,6 +325,9 @@ def quantize_state(state: dict[str, torch.Tensor], linears: dict[str, nn.Linear]
     out = {k: v for k, v in state.items() if not (tied and k == "output.weight")}
     for name in linears:
         key = "tok_embeddings.weight" if tied and name == "output" else f"{name}.weight"
+        if key not in state:  # e.g. the state dict of a model an Engine packed: its linears keep no parameters
+            raise UserError(f"the weights to quantize have no {key}; quantize the model as loaded (not one packed "
+                            f"for inference by an Engine), or its checkpoint")
         out.pop(f"{name}.weight", None)
         for buffer, tensor in quantize_weight(spec, state[key].to("cpu")).items():
             out[f"{name}.{buffer}"] = tensor
