@@ -19,7 +19,7 @@ from scalenlp.errors import UserError
 from scalenlp.infer.cluster import LOCAL_RAY_ENV, METRICS_PERIOD_S
 from scalenlp.infer.engine import Engine
 from scalenlp.infer.sampling import SamplingParams
-from scalenlp.infer.serve import generation_backend
+from scalenlp.infer.backend import generation_backend
 from scalenlp.infer.server import create_app
 from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained

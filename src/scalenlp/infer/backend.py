@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator
 
 from scalenlp.infer.api import (APIError, chat_ids, choice_params, completion_object, new_id, prompts_of,
                                 sampling_params, usage)
+from scalenlp.infer.generate import build_engine
 
 
 class LocalBackend:
@@ -227,3 +228,10 @@ def _append_logprobs(logprobs: dict | None, text_so_far: str, delta) -> None:
         logprobs["token_logprobs"].append(delta.logprobs[k])
         logprobs["top_logprobs"].append(delta.top_logprobs[k] if delta.top_logprobs else None)
         logprobs["text_offset"].append(len(text_so_far))
+
+
+def generation_backend(args, model_name: str) -> LocalBackend:
+    """The engine the options name, behind a server's request limits: one-process serving, and each
+    replica of --replicas, build it here."""
+    return LocalBackend(build_engine(args, max_queue=args.max_queue), model_name,
+                        max_prompt_tokens=args.max_prompt_tokens, max_tokens_cap=args.max_tokens_cap)

@@ -43,7 +43,7 @@ from scalenlp.infer.backend import LocalBackend
 from scalenlp.infer.encoder_api import EncoderBackend, EncoderOnly, request_models
 from scalenlp.infer.encoder_api import engine_options as encoder_options
 from scalenlp.infer.encoder_engine import encoder_from_checkpoint, is_encoder
-from scalenlp.infer.serve import generation_backend
+from scalenlp.infer.backend import generation_backend
 from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES, create_app
 from scalenlp.models.loader import checkpoint_kind
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from scalenlp.errors import UserError
-from scalenlp.infer.backend import LocalBackend
+from scalenlp.infer.backend import LocalBackend, generation_backend
 from scalenlp.infer.encoder_api import add_encoder_arguments, build_encoder_backend
 from scalenlp.infer.generate import add_engine_arguments, build_engine
 from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES, create_app
@@ -104,13 +104,6 @@ def run(args) -> int:
               file=sys.stderr)
         return 1
     return 0
-
-
-def generation_backend(args, model_name: str) -> LocalBackend:
-    """The engine the options name, behind this server's request limits: one-process serving, and each
-    replica of --replicas, build it here."""
-    return LocalBackend(build_engine(args, max_queue=args.max_queue), model_name,
-                        max_prompt_tokens=args.max_prompt_tokens, max_tokens_cap=args.max_tokens_cap)
 
 
 def default_model_name(checkpoint: str) -> str:
