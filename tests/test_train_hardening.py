@@ -119,9 +119,9 @@ def test_a_planted_checkpoint_index_runs_nothing(tmp_path, corpus, monkeypatch):
 # -- non-finite steps ----------------------------------------------------------------------------------
 
 def nan_at(steps: set[int] | None, after: int = 0):
-    """cross_entropy that answers NaN at the given steps (or every step after ``after``): one call per step."""
+    """lm_loss that answers NaN at the given steps (or every step after ``after``): one call per step."""
     calls = {"n": 0}
-    real = trainer_module.cross_entropy
+    real = trainer_module.lm_loss
 
     def patched(*args, **kwargs):
         calls["n"] += 1
@@ -138,7 +138,7 @@ def assert_finite_export(run: Path) -> None:
 
 def test_nonfinite_step_stops_by_default_and_keeps_the_good_checkpoint(tmp_path, corpus, monkeypatch):
     run = tmp_path / "run"
-    monkeypatch.setattr(trainer_module, "cross_entropy", nan_at({3}))
+    monkeypatch.setattr(trainer_module, "lm_loss", nan_at({3}))
     with pytest.raises(UserError, match=r"step 3: the loss is not finite on rank 0 .*step-2"):
         in_process(run, corpus, "training.steps=4", "checkpoint.every=2", "checkpoint.keep=1")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
@@ -147,7 +147,7 @@ def test_nonfinite_step_stops_by_default_and_keeps_the_good_checkpoint(tmp_path,
 
 def test_nonfinite_step_skip_drops_only_that_update(tmp_path, corpus, monkeypatch):
     run = tmp_path / "run"
-    monkeypatch.setattr(trainer_module, "cross_entropy", nan_at({3}))
+    monkeypatch.setattr(trainer_module, "lm_loss", nan_at({3}))
     in_process(run, corpus, "training.steps=4", "training.on_nonfinite=skip")
     losses = [r["loss"] for r in read_metrics(run)]
     assert math.isnan(losses[2]) and all(math.isfinite(x) for x in losses[:2] + losses[3:])
@@ -156,13 +156,13 @@ def test_nonfinite_step_skip_drops_only_that_update(tmp_path, corpus, monkeypatc
 
 def test_nonfinite_step_rollback_reads_on_and_stops_if_it_recurs(tmp_path, corpus, monkeypatch):
     run = tmp_path / "run"
-    monkeypatch.setattr(trainer_module, "cross_entropy", nan_at({3}))
+    monkeypatch.setattr(trainer_module, "lm_loss", nan_at({3}))
     in_process(run, corpus, "training.steps=4", "checkpoint.every=2", "training.on_nonfinite=rollback")
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]  # step 3 again, on the next batch
     assert_finite_export(run)
 
     again = tmp_path / "again"
-    monkeypatch.setattr(trainer_module, "cross_entropy", nan_at(None, after=2))
+    monkeypatch.setattr(trainer_module, "lm_loss", nan_at(None, after=2))
     with pytest.raises(UserError, match="happened again after rolling back to .*step-2"):
         in_process(again, corpus, "training.steps=6", "checkpoint.every=2", "training.on_nonfinite=rollback")
     assert sorted(p.name for p in (again / "checkpoints").iterdir()) == ["step-2"]
