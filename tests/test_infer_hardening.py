@@ -19,7 +19,7 @@ from infer_helpers import ServerThread, make_export
 from scalenlp.cli import main
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.errors import UserError
-from scalenlp.infer import serve
+from scalenlp.infer import backend as backend_module
 from scalenlp.infer.backend import LocalBackend
 from scalenlp.infer.engine import Engine
 from scalenlp.infer.sampling import SamplingParams
@@ -159,14 +159,14 @@ def _free_port() -> int:
 def test_server_exits_nonzero_when_the_engine_dies(export, monkeypatch, capsys):
     """A fault no request causes (the device fails in the forward): the engine loop ends, and so does
     the server, with exit code 1, so that its supervisor restarts it."""
-    real = serve.build_engine
+    real = backend_module.build_engine
 
     def broken_engine(args, max_queue):
         engine = real(args, max_queue=max_queue)
         engine.model.forward = None  # the next step fails
         return engine
 
-    monkeypatch.setattr(serve, "build_engine", broken_engine)  # where `scalenlp serve` looks it up
+    monkeypatch.setattr(backend_module, "build_engine", broken_engine)  # where `scalenlp serve` looks it up
     port = _free_port()
     result = []
     thread = threading.Thread(target=lambda: result.append(main(
