@@ -34,7 +34,7 @@ from train_helpers import TINY, read_metrics, write_corpus  # noqa: E402  (the t
 from scalenlp.train import faults  # noqa: E402
 import node_kill  # noqa: E402  (benchmarks/node_kill.py, beside this script: two test hosts, one killed)
 
-RESUMED = re.compile(r"resumed from \S*step-(\d+) at step")
+RESUMED = node_kill.RESUMED  # the trainer's "resumed from ..." line
 STOPPED = re.compile(r"stopped by SIGTERM after step (\d+)")
 
 
@@ -138,10 +138,7 @@ def main() -> None:
     load = os.getloadavg()
     print(f"uninterrupted: {args.steps} steps, 2 gloo processes, checkpoint every {args.every} steps, {base_s:.1f} s "
           f"wall; fault after step {f}; load average {load[0]:.1f} on {os.cpu_count()} cores; torch {torch.__version__}")
-    print(f"{'fault':<48} {'time to recover':>16} {'steps recomputed':>17} {'before last ckpt':>17}  data lost")
-    for name, extra_s, redone, early, lost in rows:
-        print(f"{name:<48} {'-' if extra_s is None else f'{extra_s:+.1f} s':>16} "
-              f"{'-' if redone is None else redone:>17} {'-' if early is None else early:>17}  {lost}")
+    node_kill.print_table(rows)
     shutil.rmtree(work)
 
 

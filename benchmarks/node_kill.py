@@ -97,6 +97,15 @@ def measure(work: Path, sets: list[str], steps: int, every: int, kill_after: int
             f"{lost}; {recover_s:.1f} s from the kill to the next step")
 
 
+def print_table(rows: list[tuple]) -> None:
+    """The fault table, one row per (name, extra wall s, steps recomputed, before the newest checkpoint, data lost);
+    benchmarks/faults.py prints its rows with it too."""
+    print(f"{'fault':<48} {'time to recover':>16} {'steps recomputed':>17} {'before last ckpt':>17}  data lost")
+    for name, extra_s, redone, early, lost in rows:
+        print(f"{name:<48} {'-' if extra_s is None else f'{extra_s:+.1f} s':>16} "
+              f"{'-' if redone is None else redone:>17} {'-' if early is None else early:>17}  {lost}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
@@ -106,14 +115,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="scalenlp-node-kill-"))
     sets = [*TINY, f"data.path={write_corpus(work / 'corpus.txt')}", f"training.steps={args.steps}",
             f"checkpoint.every={args.every}", "checkpoint.keep=2"]
-    name, extra_s, redone, early, lost = measure(work, sets, args.steps, args.every, args.kill_after)
+    row = measure(work, sets, args.steps, args.every, args.kill_after)
     load = os.getloadavg()
     print(f"{args.steps} steps, 2 hosts x 2 gloo processes, checkpoint every {args.every} steps, host 2 killed "
           f"after step {args.kill_after}; load average {load[0]:.1f} on {os.cpu_count()} cores; "
           f"torch {torch.__version__}")
-    print(f"{'fault':<48} {'time to recover':>16} {'steps recomputed':>17} {'before last ckpt':>17}  data lost")
-    print(f"{name:<48} {'-' if extra_s is None else f'{extra_s:+.1f} s':>16} {'-' if redone is None else redone:>17} "
-          f"{'-' if early is None else early:>17}  {lost}")
+    print_table([row])
     shutil.rmtree(work)
 
 
