@@ -56,6 +56,19 @@ def test_cpu_meter_is_this_process_cpu_time_over_wall_time():
     assert meter.percent() < 5
 
 
+def test_cpu_meter_reads_short_windows_within_one_core():
+    """Metrics records can be a few milliseconds apart (the last one, on a stop): one busy thread over a
+    1 ms window must not read as several cores (10 ms clock ticks did, at times 1000%)."""
+    meter = CpuMeter()
+    readings = []
+    for _ in range(300):
+        end = time.monotonic() + 0.001
+        while time.monotonic() < end:
+            pass
+        readings.append(meter.percent())
+    assert max(readings) <= 100 * os.cpu_count()
+
+
 def test_collector_serves_live_ranks_only(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
