@@ -41,7 +41,7 @@ demo: setup
 		| $(SCALENLP) chat --checkpoint runs/demo --temperature 0
 
 test: setup-test
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q tests
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q --durations=25 tests
 
 # Every module, without the multi-process suites marked slow: the loop a developer runs often.
 test-fast: setup-test
