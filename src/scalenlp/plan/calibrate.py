@@ -19,7 +19,8 @@ calibration row's prediction beside its published figure. What is fitted, and wh
   A100 static inference benchmark (SERVING_FIT).
 
 Held out for the tests: Megatron's 1.7B, 18.4B, 145.6B and 1008B rows and Llama 3's 8,192-GPU row, the
-fully sharded rows not fitted on (FSDP_HELD_OUT), and the serving rows not fitted on (SERVING_HELD_OUT).
+fully sharded rows not fitted on (FSDP_HELD_OUT; FSDP_MISSES keeps the ones this model misses by more than 20%, with
+the size of each miss), and the serving rows not fitted on (SERVING_HELD_OUT).
 For each row the planner picks microbatch and pipeline schedule itself among the layouts with the
 published TP, PP and DP degrees, as the papers' authors tuned theirs.
 """
@@ -142,6 +143,7 @@ _MOSAIC = "MosaicML llm-foundry MPT benchmarks"
 _IBM_A100, _IBM_H100 = (("nic_bw", 400e9 / 8 / 8),), (("nic_bw", 800e9 / 8 / 8),)
 _IBM = "IBM fms-fsdp README"
 _LLAMA2_7B, _CODELLAMA_34B = _llama2(4096, 32, 32, 32, 11008), _llama2(8192, 48, 64, 8, 22016)
+_LLAMA2_13B, _LLAMA2_70B = _llama2(5120, 40, 40, 40, 13824), _llama2(8192, 80, 64, 8, 28672)
 # BloombergGPT (Wu et al. 2023, arXiv:2303.17564, sections 3.2-3.4): BLOOM's architecture (GELU MLP of 4h, tied
 # embeddings, ALiBi), 70 layers of 7,680, 40 heads, vocabulary 131,072; sequence 2,048, batch 2,048 sequences, "each
 # training step takes 32.5 seconds" (their 102 TFLOP/s is 8 x 50.6B x these tokens per second per GPU); 64 p4d.24xlarge
@@ -163,6 +165,22 @@ _EFA = (("nic_bw", 400e9 / 8 / 8),)
 # per GPU, which is 147 TFLOP/s at Megatron's 4-pass count (at the 3-pass count it would be 137).
 _OPT = "OPT paper section 2.4 (147 TFLOP/s per GPU)"
 _OPT_175B = "hidden=12288,layers=96,heads=96,ffn=49152,vocab_size=50272,family=gpt2,dropout=0.1"
+# PyTorch blog "Maximizing training throughput using PyTorch FSDP" (IBM and Meta, 2024-03-13), Table 1: the 70B row the
+# fms-fsdp README leaves out, on the same two clusters (_IBM_A100, _IBM_H100): Llama 2 70B, 2 sequences of 4,096 per
+# GPU, FSDP with every block checkpointed.
+_IBM_BLOG = "PyTorch blog Maximizing training throughput using FSDP, Table 1"
+# DeepSpeed on Azure (deepspeed.ai blog 2022-07-26, "Azure empowers ... hyperscale model training using DeepSpeed"):
+# Megatron-DeepSpeed GPT (4h MLP, GPT-2's 50,257 tokens padded to 50,304), ZeRO-3 "with no tensor/pipeline
+# parallelism", fp16, activations checkpointed (and, with the optimizer's state, offloaded to host memory), no flash
+# attention (2022); NDm A100 v4: 8 A100 80GB per VM, each with its own 200 Gb/s HDR InfiniBand port, which is the
+# a100-80gb entry's network. TFLOP/s counted with Megatron's formula (recomputation included). The batch per GPU is one
+# microbatch (benchmark runs, no accumulation).
+_AZURE = "DeepSpeed on Azure blog (2022)"
+
+
+def _megatron_gpt(hidden: int, layers: int, heads: int) -> str:
+    return f"hidden={hidden},layers={layers},heads={heads},ffn={4 * hidden},vocab_size=50304,family=gpt2,dropout=0.1"
+
 
 FSDP_FIT = [
     ShardedRun(f"{_MOSAIC}, H100 table, 70b on 64 GPUs", _mpt(8192, 80, 64), 2048, 2048, 64, "h100-sxm", (),
@@ -203,7 +221,34 @@ FSDP_HELD_OUT = [
                _A100_40GB + _EFA, 1, "full", "mixed", 2048 * 2048 / 32.5 / 512, dp_shard=128),
     ShardedRun(f"{_OPT}, 175B FSDP (ZeRO-2) + TP 8 on 992 A100 80GB", _OPT_175B, 2048, 992, 992, "a100-80gb", (),
                8, "full", "mixed", None, tp=8, zero=2, flash_attention=False, tflops_per_gpu=147),
+    ShardedRun(f"{_IBM_BLOG}, 70b FSDP on 128 A100", _LLAMA2_70B, 4096, 256, 128, "a100-80gb", _IBM_A100,
+               2, "full", "fp32", 370),
+    ShardedRun(f"{_IBM_BLOG}, 70b FSDP on 96 H100", _LLAMA2_70B, 4096, 192, 96, "h100-sxm", _IBM_H100,
+               2, "full", "fp32", 800),
+    # "the peak throughput of 204.49 TFLOPs/GPU was achieved on 256 GPUs with a micro batch size of 32 and sequence
+    # length of 512" (section "Scaling the 175B and 530B models").
+    ShardedRun(f"{_AZURE}, 175B ZeRO-3 on 256 A100 80GB", _megatron_gpt(12288, 96, 96), 512, 32 * 256, 256,
+               "a100-80gb", (), 32, "full", "mixed", None, flash_attention=False, tflops_per_gpu=204.49),
 ]
+# Published runs this model misses by more than 20%, each with its miss (predicted / published − 1), kept so that the
+# miss stays visible and its test fails when a change to the model moves it (then the row joins FSDP_HELD_OUT, or its
+# documented miss is updated). DeepSpeed on Azure's 1T and 2T models at 8 sequences of 1,024 per GPU on 1,024 GPUs
+# ("Scaling the 1T and 2T models": 165.36 and 157 TFLOP/s) are over-predicted by a third: communication does not
+# explain it (a 1T layer's 16 GB gather takes 0.08 s on the ring against 2.2 s of its compute, and even with none of
+# ZeRO-3's traffic hidden the model stays 21% and 29% high); the model's matmul efficiency, fitted on Megatron's
+# TP-split matmuls, puts these 25,600- and 32,768-wide unsplit ones at 75% of peak, where DeepSpeed measured 53% and
+# 50% with its parameter-fetch hooks and host offload, which this model does not price.
+FSDP_MISSES = [
+    (ShardedRun(f"{_AZURE}, 1T ZeRO-3 on 1024 A100 80GB", _megatron_gpt(25600, 128, 160), 1024, 8 * 1024, 1024,
+                "a100-80gb", (), 8, "full", "mixed", None, flash_attention=False, tflops_per_gpu=165.36), 0.31),
+    (ShardedRun(f"{_AZURE}, 2T ZeRO-3 on 1024 A100 80GB", _megatron_gpt(32768, 160, 128), 1024, 8 * 1024, 1024,
+                "a100-80gb", (), 8, "full", "mixed", None, flash_attention=False, tflops_per_gpu=157), 0.40),
+]
+# Not used: DeepSpeed on Azure's 530B row (171.37 TFLOP/s on 1,024 GPUs at a microbatch the text does not give: this
+# model predicts 17-25% more at 4-8 sequences), and torchtitan's docs/performance.md Table 3 (Llama 3.1 8B, FSDP on 128
+# H100s: 5,605 tokens/s per GPU): its GPUs run at a 500 W cap with a peak the authors say they do not know, and its
+# per-operator selective checkpointing recomputes every other matmul, which no recompute setting here describes (the
+# model does reproduce its 8-to-128-GPU loss: 1.3% against the published 2.7%).
 # Not used: fms-fsdp's 13b rows ("selective" checkpointing there recomputes a fraction of whole blocks, which no
 # recompute setting here describes), and MosaicML's A100 40GB 70b row on 64 GPUs (276 tokens/s per GPU at 2
 # sequences per GPU against 376 for the same model at 4 on 128 GPUs: a loss at the memory's edge that this
@@ -236,7 +281,6 @@ class ServedRun:
 
 
 _LMDEPLOY = "lmdeploy docs/en/benchmark/a100_fp16.md (v0.1.0a1, A100-80G, fp16), static inference"
-_LLAMA2_13B, _LLAMA2_70B = _llama2(5120, 40, 40, 40, 13824), _llama2(8192, 80, 64, 8, 28672)
 SERVING_FIT = [
     ServedRun(f"{_LMDEPLOY}, llama2-7b batch 1, 2048 -> 128", _LLAMA2_7B, "a100-80gb", 1, 1, 2048, 128, 0.139, 0.010),
     ServedRun(f"{_LMDEPLOY}, llama2-70b tp 4 batch 16, 128 -> 2048", _LLAMA2_70B, "a100-80gb", 4, 16, 128, 2048,
@@ -356,7 +400,7 @@ def main() -> None:
             got = predicted_tflops(r, device, lay)
             print(f"{r.source:40s} published {r.tflops_per_gpu:6.1f}  predicted {got:6.1f} "
                   f"({got / r.tflops_per_gpu - 1:+.1%})  {lay.describe()}")
-    for label, rows in (("fit", FSDP_FIT), ("held out", FSDP_HELD_OUT)):
+    for label, rows in (("fit", FSDP_FIT), ("held out", FSDP_HELD_OUT), ("missed", [r for r, _ in FSDP_MISSES])):
         for r in rows:
             device = dataclasses.replace(a100 if r.device == "a100-80gb" else h100, overlap_contention=contention)
             got, published = sharded_tokens_per_gpu(r, device), r.published_tokens_per_gpu()
