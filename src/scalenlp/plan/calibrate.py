@@ -88,7 +88,7 @@ H100_ROWS = [llama3_row(16384, 400)]
 class ShardedRun:
     """A published fully sharded data-parallel run (ZeRO-3 over dp_shard, HSDP when dp_shard < devices; ZeRO-2
     where FSDP keeps the gathered weights from forward to backward), beside tensor parallelism within a node
-    when ``tp`` > 1, its layout as published, and the throughput it reported in tokens per second per GPU."""
+    when ``tp`` > 1, its layout as published, and the throughput it reported per GPU (tokens per second, or TFLOP/s)."""
     source: str
     model: str  # model_shape spec
     seq: int
@@ -162,7 +162,7 @@ _EFA = (("nic_bw", 400e9 / 8 / 8),)
 # softmax attention (no flash), and (2M tokens / 124 data-parallel ranks) // 2,048 = 8 sequences per rank in one
 # microbatch (--update-freq 1): 992 sequences per step. The 147 counts recomputation: the team's plan of "33 days
 # to fully train [300B tokens] with 1024 80GB A100s" (projects/OPT/chronicles/10_percent_update.md) is 103 tokens/s
-# per GPU, which is 147 TFLOP/s at Megatron's 4-pass count (at the 3-pass count it would be 137).
+# per GPU, which is 147 TFLOP/s at Megatron's 4-pass count (at the 3-pass count 147 would be 137 tokens/s).
 _OPT = "OPT paper section 2.4 (147 TFLOP/s per GPU)"
 _OPT_175B = "hidden=12288,layers=96,heads=96,ffn=49152,vocab_size=50272,family=gpt2,dropout=0.1"
 # PyTorch blog "Maximizing training throughput using PyTorch FSDP" (IBM and Meta, 2024-03-13), Table 1: the 70B row the
@@ -248,7 +248,7 @@ FSDP_MISSES = [
 # model predicts 17-25% more at 4-8 sequences), and torchtitan's docs/performance.md Table 3 (Llama 3.1 8B, FSDP on 128
 # H100s: 5,605 tokens/s per GPU): its GPUs run at a 500 W cap with a peak the authors say they do not know, and its
 # per-operator selective checkpointing recomputes every other matmul, which no recompute setting here describes (the
-# model does reproduce its 8-to-128-GPU loss: 1.3% against the published 2.7%).
+# model predicts a 1.3% loss per GPU from 8 to 128 GPUs where the table shows 2.7%).
 # Not used: fms-fsdp's 13b rows ("selective" checkpointing there recomputes a fraction of whole blocks, which no
 # recompute setting here describes), and MosaicML's A100 40GB 70b row on 64 GPUs (276 tokens/s per GPU at 2
 # sequences per GPU against 376 for the same model at 4 on 128 GPUs: a loss at the memory's edge that this
@@ -377,9 +377,10 @@ def main() -> None:
     shared = {k: getattr(a100, k) for k in ("gemm_half_dim", "elementwise_traffic")}
     h100 = fit(H100_ROWS, get_device("h100-sxm", shared), {"gemm_efficiency": (0.3, 1.0)}, rounds=2)
     def contention_loss(x: float) -> float:
-        return sum(math.log(sharded_tokens_per_gpu(r, dataclasses.replace(a100 if r.device == "a100-80gb" else h100,
-                                                                          overlap_contention=x)) / r.published_tokens_per_gpu()) ** 2
-                   for r in FSDP_FIT)
+        def predicted(r: ShardedRun) -> float:
+            return sharded_tokens_per_gpu(r, dataclasses.replace(a100 if r.device == "a100-80gb" else h100,
+                                                                 overlap_contention=x))
+        return sum(math.log(predicted(r) / r.published_tokens_per_gpu()) ** 2 for r in FSDP_FIT)
 
     contention = _golden(contention_loss, 0.0, 1.0)
 
