@@ -9,19 +9,26 @@ import pytest
 
 from scalenlp.hardware import get_device
 from scalenlp.plan import comms
-from scalenlp.plan.calibrate import FSDP_FIT, FSDP_HELD_OUT, sharded_tokens_per_gpu
+from scalenlp.plan.calibrate import FSDP_FIT, FSDP_HELD_OUT, FSDP_MISSES, sharded_tokens_per_gpu
 from scalenlp.layout import Layout
 from scalenlp.plan.cost import Workload, model_shape, predict
 
 
 @pytest.mark.parametrize("run", FSDP_HELD_OUT, ids=lambda r: r.source)
 def test_held_out_fully_sharded_runs_within_20_percent(run):
-    assert sharded_tokens_per_gpu(run) == pytest.approx(run.tokens_per_gpu, rel=0.20)
+    assert sharded_tokens_per_gpu(run) == pytest.approx(run.published_tokens_per_gpu(), rel=0.20)
+
+
+@pytest.mark.parametrize("run, miss", FSDP_MISSES, ids=[r.source for r, _ in FSDP_MISSES])
+def test_fully_sharded_runs_the_model_misses_stay_documented(run, miss):
+    """The published runs predicted more than 20% off are kept with the size of their miss: a change to the model
+    that moves one fails here, and the row then joins FSDP_HELD_OUT (or its documented miss is updated)."""
+    assert sharded_tokens_per_gpu(run) / run.published_tokens_per_gpu() - 1 == pytest.approx(miss, abs=0.05)
 
 
 @pytest.mark.parametrize("run", FSDP_FIT, ids=lambda r: r.source)
 def test_fully_sharded_fit_rows_stay_matched(run):
-    assert sharded_tokens_per_gpu(run) == pytest.approx(run.tokens_per_gpu, rel=0.10)
+    assert sharded_tokens_per_gpu(run) == pytest.approx(run.published_tokens_per_gpu(), rel=0.10)
 
 
 def test_a_ring_across_nodes_runs_at_its_rails_and_pays_the_network_step():
