@@ -236,6 +236,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_0(tmp_path, corpus, nproc):
     ("training.weight_decay=2000", "training.lr * training.weight_decay must be below 1"),
     ("training.timeout_s=100000000000000000", "training.timeout_s must be in [1,"),
     ("training.seed=-1", "training.seed must be at least 0"),
+    ("training.hang_timeout=300", "training.hang_timeout=300 s must be below training.timeout_s=300 s"),
     ("data.path=a\nb", "data.path must not contain control characters"),
     ("training.on_nonfinite=ignore", "training.on_nonfinite='ignore' is not one of stop | skip | rollback"),
 ])
