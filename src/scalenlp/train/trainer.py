@@ -184,7 +184,7 @@ class Trainer:
         self.dp_group = None if self.mesh is None or self.dims.dp == 1 else dp_mesh(self.mesh, flat=True).get_group()
         self.is_main = self.rank == 0
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.rank,
-                                         cfg.checkpoint.async_save)
+                                         cfg.checkpoint.async_save, self.log)
         # A restart by torchrun resumes by itself, from the newest checkpoint that is whole (see recovery.py).
         restarted, agents = recovery.continues_launch(self.run_dir)
         if restarted and self.is_main:
@@ -546,8 +546,6 @@ class Trainer:
                 last_saved = saved_best
             elif stopping or cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or self.step == t.steps:
                 last_saved = self.save(wait=stopping or self.step == t.steps)
-                if not stopping:
-                    self.log(f"checkpoint saved: {last_saved}")
             if stopping:
                 bar.close()
                 got = self.stop.signal if self.stop is not None and self.stop.signal else "a signal to another rank"
