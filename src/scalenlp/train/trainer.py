@@ -187,8 +187,9 @@ class Trainer:
                                          cfg.checkpoint.async_save, self.log)
         # A restart by torchrun resumes by itself, from the newest checkpoint that is whole (see recovery.py).
         restarted, agents = recovery.continues_launch(self.run_dir)
+        verified = None  # (path, train state) rank 0 has already checked
         if restarted and self.is_main:
-            recovery.set_aside_damaged(self.checkpointer, self.log)
+            verified = recovery.set_aside_damaged(self.checkpointer, self.log)
         barrier()
         latest = self.checkpointer.latest() if cfg.checkpoint.resume or restarted else None
         self.rolled_back_to = None
@@ -201,7 +202,8 @@ class Trainer:
                 self.log(f"checkpoint.resume=true but {self.run_dir / 'checkpoints'} has no complete checkpoint; "
                          f"starting from step 0")
             if latest is not None:
-                self._check_resumable(latest, read_train_state(latest))
+                self._check_resumable(latest, verified[1] if verified and verified[0] == latest
+                                      else read_train_state(latest))
         barrier()
         if latest is not None:
             cfg = self.cfg = recovery.keep_micro_batch(cfg, json.loads((latest / STATE_FILE).read_text()),
