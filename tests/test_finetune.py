@@ -195,8 +195,9 @@ def test_chat_rows_train_on_assistant_tokens_only(tmp_path, chats, hf_llama):
         assert torch.equal(row_targets[:-1][mask[:-1]], row_inputs[1:][mask[:-1]])
 
 
-def sft_batch_loss(init, run_dir, sets) -> float:
-    """The pretrained model's mean loss over the assistant tokens of the run's first global batch."""
+def sft_batch_loss(init, run_dir, sets) -> tuple[float, float]:
+    """The pretrained model's mean loss over the assistant tokens of the run's first global batch, and the
+    share of its tokens that are the assistant's."""
     from scalenlp.data.sft import ChatDataset
 
     cfg = load_config(None, list(sets))
@@ -206,7 +207,8 @@ def sft_batch_loss(init, run_dir, sets) -> float:
     inputs, targets = DataLoader(ChatDataset(files.train_tokens, t.seq_len), t.global_batch_size, 0, 1,
                                  t.seed).next_batch()
     with torch.no_grad():
-        return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=-100).item()
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=-100).item()
+    return loss, ((targets != -100).sum() / targets.numel()).item()
 
 
 def test_sft_starts_at_the_pretrained_loss_on_assistant_tokens(tmp_path, chats, hf_llama):
@@ -214,7 +216,10 @@ def test_sft_starts_at_the_pretrained_loss_on_assistant_tokens(tmp_path, chats, 
             "training.micro_batch_size=1"]
     run_train(tmp_path / "run", *sets)
     got = read_metrics(tmp_path / "run")
-    assert got[0]["loss"] == pytest.approx(sft_batch_loss(hf_llama, tmp_path / "run", sets), rel=1e-5)
+    loss, learnt = sft_batch_loss(hf_llama, tmp_path / "run", sets)
+    assert got[0]["loss"] == pytest.approx(loss, rel=1e-5)
+    # tokens_per_sec (and MFU) count the padded rows the model computes on; the assistant's tokens are fewer
+    assert got[0]["assistant_tokens_per_sec"] / got[0]["tokens_per_sec"] == pytest.approx(learnt, rel=1e-6)
     evals = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "val_loss" in l]
     assert len(evals) == 1 and math.isfinite(evals[0]["val_loss"])
 

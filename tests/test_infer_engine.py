@@ -13,7 +13,7 @@ from scalenlp.errors import UserError
 from scalenlp.infer.packing import can_pack, pack_linears
 from scalenlp.infer.prune import prune
 from scalenlp.infer.sampling import SamplingBatch, SamplingParams, sample, uniform_from
-from scalenlp.models.io import load_pretrained
+from scalenlp.models.io import load_pretrained, save_pretrained
 from scalenlp.models.quantized import Quantization, build_quantized
 
 torch.set_num_threads(1)
@@ -278,10 +278,13 @@ def test_engines_built_one_after_another_on_one_model_generate_as_on_a_fresh_one
 
 
 @needs_onednn_bf16
-def test_a_packed_model_refuses_pruning_and_quantization_in_one_line(export):
+def test_a_packed_model_refuses_pruning_quantization_and_saving_in_one_line(export, tmp_path):
     model = load_pretrained(export, dtype=torch.bfloat16)
     Engine(model, load_tokenizer(export)).stop()  # packs the weights; never started
     with pytest.raises(UserError, match="packed for inference .*prune the model as loaded"):
         prune(model, "magnitude", 0.5)
     with pytest.raises(UserError, match="quantize the model as loaded"):
         build_quantized(model.args, model.state_dict(), Quantization("int8"), quantize=True)
+    with pytest.raises(UserError, match="no .* as when an Engine packs it for inference; save the model as loaded"):
+        save_pretrained(model, tmp_path / "saved")  # its state dict holds no linear weights
+    assert not (tmp_path / "saved").exists()

@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 
 from scalenlp.config import load_config
 from scalenlp.parallel.mesh import ParallelDims
-from scalenlp.train import faults, recovery, watchdog
+from scalenlp.train import checkpoint, faults, recovery, watchdog
 from scalenlp.train.checkpoint import Checkpointer, read_train_state
+from scalenlp.train.trainer import train
 from train_helpers import TINY, read_metrics, run_train, write_corpus
 
 
@@ -103,6 +104,19 @@ def test_a_restart_sets_damaged_checkpoints_aside(tmp_path):
     recovery.set_aside_damaged(Checkpointer(root, 2, 0), lines.append)
     assert sorted(p.name for p in root.iterdir()) == ["step-2.damaged", "step-4.damaged"]
     assert len(lines) == 2 and all(line.startswith("warning: checkpoint") for line in lines)
+
+
+def test_a_restart_hashes_the_checkpoint_it_resumes_from_once(tmp_path, corpus, monkeypatch):
+    sets = [*TINY, f"data.path={corpus}", "checkpoint.every=2"]
+    run = tmp_path / "run"
+    train(load_config(None, [*sets, "training.steps=2"]), run)
+    hashed = []
+    manifest = checkpoint._manifest
+    monkeypatch.setattr(checkpoint, "_manifest", lambda folder: hashed.append(folder.name) or manifest(folder))
+    monkeypatch.setattr(recovery, "continues_launch", lambda run_dir: (True, []))  # as torchrun's restart finds it
+    train(load_config(None, [*sets, "training.steps=4"]), run)
+    assert hashed.count("step-2") == 1  # set aside nothing, then resumed from it
+    assert "step-4.tmp" in hashed  # what it saved, before the rename
 
 
 @pytest.mark.slow  # multi-process

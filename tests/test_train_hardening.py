@@ -200,6 +200,23 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpu
     read_train_state(run / "checkpoints" / "step-2")  # whole
 
 
+def test_an_asynchronous_save_is_logged_as_saved_once_it_is_whole(tmp_path, corpus, monkeypatch):
+    lines = []
+
+    def log(self, msg):  # each line with whether the checkpoint it names is whole as it is logged
+        if msg.startswith("checkpoint saved: "):
+            msg = f"{msg} (whole: {(Path(msg.split(': ', 1)[1]) / 'train_state.json').is_file()})"
+        lines.append(msg)
+
+    monkeypatch.setattr(trainer_module.Trainer, "log", log)
+    run = tmp_path / "run"
+    in_process(run, corpus, "training.steps=4", "checkpoint.every=2", "checkpoint.async_save=true")
+    about_saves = [line for line in lines if "checkpoint" in line and "step-" in line]
+    assert about_saves == ["saving checkpoint step-2 asynchronously",
+                           f"checkpoint saved: {run / 'checkpoints' / 'step-2'} (whole: True)",
+                           f"checkpoint saved: {run / 'checkpoints' / 'step-4'} (whole: True)"]  # the last step waits
+
+
 # -- SIGTERM -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: multi-process, `make test`
@@ -236,6 +253,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_0(tmp_path, corpus, nproc):
     ("training.weight_decay=2000", "training.lr * training.weight_decay must be below 1"),
     ("training.timeout_s=100000000000000000", "training.timeout_s must be in [1,"),
     ("training.seed=-1", "training.seed must be at least 0"),
+    ("training.hang_timeout=300", "training.hang_timeout=300 s must be below training.timeout_s=300 s"),
     ("data.path=a\nb", "data.path must not contain control characters"),
     ("training.on_nonfinite=ignore", "training.on_nonfinite='ignore' is not one of stop | skip | rollback"),
 ])

@@ -105,7 +105,8 @@ class TrainingConfig:
     hang_timeout: float = opt(0.0, "seconds one training step may last before the watchdog names the rank the "
                                    "others wait for, dumps every rank's stacks to <run_dir>/hang and ends the "
                                    "attempt for torchrun to restart (under torchrun only); 0 = 10 x the slowest of "
-                                   "the last 20 steps, at least 60 s, at most half of training.timeout_s")
+                                   "the last 20 steps, at least 60 s, at most half of training.timeout_s; set: below "
+                                   "training.timeout_s")
     task: str = opt("lm", "lm: next-token loss on packed text | sft: supervised fine-tuning on chat JSONL "
                           "(a `messages` list per line, rendered with model.init's chat template; loss on "
                           "assistant tokens only) | classification: an encoder (model.init) with a sequence "
@@ -335,6 +336,11 @@ def validate(cfg: Config) -> None:
     if t.lr * t.weight_decay >= 1:  # AdamW scales weights by 1 - lr * weight_decay each step
         raise ConfigError(f"training.lr * training.weight_decay must be below 1 (else every step flips the weights' "
                           f"sign), got {t.lr} * {t.weight_decay}")
+    if t.hang_timeout >= t.timeout_s:  # 0 (derived) is always below; the watchdog must fire first to name the rank
+        raise ConfigError(f"training.hang_timeout={t.hang_timeout:g} s must be below training.timeout_s={t.timeout_s} "
+                          f"s, the process-group timeout, which would end a hung step first without naming the rank; "
+                          f"lower training.hang_timeout (0 derives it, at most half of training.timeout_s) or raise "
+                          f"training.timeout_s")
     _validate_task(cfg)
     profile_steps(cfg)
 

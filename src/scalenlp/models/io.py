@@ -36,8 +36,14 @@ def save_pretrained(model: Transformer | Encoder, out_dir: str | Path, tokenizer
     ``tokenizer`` is a ``Tokenizer`` or a ``tokenizer.json`` path; ``tokenizer_config`` (BOS, EOS, chat
     template) is written as ``tokenizer_config.json``; ``extra_files`` maps file names to text written
     alongside (for example the resolved config)."""
+    state = model.state_dict()
+    with torch.device("meta"):
+        missing = [k for k in type(model)(model.args).state_dict() if k not in state]
+    if missing:  # the export would not load; an Engine's packing (infer/packing.py) turns linear weights into buffers
+        raise UserError(f"cannot save the model: it has no {missing[0]}, as when an Engine packs it for inference; "
+                        f"save the model as loaded, before building an Engine on it")
     with replacing_folder(out_dir) as tmp:
-        state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+        state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
         if getattr(model.args, "tie_embeddings", False):
             state.pop("output.weight", None)  # the same storage as tok_embeddings.weight; safetensors rejects aliases
         save_file(state, str(tmp / WEIGHTS))

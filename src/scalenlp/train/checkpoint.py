@@ -30,6 +30,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -197,8 +198,10 @@ def read_train_state(path: Path) -> dict:
 
 
 class Checkpointer:
-    def __init__(self, root: Path, keep: int, rank: int, async_save: bool = False):
-        self.root, self.keep, self.rank, self.async_save = Path(root), keep, rank, async_save
+    def __init__(self, root: Path, keep: int, rank: int, async_save: bool = False,
+                 log: Callable[[str], None] = lambda line: None):
+        """``log`` gets rank 0's lines: a save that starts writing on, and each checkpoint once it is whole."""
+        self.root, self.keep, self.rank, self.async_save, self.log = Path(root), keep, rank, async_save, log
         self._pending = None  # an asynchronous save: (step, tmp folder, DCP's future, train state)
         self._group = None  # the process group asynchronous writes run over, off the training's own
 
@@ -242,6 +245,8 @@ class Checkpointer:
             self._failed(step, tmp, e)
         if wait or not self.async_save:
             self.wait()
+        elif self.rank == 0:
+            self.log(f"saving checkpoint step-{step} asynchronously")
         return self.root / f"step-{step}"
 
     def _async_write(self, state: dict, tmp: Path):
@@ -282,6 +287,7 @@ class Checkpointer:
             os.replace(tmp, final)
             for _, old in self.complete()[:-self.keep]:  # the new one is complete now: it is never pruned
                 shutil.rmtree(old)
+            self.log(f"checkpoint saved: {final}")
         if future is None:
             barrier()
 

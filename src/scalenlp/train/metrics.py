@@ -1,4 +1,9 @@
-"""Metrics people can trust: tokens/s, MFU against a stated peak (scalenlp.train.peak), peak memory."""
+"""Metrics people can trust: tokens/s, MFU against a stated peak (scalenlp.train.peak), peak memory.
+
+``tokens_per_sec`` counts every token the model computed on, padding included (SFT rows are padded to
+training.seq_len, classification batches to their longest row), and MFU is derived from it: the model's
+FLOPs on padding are spent all the same. SFT records add ``assistant_tokens_per_sec``, the tokens the loss
+learns from (assistant turns, no prompts, markup or padding)."""
 
 from __future__ import annotations
 

@@ -73,24 +73,27 @@ def record_launch(run_dir: Path, agents: list[str], restarted: bool) -> None:
     os.replace(tmp, path)
 
 
-def set_aside_damaged(checkpointer: Checkpointer, log) -> None:
+def set_aside_damaged(checkpointer: Checkpointer, log) -> tuple[Path, dict] | None:
     """Rank 0 of a restart: newer checkpoints that are not whole (a rank died while one was written, a disk
     lost a file) are renamed to ``step-N.damaged``, so that the restart resumes from the newest good one
     and pruning never counts a damaged one as kept. They stay on disk for whoever wants to look.
 
     A user's ``checkpoint.resume=true`` of a damaged checkpoint stays an error (read_train_state's): they
     asked for that state, and silently training on from an older one would lose steps they may not be
-    able to spare. A restart is unattended; the previous good checkpoint is exactly what it is for."""
+    able to spare. A restart is unattended; the previous good checkpoint is exactly what it is for.
+
+    Returns the newest whole checkpoint with its verified train state (None if there is none), so that
+    resuming from it does not hash every file of a big checkpoint a second time."""
     for _, path in reversed(checkpointer.complete()):
         try:
-            read_train_state(path)
-            return
+            return path, read_train_state(path)
         except UserError as e:
             aside = path.with_name(path.name + ".damaged")
             os.replace(path, aside)
             reason = str(e).split("; delete ")[0]  # read_train_state's advice is for a user, not for a restart
             log(f"warning: {reason}; the restart sets it aside as {aside.name} and resumes from the checkpoint "
                 f"before it")
+    return None
 
 
 def keep_micro_batch(cfg: Config, saved: dict, dims: ParallelDims, log) -> Config:

@@ -184,11 +184,12 @@ class Trainer:
         self.dp_group = None if self.mesh is None or self.dims.dp == 1 else dp_mesh(self.mesh, flat=True).get_group()
         self.is_main = self.rank == 0
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.rank,
-                                         cfg.checkpoint.async_save)
+                                         cfg.checkpoint.async_save, self.log)
         # A restart by torchrun resumes by itself, from the newest checkpoint that is whole (see recovery.py).
         restarted, agents = recovery.continues_launch(self.run_dir)
+        verified = None  # (path, train state) rank 0 has already checked
         if restarted and self.is_main:
-            recovery.set_aside_damaged(self.checkpointer, self.log)
+            verified = recovery.set_aside_damaged(self.checkpointer, self.log)
         barrier()
         latest = self.checkpointer.latest() if cfg.checkpoint.resume or restarted else None
         self.rolled_back_to = None
@@ -201,7 +202,8 @@ class Trainer:
                 self.log(f"checkpoint.resume=true but {self.run_dir / 'checkpoints'} has no complete checkpoint; "
                          f"starting from step 0")
             if latest is not None:
-                self._check_resumable(latest, read_train_state(latest))
+                self._check_resumable(latest, verified[1] if verified and verified[0] == latest
+                                      else read_train_state(latest))
         barrier()
         if latest is not None:
             cfg = self.cfg = recovery.keep_micro_batch(cfg, json.loads((latest / STATE_FILE).read_text()),
@@ -257,6 +259,7 @@ class Trainer:
         torch.manual_seed(t.seed + 1 + self.rank)  # dropout streams differ per rank, reproducibly
         self.step = 0
         self.tokens_seen = 0  # by this rank since the last metrics record
+        self.targets_seen = 0  # counted by the loss, all data-parallel ranks together, since then (a tensor)
         self.best: dict | None = None  # {"step", keep_best's metric: value} of the best evaluation so far
         if latest is not None:
             self._resume(latest)
@@ -333,6 +336,7 @@ class Trainer:
         micro-batch, and so a different loss under each layout. One scalar all-reduce per step."""
         counted = _sum_over((targets != IGNORE_INDEX).sum().float(), self.dp_group)
         self.loss_weight = self.dims.dp / counted
+        self.targets_seen += counted
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # The schedule divides gradients by the number of micro-batches (it expects mean losses), and the
@@ -509,7 +513,8 @@ class Trainer:
                     continue
                 self.log(f"{check.describe(self.step)}; its update is skipped (training.on_nonfinite=skip)")
             if self.step % t.log_every == 0 or self.step == t.steps:
-                # Tokens the model ran on: classification batches are padded to their longest row, not seq_len.
+                # Tokens the model ran on, padding included (classification batches are padded to their longest
+                # row, SFT rows to seq_len): the model computes on padding too, so MFU counts it.
                 tokens_per_sec = self.tokens_seen * self.dims.dp / window_time
                 mfu, peak_note = self.peak.mfu(tokens_per_sec / self.world * self.flops_per_token)
                 if peak_note:
@@ -527,6 +532,8 @@ class Trainer:
                     "step_time_s": window_time / window_steps,
                     "samples_per_sec": window_steps * t.global_batch_size / window_time,
                 }
+                if t.task == "sft":  # the tokens it learns from; tokens_per_sec counts padding too (see metrics.py)
+                    record["assistant_tokens_per_sec"] = float(self.targets_seen) / window_time
                 record.update(self.monitor.gather())  # every rank's CPU and memory (a collective)
                 self.monitor.publish(record)
                 records.append(record)
@@ -534,9 +541,10 @@ class Trainer:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tokens_per_sec:,.0f}")
                 self.log(f"step {self.step:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
                          f"{record['grad_norm']:.3f} | {tokens_per_sec:,.0f} tok/s | MFU {record['mfu']:.1%} | "
-                         f"peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB")
+                         f"peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB"
+                         + (f" | {record['assistant_tokens_per_sec']:,.0f} assistant tok/s" if t.task == "sft" else ""))
                 window_loss.zero_()
-                window_steps, window_time, self.tokens_seen = 0, 0.0, 0
+                window_steps, window_time, self.tokens_seen, self.targets_seen = 0, 0.0, 0, 0
             self.watchdog.step_finished()  # evaluations and saves are bounded by training.timeout_s instead
             saved_best = None
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
@@ -546,8 +554,6 @@ class Trainer:
                 last_saved = saved_best
             elif stopping or cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or self.step == t.steps:
                 last_saved = self.save(wait=stopping or self.step == t.steps)
-                if not stopping:
-                    self.log(f"checkpoint saved: {last_saved}")
             if stopping:
                 bar.close()
                 got = self.stop.signal if self.stop is not None and self.stop.signal else "a signal to another rank"
