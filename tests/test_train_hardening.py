@@ -158,7 +158,10 @@ def test_nonfinite_step_rollback_reads_on_and_stops_if_it_recurs(tmp_path, corpu
     run = tmp_path / "run"
     monkeypatch.setattr(trainer_module, "lm_loss", nan_at({3}))
     in_process(run, corpus, "training.steps=4", "checkpoint.every=2", "training.on_nonfinite=rollback")
-    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]  # step 3 again, on the next batch
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # step 3 again, on the next batch
+    # Each record's throughput counts its own step's 4 x 32 tokens, not those of the step rolled back.
+    assert [r["tokens_per_sec"] * r["step_time_s"] for r in records] == pytest.approx([4 * 32] * 4)
     assert_finite_export(run)
 
     again = tmp_path / "again"

@@ -509,7 +509,7 @@ class Trainer:
                     self._roll_back(check)
                     bar.n = self.step
                     window_loss.zero_()
-                    window_steps, window_time = 0, 0.0
+                    window_steps, window_time, self.tokens_seen, self.targets_seen = 0, 0.0, 0, 0
                     continue
                 self.log(f"{check.describe(self.step)}; its update is skipped (training.on_nonfinite=skip)")
             if self.step % t.log_every == 0 or self.step == t.steps:
