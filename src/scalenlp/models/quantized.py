@@ -25,6 +25,7 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,26 @@ def int4_grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.
     return pack_int4(q.to(torch.uint8).reshape(N, K)), torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
 
 
+GGUF_INT4 = {"Q4_0": 2, "Q4_1": 4}  # GGUF 4-bit block types of 32 weights -> bytes before the codes (d; d and m)
+GGUF_BLOCK = 32
+
+
+def int4_from_gguf(kind: str, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``int4_grouped``'s layout (group 32) from a GGUF Q4_0/Q4_1 weight's raw blocks (rows of uint8), keeping
+    its 4-bit codes as they are: Q4_1's w = d*q + m is (q - 8)*d + (m + 8d), Q4_0's w = d*(q - 8) has zero 0.
+    Only d and m + 8d round, to the kernels' bf16."""
+    head = GGUF_INT4[kind]
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, head + GGUF_BLOCK // 2)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    zeros = (blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() + 8 * d if kind == "Q4_1"
+             else torch.zeros_like(d))
+    codes = blocks[..., head:]
+    q = torch.cat([codes & 15, codes >> 4], dim=-1)  # byte j holds weight j (low nibble) and weight j + 16 (high)
+    scales_and_zeros = torch.stack([d.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)], dim=-1)
+    return pack_int4(q.reshape(rows, -1)), scales_and_zeros.transpose(0, 1).contiguous()
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """(N, K) values 0..15 -> (N, K/2) uint8, the even column in the high nibble."""
     q = q.to(torch.uint8)
@@ -122,6 +143,8 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 class QuantizedLinear(nn.Module):
     kernel = "unprepared"
+    # Each stored tensor's (output dim, input dim), for tensor parallelism to slice; None: it has no such dim.
+    shard_dims = {"weight": (0, 1), "scales": (0, None), "bias": (0, None)}
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
         super().__init__()
@@ -162,6 +185,8 @@ class Int4Linear(QuantizedLinear):
     """4-bit weights with a bf16 scale and zero per group of inputs; products in bf16 (tinygemm on CUDA,
     PyTorch's AVX kernel on CPU). ``packed`` is the kernel's layout of ``weight``; once it is built, memory holds
     it alone and ``state_dict`` rebuilds the portable layout from it."""
+
+    shard_dims = {"weight": (0, 1), "scales_and_zeros": (1, 0), "bias": (0, None)}
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, device=None):
         super().__init__(in_features, out_features, bias, device)
@@ -318,20 +343,45 @@ def check_shapes(spec: Quantization, linears: dict[str, nn.Linear]) -> None:
 
 
 def quantize_state(state: dict[str, torch.Tensor], linears: dict[str, nn.Linear], spec: Quantization,
-                   tied: bool) -> dict[str, torch.Tensor]:
+                   tied: bool, blocks: dict[str, tuple[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
     """A float state dict with each linear's weight replaced by its quantized tensors (CPU, computed in
-    float32). ``tied``: the output projection shares the embedding table, which the state holds alone."""
+    float32). ``tied``: the output projection shares the embedding table, which the state holds alone.
+    ``blocks`` (a GGUF file's raw Q4_0/Q4_1/Q8_0 weights): int4 with group 32 takes Q4_0/Q4_1 codes as they are."""
     check_shapes(spec, linears)
+    blocks = blocks or {}
     out = {k: v for k, v in state.items() if not (tied and k == "output.weight")}
+    mapped, rounded = Counter(), Counter()
     for name in linears:
         key = "tok_embeddings.weight" if tied and name == "output" else f"{name}.weight"
         if key not in state:  # e.g. the state dict of a model an Engine packed: its linears keep no parameters
             raise UserError(f"the weights to quantize have no {key}; quantize the model as loaded (not one packed "
                             f"for inference by an Engine), or its checkpoint")
         out.pop(f"{name}.weight", None)
-        for buffer, tensor in quantize_weight(spec, state[key].to("cpu")).items():
+        kind, raw = blocks.get(key, (None, None))
+        if spec.method == "int4" and spec.group_size == GGUF_BLOCK and kind in GGUF_INT4:
+            tensors = dict(zip(("weight", "scales_and_zeros"), int4_from_gguf(kind, raw)))
+            mapped[kind] += 1
+        else:
+            tensors = quantize_weight(spec, state[key].to("cpu"))
+            if kind is not None:
+                rounded[kind] += 1
+        for buffer, tensor in tensors.items():
             out[f"{name}.{buffer}"] = tensor
+    if blocks:
+        print(gguf_note(spec, mapped, rounded), file=sys.stderr, flush=True)
     return out
+
+
+def gguf_note(spec: Quantization, mapped: Counter, rounded: Counter) -> str:
+    """Which of a GGUF file's quantized weights ``spec`` took as they are, and why the others were rounded again."""
+    parts = [f"{n} linears take the file's {kind} blocks as they are" for kind, n in mapped.items()]
+    for kind, n in rounded.items():
+        why = ("int8 keeps one scale per output channel, and Q8_0's scale per 32 inputs does not fit it"
+               if kind == "Q8_0" and spec.method != "int4" else
+               f"--group-size {GGUF_BLOCK} would take them as they are" if kind in GGUF_INT4 and spec.method == "int4"
+               else f"{spec.describe()} has no layout of their own")
+        parts.append(f"{n} {kind} linears dequantized and rounded again ({why})")
+    return f"{spec.describe()} from GGUF: " + "; ".join(parts)
 
 
 def swap_linears(model: nn.Module, linears: dict[str, nn.Linear], spec: Quantization) -> None:
@@ -352,17 +402,22 @@ def prepare_all(model: nn.Module, spec: Quantization) -> str:
 
 def build_quantized(args: ModelArgs | EncoderArgs, state: dict[str, torch.Tensor], spec: Quantization,
                     quantize: bool, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                    where: str = "the checkpoint") -> Transformer | Encoder:
+                    where: str = "the checkpoint", blocks: dict[str, tuple[str, torch.Tensor]] | None = None,
+                    shard: Callable[[nn.Module, dict], dict] | None = None) -> Transformer | Encoder:
     """The model ``args`` describe with quantized linears. ``state`` is a float state dict to quantize now
-    (``quantize``) or one a quantized export stored; both give the same tensors, so quantizing at load and
-    loading a quantized export run identically. ``dtype`` casts the floating rest (embeddings, norms)."""
+    (``quantize``, taking ``blocks``, a GGUF file's own, where they fit) or one a quantized export stored; both
+    give the same tensors, so quantizing at load and loading a quantized export run identically. ``dtype``
+    casts the floating rest (embeddings, norms). ``shard`` (tensor parallelism) swaps the quantized linears
+    for this rank's and returns its slice of the quantized state, before any kernel layout is built."""
     with torch.device("meta"):
         model = Encoder(args) if isinstance(args, EncoderArgs) else Transformer(args)
     linears = linears_of(model)
     tied = getattr(args, "tie_embeddings", False)
     if quantize:
-        state = quantize_state(state, linears, spec, tied)
+        state = quantize_state(state, linears, spec, tied, blocks)
     swap_linears(model, linears, spec)
+    if shard is not None:
+        state = shard(model, state)
     # The quantized tensors keep their own dtypes; a bias is cast with the floating rest.
     quantized = {f"{name}.{b}" for name in linears for b, _ in model.get_submodule(name).named_buffers()
                  if b != "bias"}
