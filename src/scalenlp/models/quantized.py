@@ -25,7 +25,7 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -93,16 +93,63 @@ def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int4_grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed uint8 (N, K/2), bf16 scales_and_zeros (K/group, N, 2)): asymmetric min/max per group of
-    ``group_size`` inputs, in the kernels' convention w = (q - 8) * scale + zero with q in 0..15."""
+    """(packed uint8 (N, K/2), bf16 scales_and_zeros (K/group, N, 2)): asymmetric per group of ``group_size``
+    inputs, in the kernels' convention w = (q - 8) * scale + zero with q in 0..15. Each group keeps, of a few
+    candidate grids, the one whose rounded weights lie nearest its own (least squared error, scale and zero as
+    stored): its min..max range shrunk about the middle by each of ``CLIP_RATIOS`` (clipping a few outliers buys
+    a finer step for the rest), and from each, ``REFITS`` rounds of refitting scale and zero by least squares to
+    the codes the last grid gave."""
     w = w.float()
     N, K = w.shape
     groups = w.reshape(N, K // group_size, group_size)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny).to(KERNEL_DTYPE)
-    zeros = (low + 8 * scales.float()).to(KERNEL_DTYPE)
-    q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp(0, 15)
-    return pack_int4(q.to(torch.uint8).reshape(N, K)), torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+    middle, half = (low + high) / 2, (high - low) / 2
+    best = None
+    for ratio in CLIP_RATIOS:
+        scales = half * ratio * 2 / 15
+        grid = rounded(groups, scales, middle - half * ratio + 8 * scales)
+        best = grid if best is None else nearer(best, grid)
+        for _ in range(REFITS):
+            grid = rounded(groups, *least_squares(groups, grid.q))
+            best = nearer(best, grid)
+    scales_and_zeros = torch.stack([best.scales, best.zeros], dim=-1).to(KERNEL_DTYPE).transpose(0, 1).contiguous()
+    return pack_int4(best.q.reshape(N, K)), scales_and_zeros
+
+
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
+REFITS = 3  # on SmolLM2, three rounds left 7% less squared error than one
+
+
+class Grid(NamedTuple):
+    scales: torch.Tensor  # (N, groups), float32 holding bf16 values
+    zeros: torch.Tensor
+    q: torch.Tensor  # (N, groups, group_size), 0..15
+    error: torch.Tensor  # (N, groups): squared error of the rounded weights
+
+
+def rounded(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Grid:
+    """``groups`` rounded to the 16 levels of ``scales`` and ``zeros`` as stored in bf16 (what the kernels use)."""
+    scales = scales.clamp(min=torch.finfo(torch.float32).tiny).to(KERNEL_DTYPE).float()
+    zeros = zeros.to(KERNEL_DTYPE).float()
+    q = torch.round((groups - zeros[..., None]) / scales[..., None] + 8).clamp(0, 15)
+    error = ((q - 8) * scales[..., None] + zeros[..., None] - groups).square().sum(dim=-1)
+    return Grid(scales, zeros, q, error)
+
+
+def least_squares(groups: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group, the scale and zero minimizing the squared error of (q - 8) * scale + zero against the weights
+    (a straight-line fit; a group whose codes are all equal gets scale 0, which ``rounded`` clamps)."""
+    c = q - 8
+    n = groups.shape[-1]
+    sum_c, sum_cc, sum_w, sum_cw = c.sum(-1), (c * c).sum(-1), groups.sum(-1), (c * groups).sum(-1)
+    scales = (n * sum_cw - sum_c * sum_w) / (n * sum_cc - sum_c * sum_c).clamp(min=torch.finfo(torch.float32).tiny)
+    return scales, (sum_w - scales * sum_c) / n
+
+
+def nearer(a: Grid, b: Grid) -> Grid:
+    """Group by group, whichever grid rounds with less error."""
+    take_b = b.error < a.error
+    return Grid(*(torch.where(take_b[..., None] if x.dim() > take_b.dim() else take_b, y, x) for x, y in zip(a, b)))
 
 
 GGUF_INT4 = {"Q4_0": 2, "Q4_1": 4}  # GGUF 4-bit block types of 32 weights -> bytes before the codes (d; d and m)
