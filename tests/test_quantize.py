@@ -166,21 +166,26 @@ def test_a_gguf_models_q4_blocks_are_taken_as_they_are_at_load(tmp_path, capsys)
         if w.ndim == 2 and key != "tok_embeddings.weight":
             as_gguf(key, gguf.GGMLQuantizationType.Q4_1)
     tokens = torch.randint(0, 320, (2, 16))
-    reference = instantiate(pre, dtype=torch.float32)(tokens)
+    reference = instantiate(pre, dtype=torch.float32)
+    expected = reference(tokens)
     errors = {}
     for group in (32, 64):
-        logits = instantiate(pre, dtype=torch.float32, quantize=Quantization("int4", group))(tokens)
-        errors[group] = (logits - reference).abs().max() / reference.abs().max()
+        model = instantiate(pre, dtype=torch.float32, quantize=Quantization("int4", group))
+        model.output = reference.output  # int4 keeps it int8, whose rounding would hide the blocks' own
+        errors[group] = (model(tokens) - expected).abs().max() / expected.abs().max()
     assert errors[32] < errors[64] / 4
     as_gguf("output.weight", gguf.GGMLQuantizationType.Q8_0)
     instantiate(pre, dtype=torch.float32, quantize=Quantization("int8"))
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == "int4 (group 32) from GGUF: 15 linears take the file's Q4_1 blocks as they are"
-    assert err[2] == ("int4 (group 64) from GGUF: 15 Q4_1 linears dequantized and rounded again (--group-size 32 "
-                      "would take them as they are)")
-    assert err[4] == ("int8 from GGUF: 14 Q4_1 linears dequantized and rounded again (int8 has no layout of their "
-                      "own); 1 Q8_0 linears dequantized and rounded again (int8 keeps one scale per output channel, "
-                      "and Q8_0's scale per 32 inputs does not fit it)")
+    int8_output = "1 Q4_1 linears dequantized and rounded to int8 again (int8 has no layout of their own)"
+    assert err[0] == f"int4 (group 32) from GGUF: 14 linears take the file's Q4_1 blocks as they are; {int8_output}"
+    assert err[1] == ("int4 (group 32): aten._weight_int4pack_mm_for_cpu on 14 linears, aten._weight_int8pack_mm "
+                      "on 1 linears")
+    assert err[2] == ("int4 (group 64) from GGUF: 14 Q4_1 linears dequantized and rounded to int4 (group 64) again "
+                      f"(--group-size 32 would take them as they are); {int8_output}")
+    assert err[4] == ("int8 from GGUF: 14 Q4_1 linears dequantized and rounded to int8 again (int8 has no layout of "
+                      "their own); 1 Q8_0 linears dequantized and rounded to int8 again (int8 keeps one scale per "
+                      "output channel, and Q8_0's scale per 32 inputs does not fit it)")
 
 
 def tiny_decoder(root, tie: bool = True):
@@ -212,10 +217,12 @@ def test_quantize_save_load_round_trips_bitwise(tmp_path, method, capsys):
     assert pre.quantization == spec
     tokens = torch.randint(0, 320, (2, 9))
     assert torch.equal(at_load(tokens), saved(tokens))
-    assert isinstance(saved.output, QuantizedLinear)  # the tied projection is quantized on its own
+    # The tied projection is quantized on its own, in int8 under int4 too.
+    assert type(saved.output) is (Int8DynamicLinear if method == "int8dyn" else Int8Linear)
     assert saved.tok_embeddings.weight.is_floating_point()
     assert sum(isinstance(m, QuantizedLinear) for m in saved.modules()) == 2 * 7 + 1
-    assert f"on {2 * 7 + 1} linears" in capsys.readouterr().err  # the line saying which kernel runs
+    kernels = "on 14 linears, aten._weight_int8pack_mm on 1 linears" if method == "int4" else "on 15 linears"
+    assert kernels in capsys.readouterr().err  # the line saying which kernel runs
 
 
 def test_an_encoder_quantizes_and_a_head_no_kernel_tiles_falls_back(tmp_path, capsys):
