@@ -1,7 +1,8 @@
 """Tensor-parallel inference: one model sharded over N processes, rank 0 runs the engine and HTTP.
 
 Every rank holds 1/N of each block (Megatron layout from ``scalenlp.parallel.tensor_parallel``,
-without sequence parallelism) and its own KV-cache shard (n_kv_heads / N heads). Rank 0's engine
+without sequence parallelism; a quantized model on the same plan through ``shard_quantized``)
+and its own KV-cache shard (n_kv_heads / N heads). Rank 0's engine
 calls ``ShardedModel`` exactly like a local model; each call first broadcasts the step's inputs,
 so that the other ranks, waiting in ``follow``, run the same forward and join its collectives.
 Sampling happens on rank 0 alone: after the output projection every rank holds the full logits.
