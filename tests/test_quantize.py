@@ -317,9 +317,11 @@ def test_cuda_kernels():
 
 
 @pytest.mark.slow  # loads and quantizes a 135M-parameter model
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_smollm2_answers_through_the_engine(method):
-    with LLM(packaged_model("smollm2"), quantize=method, max_batch=2) as llm:
+# int4 at group 32 takes the packaged file's own Q4_1 codes; group 64 rounds those 4-bit weights again (+20%
+# perplexity on WikiText-2), and whether greedy decoding then still says "Paris" depends on rounding details.
+@pytest.mark.parametrize("method, group_size", [("int8", 64), ("int4", 32)])
+def test_quantized_smollm2_answers_through_the_engine(method, group_size):
+    with LLM(packaged_model("smollm2"), quantize=method, group_size=group_size, max_batch=2) as llm:
         assert all(isinstance(m, (Int8Linear, Int4Linear, Int8DynamicLinear)) for m in [llm.engine.model.output])
         answers = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]] * 2,
                            SamplingParams(max_tokens=12, temperature=0))
