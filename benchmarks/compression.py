@@ -4,7 +4,9 @@ SST-2 classifier (MiniLM fine-tuned here), each beside the fp32 and bf16 baselin
   python benchmarks/compression.py [--max-tokens 4096] [--seq 512] [--new-tokens 32] [--repeats 2]
                                    [--sst2-run RUN] [--sst2-rows 3200] [--skip-prune] [--recovery-steps 20]
 
-SmolLM2 rows: WikiText-2 test perplexity (``scalenlp eval``'s sliding windows, ``--seq`` tokens moving by
+SmolLM2 rows (every linear of its packaged GGUF file is Q4_1, 4-bit in blocks of 32, so fp32 is those weights
+dequantized; the quantized rows round them again, except the last, which maps the file's own codes onto the int4
+kernel): WikiText-2 test perplexity (``scalenlp eval``'s sliding windows, ``--seq`` tokens moving by
 ``--seq``, over the first ``--max-tokens`` tokens; floating layers in fp32 as `scalenlp eval` runs by default, so
 a quantized row differs from fp32 by its quantization alone) and greedy decode tokens/s through the engine at
 batch 1 and 8 (``--new-tokens`` each; the serving dtype: bf16 for the floating layers of a quantized model, as
@@ -24,6 +26,7 @@ storage once. int8dyn's fbgemm copy (for single tokens) is not a tensor and is n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import subprocess
@@ -54,6 +57,9 @@ VARIANTS = [("fp32", torch.float32, None), ("bf16", torch.bfloat16, None),
             ("int4 weight-only, group 64", torch.bfloat16, Quantization("int4", 64)),
             ("int4 weight-only, group 32", torch.bfloat16, Quantization("int4", 32)),
             ("int8 dynamic", torch.bfloat16, Quantization("int8dyn"))]
+# SmolLM2's packaged file stores its linears as GGUF Q4_1 blocks of 32: the rows above round its dequantized weights
+# again (as for any float checkpoint); this one takes the file's 4-bit codes as they are.
+GGUF_ROW = ("int4 group 32, GGUF Q4_1 codes as they are", torch.bfloat16, Quantization("int4", 32))
 PRUNE_METHODS = (("magnitude 50%", "magnitude", 0.5), ("wanda 50%", "wanda", 0.5), ("2:4 (wanda score)", "2:4", 0.5))
 NOTES = {"int8 dynamic": "+ fbgemm's packed copy"}
 
@@ -115,16 +121,18 @@ def classifier_rows(args, tmp: Path) -> tuple[list[dict], str]:
 def decoder_rows(args, tmp: Path) -> tuple[list[dict], str]:
     checkpoint = packaged_model("smollm2")
     pre = read(checkpoint)
+    dequantized = dataclasses.replace(pre, blocks={})  # the file's weights as floats only: rounded again
     text = (DATA / "wikitext2" / "test.txt").read_text()
     ids = pre.tokenizer.encode(text).ids[:args.max_tokens]
     rows, timed = [], {}
-    for name, dtype, spec in VARIANTS:
+    for name, dtype, spec in [*VARIANTS, GGUF_ROW]:
+        source = pre if name == GGUF_ROW[0] else dequantized
         # Quality with the floating layers in fp32 (bf16's own row excepted), as `scalenlp eval` measures.
-        model = instantiate(pre, dtype=torch.bfloat16 if name == "bf16" else torch.float32, quantize=spec)
+        model = instantiate(source, dtype=torch.bfloat16 if name == "bf16" else torch.float32, quantize=spec)
         ppl = perplexity(model, ids, args.seq, args.seq).perplexity
         del model
         gc.collect()
-        timed[name] = instantiate(pre, dtype=dtype, quantize=spec)
+        timed[name] = instantiate(source, dtype=dtype, quantize=spec)
         rows.append({"name": name, "quality": ppl, "bytes": model_bytes(timed[name])})
         print(f"{name}: perplexity {ppl:.3f}", flush=True)
     if not args.skip_prune:

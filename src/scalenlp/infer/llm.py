@@ -41,13 +41,10 @@ def engine_from_checkpoint(checkpoint: str | Path, *, dtype: str = "auto", devic
     if isinstance(pre.args, EncoderArgs):
         raise UserError(f"{checkpoint} is an encoder; it embeds and classifies text but does not generate it")
     torch_device = torch.device(device) if device else pick_device()
-    if tp > 1 and (spec or pre.quantization):
-        raise UserError("--tp shards floating-point weights only; serve a quantized model on one process, or "
-                        "several with --replicas N, or drop the quantization to use --tp")
     if tp > 1:
         from scalenlp.infer.sharded import start_sharded  # starts processes: only when asked for
 
-        model = start_sharded(pre, tp, dtype)
+        model = start_sharded(pre, tp, dtype, spec)
     else:
         model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, dtype), quantize=spec)
     return Engine(model, pre.tokenizer, max_batch=max_batch, max_queue=max_queue, max_seq_len=max_seq_len,

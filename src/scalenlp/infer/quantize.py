@@ -6,6 +6,7 @@ that every command loading a model (serve, generate, chat, eval, classify, embed
     scalenlp quantize --checkpoint model.gguf --method int4 --group-size 64 --out smollm2-int4
     scalenlp generate --checkpoint smollm2-int4 --prompt "Once upon a time"
     scalenlp eval --checkpoint model.gguf --quantize int8 --data wiki.test.raw
+    scalenlp serve --checkpoint smollm2.Q4_1.gguf --quantize int4 --group-size 32 --tp 2   # the file's own 4-bit codes
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True,
                         help="a floating-point model: a run folder, an export folder, a Hugging Face folder or a .gguf")
     parser.add_argument("--method", required=True, choices=METHOD_CHOICES, help=METHOD_HELP)
-    parser.add_argument("--group-size", type=int, default=64, help="int4: inputs per scale, 32, 64 or 128 (default 64)")
+    parser.add_argument("--group-size", type=int, default=64,
+                        help="int4: inputs per scale, 32, 64 or 128 (default 64); 32 takes a GGUF file's Q4_0/Q4_1 "
+                             "blocks as they are")
     parser.add_argument("--out", required=True, help="export folder to write; must not exist")
 
 
@@ -31,7 +34,9 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     """``--quantize``/``--group-size`` for the commands that load a model."""
     parser.add_argument("--quantize", default=None, choices=METHOD_CHOICES,
                         help="quantize the linear layers at load (" + METHOD_HELP + ")")
-    parser.add_argument("--group-size", type=int, default=64, help="with --quantize int4: inputs per scale (default 64)")
+    parser.add_argument("--group-size", type=int, default=64,
+                        help="with --quantize int4: inputs per scale (default 64; 32 takes a GGUF file's Q4_0/Q4_1 "
+                             "blocks as they are)")
 
 
 def run(args) -> int:

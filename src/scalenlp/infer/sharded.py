@@ -1,7 +1,8 @@
 """Tensor-parallel inference: one model sharded over N processes, rank 0 runs the engine and HTTP.
 
 Every rank holds 1/N of each block (Megatron layout from ``scalenlp.parallel.tensor_parallel``,
-without sequence parallelism) and its own KV-cache shard (n_kv_heads / N heads). Rank 0's engine
+without sequence parallelism; a quantized model on the same plan through ``shard_quantized``)
+and its own KV-cache shard (n_kv_heads / N heads). Rank 0's engine
 calls ``ShardedModel`` exactly like a local model; each call first broadcasts the step's inputs,
 so that the other ranks, waiting in ``follow``, run the same forward and join its collectives.
 Sampling happens on rank 0 alone: after the output projection every rank holds the full logits.
@@ -10,13 +11,17 @@ Sampling happens on rank 0 alone: after the output projection every rank holds t
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import threading
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor.parallel import RowwiseParallel
 
+from scalenlp.errors import UserError
 from scalenlp.layout import Layout, ModelSizes, check
 
 FORWARD, SETUP_CACHE, STOP = 0, 1, 2
@@ -46,17 +51,72 @@ def check_tp(args, tp: int) -> None:
     check(Layout(tp=tp), ModelSizes.of(args), devices=tp)
 
 
-def load_sharded(pre, device: torch.device, dtype: torch.dtype):
-    """Every rank builds the model from the checkpoint it read (a ``Pretrained``) and keeps its shard of each weight."""
+def check_quantized_tp(args, spec, tp: int) -> None:
+    """int4 under ``tp`` ranks: each rank's share of a row-parallel linear's inputs (attention wo, MLP w2) must
+    split into whole groups."""
+    if spec is None or spec.method != "int4":
+        return
+    for name, width in (("attention output", args.n_heads * args.head_dim), ("MLP output", args.ffn_dim)):
+        if width // tp % spec.group_size:
+            raise UserError(f"--tp {tp} leaves each rank {width // tp} of the {width} inputs of the {name} "
+                            f"projection, which --group-size {spec.group_size} does not divide; use a smaller group "
+                            f"size, fewer ranks, or int8")
+
+
+def load_sharded(pre, device: torch.device, dtype: torch.dtype, quantize=None):
+    """Every rank builds the model from the checkpoint it read (a ``Pretrained``) and keeps its shard of each weight.
+    ``quantize`` (a ``Quantization``), or a quantized checkpoint: see ``shard_quantized``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from scalenlp.models.loader import instantiate
     from scalenlp.parallel.tensor_parallel import apply_tp
 
+    if quantize is not None or pre.quantization is not None:
+        shard = functools.partial(shard_quantized, quantize or pre.quantization, dist.get_rank(), dist.get_world_size())
+        return instantiate(pre, device=device, dtype=dtype, quantize=quantize, shard=shard).eval()
     model = instantiate(pre, device=device, dtype=dtype)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
     apply_tp(model, mesh, sequence_parallel=False)
     return model.eval()
+
+
+def shard_quantized(spec, rank: int, world: int, model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's slice of a quantized decoder (``models.quantized.build_quantized``'s ``shard``): the tensors
+    are quantized whole, as on one process, then sliced on the same plan as the float model (column-parallel:
+    output rows with their scales; row-parallel: inputs, each output's scale kept whole, the partial sums added
+    by one all-reduce), so every rank multiplies by exactly the single-process weights. Plain tensors and hooks,
+    not DTensors: the quantized linears compute through kernels DTensor has no rules for. Embeddings and the
+    output projection stay whole on every rank: the vocabulary need not split evenly, and the output is then
+    one matmul on each rank with no gather."""
+    from scalenlp.models.quantized import empty_linear
+    from scalenlp.parallel.tensor_parallel import block_plan
+
+    state = dict(state)
+    for i, block in model.layers.items():
+        for name, style in block_plan(False, block.feed_forward.w3 is not None).items():
+            full = f"layers.{i}.{name}"
+            linear = model.get_submodule(full)
+            row = isinstance(style, RowwiseParallel)
+            shape = [linear.in_features // world, linear.out_features] if row else \
+                [linear.in_features, linear.out_features // world]
+            for buffer, dims in linear.shard_dims.items():
+                key = f"{full}.{buffer}"
+                dim = dims[row]
+                if key in state and dim is not None:
+                    state[key] = state[key].chunk(world, dim)[rank].contiguous()  # the kernels take whole rows
+                elif key in state and buffer == "bias" and rank:
+                    state[key] = torch.zeros_like(state[key])  # a row-parallel bias is added once, to the sum
+            local = empty_linear(spec, nn.Linear(*shape, bias=linear.bias is not None, device="meta"))
+            if row:
+                local.register_forward_hook(_sum_over_ranks)
+            parent, _, child = full.rpartition(".")
+            setattr(model.get_submodule(parent), child, local)
+    return state
+
+
+def _sum_over_ranks(module, args, output: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(output)
+    return output
 
 
 class ShardedModel:
@@ -142,33 +202,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _follower_main(rank: int, world_size: int, port: int, checkpoint: str, dtype_name: str) -> None:
+def _follower_main(rank: int, world_size: int, port: int, checkpoint: str, dtype_name: str, quantize) -> None:
     from scalenlp.infer.engine import pick_dtype
     from scalenlp.models.loader import read
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     device = init_process_group(rank, world_size, port)
-    model = load_sharded(read(checkpoint), device, pick_dtype(device, dtype_name))
+    model = load_sharded(read(checkpoint), device, pick_dtype(device, dtype_name), quantize)
     try:
         follow(model)
     finally:
         dist.destroy_process_group()
 
 
-def start_sharded(pre, tp: int, dtype_name: str) -> ShardedModel:
+def start_sharded(pre, tp: int, dtype_name: str, quantize=None) -> ShardedModel:
     """Spawn ranks 1..tp-1, each reading the checkpoint ``pre`` was read from, become rank 0 with ``pre``
-    (a ``Pretrained``), and return the handle the engine drives."""
+    (a ``Pretrained``), and return the handle the engine drives. ``quantize``: a ``Quantization`` applied at load."""
     import multiprocessing
 
     from scalenlp.infer.engine import pick_dtype
 
     check_tp(pre.args, tp)
+    check_quantized_tp(pre.args, quantize or pre.quantization, tp)
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
-    followers = [ctx.Process(target=_follower_main, args=(r, tp, port, str(pre.path), dtype_name), daemon=True)
+    followers = [ctx.Process(target=_follower_main, args=(r, tp, port, str(pre.path), dtype_name, quantize),
+                                 daemon=True)
                  for r in range(1, tp)]
     for p in followers:
         p.start()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
     device = init_process_group(0, tp, port)
-    return ShardedModel(load_sharded(pre, device, pick_dtype(device, dtype_name)), followers)
+    return ShardedModel(load_sharded(pre, device, pick_dtype(device, dtype_name), quantize), followers)

@@ -31,6 +31,7 @@ Q = gguf.GGMLQuantizationType
 READ_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 WRITE_TYPES = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32), "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
                "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
+BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # kept raw too (Pretrained.blocks), for models.quantized to map
 # tokenizer.ggml.pre names llama.cpp gives a byte-level BPE's pre-tokenization, and the same split in
 # the tokenizers library: GPT-2's regex, and SmolLM's, which first cuts every digit apart.
 _GPT2_SPLIT = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -72,7 +73,8 @@ def _permuted(name: str, args: ModelArgs) -> int | None:
 
 def read_gguf(path: Path) -> Pretrained:
     """A GGUF file's Llama model, tokenizer and chat template. F32 tensors stay views on the file's memory
-    map; quantized and half-precision ones are dequantized to float32 (the model runs in one dtype)."""
+    map; quantized and half-precision ones are dequantized to float32 (the model runs in one dtype); Q4_0, Q4_1 and
+    Q8_0 weights also keep their raw blocks (``Pretrained.blocks``), which ``--quantize`` may take as they are."""
     path = Path(path)
     try:
         # Copy-on-write: the arrays are writable (torch wants that) but nothing ever reaches the file.
@@ -83,6 +85,7 @@ def read_gguf(path: Path) -> Pretrained:
     args = _args(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     state: dict[str, torch.Tensor] = {}
+    blocks: dict[str, tuple[str, torch.Tensor]] = {}
     for ours, name in _name_map(args.n_layers, args.bias).items():
         if name not in tensors:
             if ours == "output.weight":
@@ -91,13 +94,17 @@ def read_gguf(path: Path) -> Pretrained:
         w = _tensor(tensors[name], path)
         heads = _permuted(ours, args)
         state[ours] = w if heads is None else _rope_rows(w, heads, to_gguf=False)
+        if tensors[name].tensor_type in BLOCK_TYPES and w.ndim == 2:
+            # Blocks run along each row, so the rows reorder whole, like the dequantized weight's.
+            raw = torch.from_numpy(tensors[name].data)
+            blocks[ours] = (tensors[name].tensor_type.name, raw if heads is None else _rope_rows(raw, heads, False))
     args.tie_embeddings = "output.weight" not in state
     expected = (args.vocab_size, args.dim)
     if tuple(state["tok_embeddings.weight"].shape) != expected:
         raise UserError(f"{path}: token_embd.weight has shape {tuple(state['tok_embeddings.weight'].shape)}, "
                         f"not (vocab, dim) = {expected}; the file's metadata does not match its tensors")
     tokenizer, tokenizer_config = _tokenizer(reader, path)
-    return Pretrained(args, state, tokenizer, tokenizer_config, "gguf", path)
+    return Pretrained(args, state, tokenizer, tokenizer_config, "gguf", path, blocks=blocks)
 
 
 def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:

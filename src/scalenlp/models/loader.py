@@ -58,15 +58,16 @@ def read(path: str | Path) -> Pretrained:
 
 
 def instantiate(pre: Pretrained, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                quantize: Quantization | None = None) -> nn.Module:
+                quantize: Quantization | None = None, shard=None) -> nn.Module:
     """Build the model on the meta device and assign the checkpoint's tensors to it; ``quantize`` swaps its
-    linears for quantized ones (a quantized export is built quantized without it)."""
+    linears for quantized ones (a quantized export is built quantized without it). ``shard``: a quantized
+    model's tensor-parallel slicing (``models.quantized.build_quantized``)."""
     if quantize is not None and pre.quantization is not None:
         raise UserError(f"{pre.path} is already quantized ({pre.quantization.describe()}); load it without "
                         f"--quantize, or quantize its floating-point original")
     if quantize is not None or pre.quantization is not None:
         return build_quantized(pre.args, pre.state, quantize or pre.quantization, quantize is not None, device, dtype,
-                               where=str(pre.path))
+                               where=str(pre.path), blocks=pre.blocks, shard=shard)
     return build(pre.args, pre.state, device, dtype, where=str(pre.path))
 
 

@@ -25,6 +25,9 @@ class Pretrained:
     source: str = "export"  # export | hf | gguf
     path: Path = Path()
     quantization: Any = None  # a models.quantized.Quantization for a quantized export
+    # GGUF only: our weight name -> (GGML type name, the raw blocks as uint8 rows) for the Q4_0/Q4_1/Q8_0 weights,
+    # which quantization may take as they are instead of rounding the dequantized floats again.
+    blocks: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
 
     def token_id(self, key: str) -> int | None:
         """The id of a special token named in the tokenizer config (``bos_token``, ``eos_token``)."""
