@@ -64,15 +64,18 @@ def test_each_sequence_adds_the_engines_measured_host_time():
     costly = dataclasses.replace(h100, decode_layer_sequence_overhead_s=2e-6, decode_sequence_overhead_s=3e-5,
                                  sample_s_per_logit=1e-9)
     per_sequence = shape.layers * 2e-6 + 3e-5 + shape.vocab * 1e-9
+
+    def decode(device, batch, kv=512):
+        return decode_time(shape, device, batch, kv, 1, "bf16", "bf16")
+
     for batch in (1, 4, 16):
-        assert host_time(shape, costly, batch, 1) - host_time(shape, h100, batch, 1) == pytest.approx(batch * per_sequence)
-        assert decode_time(shape, costly, batch, 512, 1, "bf16", "bf16") - decode_time(shape, h100, batch, 512, 1, "bf16",
-                                                                                        "bf16") == pytest.approx(batch * per_sequence)
-        assert prefill_time(shape, costly, batch, 512, 1, "bf16") - prefill_time(shape, h100, batch, 512, 1, "bf16") \
-            == pytest.approx(batch * per_sequence)
+        added = batch * per_sequence
+        assert host_time(shape, costly, batch, 1) - host_time(shape, h100, batch, 1) == pytest.approx(added)
+        assert decode(costly, batch) - decode(h100, batch) == pytest.approx(added)
+        prefill = [prefill_time(shape, d, batch, 512, 1, "bf16") for d in (costly, h100)]
+        assert prefill[0] - prefill[1] == pytest.approx(added)
     # Attention over the cache takes its own rate where one was measured: slower, a long cache's step grows.
-    slow = dataclasses.replace(h100, decode_attention_flops=1e9)
-    assert decode_time(shape, slow, 16, 2048, 1, "bf16", "bf16") > 2 * decode_time(shape, h100, 16, 2048, 1, "bf16", "bf16")
+    assert decode(dataclasses.replace(h100, decode_attention_flops=1e9), 16, 2048) > 2 * decode(h100, 16, 2048)
 
 
 def test_engine_overheads_recovers_the_four_figures(monkeypatch):
