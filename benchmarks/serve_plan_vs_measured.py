@@ -107,8 +107,6 @@ def main() -> None:
     measured = {(name, b): [] for name in models for b in batches}
     predicted = {key: [] for key in measured}
     try:
-        for shape, engine in models.values():
-            serve_once(engine, 1, args.prompt, 4, shape.vocab)  # warm-up
         # The machine is measured before and after each model's runs in each round (the one after is the next
         # runs' before), and each run is predicted with both figures, averaged: on a shared machine a process's share
         # of the cores, and every rate with it, swings by 2-3x within minutes, so figures taken once beside a run
@@ -116,6 +114,10 @@ def main() -> None:
         before = calibrate(base, dtype, precision, "start")
         for rep in range(args.reps):
             for name, (shape, engine) in models.items():
+                # A short request first: the calibration before it evicts the model from the caches and has the
+                # allocator hand memory back, which the first request after it would pay (one run here saw its TTFT
+                # triple).
+                serve_once(engine, 1, args.prompt, 4, shape.vocab)
                 runs = [serve_once(engine, b, args.prompt, args.new_tokens, shape.vocab) for b in batches]
                 after = calibrate(base, dtype, precision, f"after round {rep + 1}, {name}")
                 for b, run in zip(batches, runs):

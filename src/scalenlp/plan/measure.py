@@ -176,8 +176,8 @@ def decode_attention_rate(dtype: torch.dtype, batch: int = 8, heads: int = 8, kv
     """FLOP/s of attention over a KV cache as the engine's decode step runs it (one query a row, a boolean mask,
     grouped heads, the serving dtype), counted as the cost model counts it (4 · rows · heads · head_dim per cached
     token): the slope between 128 and 512 cached tokens, so that the kernel's fixed cost per row, which
-    engine_overheads counts, is left out. On the development machine's CPU it ran near 1 GFLOP/s in bf16, a tenth
-    of the training kernel's rate (attention_rate)."""
+    engine_overheads counts, is left out. On the development machine's CPU it ran at 0.7-2.5 GFLOP/s in bf16 (load
+    dependent), about a tenth of the training kernel's rate (attention_rate) measured beside it."""
     import torch.nn.functional as F
 
     seconds = []
