@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
 
 import pytest
+import torch
 
 from scalenlp.cli import main
 from scalenlp.hardware import get_device
+from scalenlp.plan import measure
 from scalenlp.plan.calibrate import SERVING_FIT, SERVING_HELD_OUT, served_latency
 from scalenlp.plan.cost import model_shape
-from scalenlp.plan.serving import decode_time, kv_bytes_per_token, max_batch, plan_serving, weight_bytes
+from scalenlp.plan.serving import (decode_time, host_time, kv_bytes_per_token, max_batch, plan_serving, prefill_time,
+                                   weight_bytes)
 
 
 def test_kv_cache_and_weights_per_device():
@@ -50,6 +55,48 @@ def test_targets_pick_the_fewest_devices_that_carry_the_rate(capsys):
     assert code == 0 and out["layouts"]
     for s in out["layouts"]:
         assert s["devices"] <= 8 and s["batch"] * s["replicas"] >= 32 and s["kv_per_device"] > 0
+
+
+def test_each_sequence_adds_the_engines_measured_host_time():
+    """The engine's per-sequence costs (measured on a CPU) grow a step with its batch, decode and prefill alike, by
+    exactly what was measured: per layer and per step for each sequence, and the sampler over each row's logits."""
+    shape, h100 = model_shape("llama-1b", 2048), get_device("h100-sxm")
+    costly = dataclasses.replace(h100, decode_layer_sequence_overhead_s=2e-6, decode_sequence_overhead_s=3e-5,
+                                 sample_s_per_logit=1e-9)
+    per_sequence = shape.layers * 2e-6 + 3e-5 + shape.vocab * 1e-9
+
+    def decode(device, batch, kv=512):
+        return decode_time(shape, device, batch, kv, 1, "bf16", "bf16")
+
+    for batch in (1, 4, 16):
+        added = batch * per_sequence
+        assert host_time(shape, costly, batch, 1) - host_time(shape, h100, batch, 1) == pytest.approx(added)
+        assert decode(costly, batch) - decode(h100, batch) == pytest.approx(added)
+        prefill = [prefill_time(shape, d, batch, 512, 1, "bf16") for d in (costly, h100)]
+        assert prefill[0] - prefill[1] == pytest.approx(added)
+    # Attention over the cache takes its own rate where one was measured: slower, a long cache's step grows.
+    assert decode(dataclasses.replace(h100, decode_attention_flops=1e9), 16, 2048) > 2 * decode(h100, 16, 2048)
+
+
+def test_engine_overheads_recovers_the_four_figures(monkeypatch):
+    """The calibration's arithmetic: step times that follow layers · (l0 + b · l1) + s0 + b · s1 give back l0, l1,
+    s0 and s1 (the engine itself is replaced by that law here; the slow test below times the real one)."""
+    l0, l1, s0, s1 = 4e-4, 2e-5, 6e-4, 5e-5
+    monkeypatch.setattr(measure, "_debug_engine",
+                        lambda layers, batch, dtype, new: types.SimpleNamespace(layers=layers, stop=lambda: None))
+    monkeypatch.setattr(measure, "_tpot", lambda e, b, new: e.layers * (l0 + b * l1) + s0 + b * s1)
+    figures = measure.engine_overheads(torch.float32)
+    assert figures == pytest.approx(dict(decode_layer_overhead_s=l0, decode_layer_sequence_overhead_s=l1,
+                                         decode_step_overhead_s=s0, decode_sequence_overhead_s=s1))
+
+
+@pytest.mark.slow
+def test_engine_costs_are_measured_here():
+    """Through the real engine: three layers cost more than one. (The per-step and per-sequence figures are small
+    differences that a shared machine's load can drive to 0; benchmarks/serve_plan_vs_measured.py checks them.)"""
+    figures = measure.engine_overheads(torch.float32, batch=4, layers=3, new=8)
+    assert figures["decode_layer_overhead_s"] > 0 and all(v >= 0 for v in figures.values())
+    assert measure.decode_attention_rate(torch.float32) > 0 and measure.sample_time_per_logit(torch.float32) > 0
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -72,6 +72,15 @@ class DeviceSpec:
     read_bw: float | None = None
     decode_layer_overhead_s: float = 0.0
     decode_step_overhead_s: float = 0.0
+    # Where measured (CPU, through the engine itself: scalenlp.plan.measure.engine_overheads): what each sequence of
+    # the batch adds to a step's host time, per layer (attention's per-row kernel work, the cache's scatter) and per
+    # step (the sampler's rows, detokenizing, the callback), the sampler's time per logit, and the FLOP/s of attention
+    # over the KV cache (one query a row under a mask, far below the training kernel's rate). Elsewhere 0 / None: the
+    # GPU per-layer figure is fitted on lmdeploy's rows at batch 1-64 with no per-sequence term, and holds them.
+    decode_layer_sequence_overhead_s: float = 0.0
+    decode_sequence_overhead_s: float = 0.0
+    sample_s_per_logit: float = 0.0
+    decode_attention_flops: float | None = None
     # Latency of a ring step that crosses nodes (NIC, switches, NCCL's proxy thread); None: latency_s (one node).
     nic_latency_s: float | None = None
 

@@ -3,8 +3,10 @@
 - matmul rate over shapes from thin to square, fitted to the cost model's matmul time (arithmetic
   at peak · Π_d d/(d + half_dim), plus writing the result), which gives the CPU's peak and half dimension;
 - memory bandwidth (a large elementwise add into a fresh tensor; and reading a resident buffer, as decoding
-  streams weights), the dispatch cost of one small op and a decode step's host time per layer,
+  streams weights), the dispatch cost of one small op,
   the time per logit of the loss (cross-entropy forward + backward) and attention's FLOP rate;
+- for serving, in the engine's precision (serving_figures): matmuls over inference's shapes, the engine's host
+  time per step, layer and sequence, attention over a KV cache and the sampler's time per logit;
 - gloo all-reduce bandwidth and per-hop latency between two local processes, and how much longer
   its all-gather and reduce-scatter take than a ring would, each collective right after a burst of
   compute as in a training step; the resident memory such a process holds besides
@@ -25,6 +27,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -66,10 +69,14 @@ SERVING_SHAPES = tuple((m, n, k) for m in (1, 4, 16, 64, 256, 1024) for n, k in 
 def serving_figures(dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
     """Peak and half dimension of this machine's matmuls in the serving precision over inference's shapes: a CPU's
     bf16 kernels run thin rows far below their square-matrix rate (on the development machine 2 GFLOP/s at one
-    row, 17 at 16, 30 at 512), which the fp32 training shapes do not show."""
+    row, 17 at 16, 30 at 512), which the fp32 training shapes do not show; and the engine's own costs in that
+    precision: host time per step, layer and sequence (engine_overheads), attention over the KV cache
+    (decode_attention_rate) and the sampler per logit (sample_time_per_logit)."""
     rates = matmul_rates(dtype, SERVING_SHAPES)
     peak, half = fit_matmul_curve(rates, memory_bandwidth())
-    return {("peak_flops_bf16" if dtype == torch.bfloat16 else "peak_flops_fp32"): peak, "gemm_half_dim": half}
+    return {("peak_flops_bf16" if dtype == torch.bfloat16 else "peak_flops_fp32"): peak, "gemm_half_dim": half,
+            **engine_overheads(dtype), "decode_attention_flops": decode_attention_rate(dtype),
+            "sample_s_per_logit": sample_time_per_logit(dtype)}
 
 
 def fit_matmul_curve(rates, bandwidth: float) -> tuple[float, float]:
@@ -104,20 +111,98 @@ def read_bandwidth() -> float:
     return _rate(lambda: x.sum(), 4 * x.numel(), min_time=0.3)
 
 
-def decode_overheads() -> tuple[float, float]:
-    """(seconds per layer, seconds per step) of a decode step outside its arithmetic: the Llama-style debug model at
-    a width where nothing but dispatch costs, timed at one and five layers (a line through the two)."""
+def _debug_engine(layers: int, batch: int, dtype: torch.dtype, new: int):
+    """An engine on the Llama-style debug model with ``layers`` layers and a 64-token vocabulary, in ``dtype``: a
+    model whose arithmetic is negligible, so that what a step costs is the engine's and the ops' own time."""
+    from tokenizers import Tokenizer, models
+
+    from scalenlp.infer.engine import Engine
     from scalenlp.models.flavors import build_model, model_args
 
-    times = []
-    for layers in (1, 5):
-        model = build_model(model_args("debug", n_layers=layers, vocab_size=64, max_seq_len=16)).eval()
-        model.setup_kv_cache(1, 16, torch.float32)
-        tokens, positions = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), 3)
-        with torch.no_grad():
-            times.append(1.0 / _rate(lambda: model(tokens, positions, kv_len=4), 1.0, min_time=0.3))
-    per_layer = max(0.0, (times[1] - times[0]) / 4)
-    return per_layer, max(0.0, times[0] - per_layer)
+    vocab = 64
+    model = build_model(model_args("debug", n_layers=layers, vocab_size=vocab, max_seq_len=4 + new)).to(dtype).eval()
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    return Engine(model, tokenizer, max_batch=batch, max_queue=batch).start()
+
+
+def _tpot(engine, batch: int, new: int) -> float:
+    """Median over ``batch`` greedy requests of 4-token prompts, served together, of the seconds between their
+    tokens, counted as benchmarks/serve_plan_vs_measured.py counts TPOT."""
+    from scalenlp.infer.sampling import SamplingParams
+
+    stamps, done = [[] for _ in range(batch)], threading.Event()
+
+    def on_event(i, d):
+        stamps[i].append(d.time)
+        if d.finish_reason and all(len(s) == new for s in stamps):
+            done.set()
+
+    engine.submit_many([([1, 2, 3, 4], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))] * batch,
+                       [lambda d, i=i: on_event(i, d) for i in range(batch)])
+    done.wait()
+    return sorted((s[-1] - s[0]) / (new - 1) for s in stamps)[batch // 2]
+
+
+def engine_overheads(dtype: torch.dtype, batch: int = 16, layers: int = 9, new: int = 24) -> dict[str, float]:
+    """A decode step's host time outside its arithmetic, through the engine itself (scalenlp.infer.engine: the
+    loop's own tensors, each layer's ~50 small ops, the sampler, detokenizing and each request's callback), in the
+    serving dtype with the engine's packed weights: the step time of the debug model (_debug_engine) at 1 and
+    ``layers`` layers and 1 and ``batch`` sequences, four points that give four figures: per layer and per step,
+    and what each sequence of the batch adds to each (on a CPU the fused attention kernel and the cache's scatter
+    cost per row even when the rows are tiny). The four are timed in turn, five times, and each keeps its median:
+    on a shared machine a load that changes between them would otherwise go into the differences."""
+    points = [(n, b) for n in (1, layers) for b in (1, batch)]
+    engines = {p: _debug_engine(p[0], p[1], dtype, new) for p in points}
+    try:
+        _tpot(engines[points[0]], 1, 4)  # warm-up
+        times = {p: [] for p in points}
+        for _ in range(5):
+            for p in points:
+                times[p].append(_tpot(engines[p], p[1], new))
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    t = {p: sorted(v)[2] for p, v in times.items()}
+    per_layer = {b: (t[layers, b] - t[1, b]) / (layers - 1) for b in (1, batch)}
+    per_step = {b: t[1, b] - per_layer[b] for b in (1, batch)}
+    layer_seq = max(0.0, (per_layer[batch] - per_layer[1]) / (batch - 1))
+    step_seq = max(0.0, (per_step[batch] - per_step[1]) / (batch - 1))
+    return dict(decode_layer_overhead_s=max(0.0, per_layer[1] - layer_seq), decode_layer_sequence_overhead_s=layer_seq,
+                decode_step_overhead_s=max(0.0, per_step[1] - step_seq), decode_sequence_overhead_s=step_seq)
+
+
+def decode_attention_rate(dtype: torch.dtype, batch: int = 8, heads: int = 8, kv_heads: int = 4,
+                          head_dim: int = 64) -> float:
+    """FLOP/s of attention over a KV cache as the engine's decode step runs it (one query a row, a boolean mask,
+    grouped heads, the serving dtype), counted as the cost model counts it (4 · rows · heads · head_dim per cached
+    token): the slope between 128 and 512 cached tokens, so that the kernel's fixed cost per row, which
+    engine_overheads counts, is left out. On the development machine's CPU it ran at 0.7-2.5 GFLOP/s in bf16 (load
+    dependent), about a tenth of the training kernel's rate (attention_rate) measured beside it."""
+    import torch.nn.functional as F
+
+    seconds = []
+    for kv in (128, 512):
+        q = torch.randn(batch, heads, 1, head_dim, dtype=dtype)
+        k, v = (torch.randn(batch, kv_heads, kv, head_dim, dtype=dtype) for _ in range(2))
+        mask = torch.ones(batch, 1, 1, kv, dtype=torch.bool)
+        seconds.append(1.0 / _rate(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                                   1.0, min_time=0.3))
+    return 4 * batch * heads * head_dim * (512 - 128) / max(seconds[1] - seconds[0], 1e-9)
+
+
+def sample_time_per_logit(dtype: torch.dtype, batch: int = 16) -> float:
+    """Seconds per logit of picking a decode step's tokens (the engine's gather of each row's logits, then the
+    sampler: float conversion and argmax, greedy) over a 32k vocabulary, less the same at 1k (the sampler's fixed
+    cost, which engine_overheads counts)."""
+    from scalenlp.infer.sampling import SamplingBatch, SamplingParams, sample
+
+    params = SamplingBatch.build([SamplingParams(temperature=0)] * batch, [0] * batch, [0] * batch, "cpu")
+    index = torch.arange(batch)
+    seconds = []
+    for vocab in (1024, 32768):
+        logits = torch.randn(batch, 1, vocab, dtype=dtype)
+        seconds.append(1.0 / _rate(lambda: sample(logits[index, -1], params), 1.0, min_time=0.3))
+    return max(0.0, seconds[1] - seconds[0]) / (batch * (32768 - 1024))
 
 
 def op_overhead() -> float:
@@ -241,10 +326,9 @@ def compute_figures() -> dict[str, float]:
     dispatch cost of this process's share of the CPU."""
     bandwidth = memory_bandwidth()
     peak, half = fit_matmul_curve(matmul_rates(), bandwidth)
-    per_layer, per_step = decode_overheads()
     return dict(peak_flops_fp32=peak, peak_flops_bf16=peak * _rate_ratio(), gemm_half_dim=half, hbm_bw=bandwidth,
                 op_overhead_s=op_overhead(), loss_s_per_logit=loss_time_per_logit(), attention_flops=attention_rate(),
-                read_bw=read_bandwidth(), decode_layer_overhead_s=per_layer, decode_step_overhead_s=per_step)
+                read_bw=read_bandwidth())
 
 
 def _collective_after_compute(collective, reps: int) -> float:
@@ -345,8 +429,7 @@ def distributed_figures(world: int, with_compute: bool) -> dict[str, float]:
                    tp_linear_overhead_s=result["tp_linear"], vocab_parallel_loss_factor=result["loss_parallel"])
     if with_compute:
         figures.update({k: result[k] for k in ("peak_flops_fp32", "peak_flops_bf16", "gemm_half_dim", "hbm_bw",
-                                               "op_overhead_s", "loss_s_per_logit", "attention_flops", "read_bw",
-                                               "decode_layer_overhead_s", "decode_step_overhead_s")})
+                                               "op_overhead_s", "loss_s_per_logit", "attention_flops", "read_bw")})
     return figures
 
 

@@ -7,12 +7,15 @@ running its own continuous batch. Per device:
 - the largest batch: what the memory left after weights, the runtime and the last step's logits holds.
 Time, with the training cost model's matmul rate (peak · gemm_efficiency · thin-dimension factors,
 scalenlp.plan.cost) and the device's bandwidth:
-- TTFT: a prompt's prefill, every matmul at that rate (attention's causal half), plus the output projection
-  for its last token; on a CPU attention takes the measured fused kernel's rate,
+- TTFT: a prompt's prefill, every matmul at that rate (attention's causal half), its memory-bound kernels as the
+  training cost model prices a forward's, plus the output projection for its last token; on a CPU attention takes
+  the measured fused kernel's rate,
 - TPOT: one decode step of the whole batch, bounded below by streaming the weights and the batch's KV
   cache at HBM bandwidth and by its matmuls, plus two all-reduces of the batch's hidden states per layer
-  under tensor parallelism, plus the host time per layer and per step where the device does not hide it
-  (measured on a CPU: scalenlp.plan.measure.decode_overheads), which a prefill pays once too,
+  under tensor parallelism, plus the host time per layer and per step, each with a share per sequence, and the
+  sampler's per logit, where the device does not hide them (host_time; measured through the engine on a CPU:
+  scalenlp.plan.measure.engine_overheads), which a prefill pays once too; on a CPU attention over the cache
+  takes its own measured rate (scalenlp.plan.measure.decode_attention_rate),
 - throughput: the batch's output tokens over a request's time (TTFT + (output − 1) · TPOT), times replicas.
 Layouts that meet the targets are ranked by devices used (fewest first), then by throughput.
 """
@@ -25,7 +28,8 @@ from dataclasses import asdict, dataclass
 from scalenlp.errors import UserError
 from scalenlp.hardware import DeviceSpec
 from scalenlp.plan import comms
-from scalenlp.plan.cost import ELEMENT_BYTES, ModelShape, _gemm_time, gemm_efficiency, layer_matmuls
+from scalenlp.plan.cost import (ELEMENT_BYTES, ModelShape, _gemm_time, activation_bytes_per_layer, gemm_efficiency,
+                                layer_matmuls)
 
 # Bytes per weight: the serving precision's, or a quantized width (int4: two weights a byte; scales ignored).
 WEIGHT_BYTES = {**ELEMENT_BYTES, "int8": 1.0, "int4": 0.5}
@@ -73,7 +77,23 @@ def prefill_time(shape: ModelShape, device: DeviceSpec, batch: int, prompt: int,
                         peak, device, e)
     reduce = 2 * comms.ring_time("all_reduce", e * batch * prompt * shape.hidden, tp, device.intra_node_bw,
                                  device.latency_s)
-    return shape.layers * (sum(times) + reduce + device.decode_layer_overhead_s) + logits + device.decode_step_overhead_s
+    # Norms, rotary embeddings, the gate's activation and the residual adds: the training cost model's memory-bound
+    # traffic (elementwise_traffic times the layer's activations over a forward, backward and recompute) for a
+    # forward alone, a third of it.
+    stored = activation_bytes_per_layer(shape, batch, prompt, tp, False, "none", precision, True)
+    elementwise = device.elementwise_traffic * stored / 3 / device.hbm_bw
+    return shape.layers * (sum(times) + reduce + elementwise) + logits + host_time(shape, device, batch, tp)
+
+
+def host_time(shape: ModelShape, device: DeviceSpec, batch: int, tp: int) -> float:
+    """What one engine step of ``batch`` sequences spends outside its matmuls and streaming, which the device does
+    not hide: per layer and per step, each with a share per sequence, and the sampler's pass over the batch's
+    logits. On a CPU all four are measured through the engine (scalenlp.plan.measure.engine_overheads, and
+    sample_time_per_logit); on a GPU the per-layer figure is fitted on lmdeploy's rows (plan.calibrate) and the
+    others are 0."""
+    per_layer = device.decode_layer_overhead_s + batch * device.decode_layer_sequence_overhead_s
+    per_step = device.decode_step_overhead_s + batch * device.decode_sequence_overhead_s
+    return shape.layers * per_layer + per_step + batch * shape.vocab / tp * device.sample_s_per_logit
 
 
 def decode_time(shape: ModelShape, device: DeviceSpec, batch: int, kv_tokens: float, tp: int, precision: str,
@@ -89,11 +109,13 @@ def decode_time(shape: ModelShape, device: DeviceSpec, batch: int, kv_tokens: fl
         + logits[0] / (peak * gemm_efficiency(logits[1], device))
     attention_flops = 4 * batch * kv_tokens * shape.hidden / tp * shape.layers
     streamed = weight_bytes(shape, quantize) / tp + batch * kv_tokens * kv_bytes_per_token(shape, tp, precision)
-    compute = matmul + attention_flops / (device.attention_flops or peak * device.gemm_efficiency)
+    # Attention over the cache at the rate measured for it where there is one (CPU: one query a row under a mask
+    # runs far below the training kernel's rate), else the fused kernel's, else as matmuls.
+    rate = device.decode_attention_flops or device.attention_flops or peak * device.gemm_efficiency
+    compute = matmul + attention_flops / rate
     reduce = 2 * shape.layers * comms.ring_time("all_reduce", e * batch * shape.hidden, tp, device.intra_node_bw,
                                                 device.latency_s)
-    host = shape.layers * device.decode_layer_overhead_s + device.decode_step_overhead_s
-    return max(compute, streamed / (device.read_bw or device.hbm_bw)) + reduce + host
+    return max(compute, streamed / (device.read_bw or device.hbm_bw)) + reduce + host_time(shape, device, batch, tp)
 
 
 def max_batch(shape: ModelShape, device: DeviceSpec, context: int, tp: int, quantize: str,
