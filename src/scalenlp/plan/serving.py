@@ -31,8 +31,12 @@ from scalenlp.plan import comms
 from scalenlp.plan.cost import (ELEMENT_BYTES, ModelShape, _gemm_time, activation_bytes_per_layer, gemm_efficiency,
                                 layer_matmuls)
 
-# Bytes per weight: the serving precision's, or a quantized width (int4: two weights a byte; scales ignored).
-WEIGHT_BYTES = {**ELEMENT_BYTES, "int8": 1.0, "int4": 0.5}
+# Bytes per weight: the serving precision's, or a quantized width: int8 one byte (a scale per output channel is
+# negligible), int4 two weights a byte plus a bf16 scale and zero per group of 64 (`scalenlp quantize`'s default).
+WEIGHT_BYTES = {**ELEMENT_BYTES, "int8": 1.0, "int4": 0.5 + 4 / 64}
+# What a quantized model keeps outside its blocks (models/quantized.py, infer/sharded.py): the embedding table at
+# the serving precision, the output projection in int8 (int4 included), both whole on every tensor-parallel rank.
+OUTPUT_QUANTIZED = "int8"
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,15 @@ class ServeLayout:
         return {**asdict(self), "devices": self.devices}
 
 
-def weight_bytes(shape: ModelShape, quantize: str) -> float:
-    return shape.total_params * WEIGHT_BYTES[quantize]
+def weight_bytes(shape: ModelShape, quantize: str, tp: int = 1, precision: str = "bf16") -> float:
+    """Weights held by one of ``tp`` ranks. A floating model is split whole (the vocabulary too); a quantized one
+    splits its blocks only."""
+    if quantize in ELEMENT_BYTES:
+        return shape.total_params * ELEMENT_BYTES[quantize] / tp
+    output = shape.vocab * shape.hidden
+    return (shape.layers * shape.layer_params * WEIGHT_BYTES[quantize] / tp
+            + shape.embedding_params * ELEMENT_BYTES[precision] + output * WEIGHT_BYTES[OUTPUT_QUANTIZED]
+            + (shape.head_params - output) * ELEMENT_BYTES[precision])
 
 
 def kv_bytes_per_token(shape: ModelShape, tp: int, precision: str = "bf16") -> float:
@@ -108,7 +119,7 @@ def decode_time(shape: ModelShape, device: DeviceSpec, batch: int, kv_tokens: fl
     matmul = shape.layers * sum(f / (peak * gemm_efficiency(dims, device)) for f, dims in projections) \
         + logits[0] / (peak * gemm_efficiency(logits[1], device))
     attention_flops = 4 * batch * kv_tokens * shape.hidden / tp * shape.layers
-    streamed = weight_bytes(shape, quantize) / tp + batch * kv_tokens * kv_bytes_per_token(shape, tp, precision)
+    streamed = weight_bytes(shape, quantize, tp, precision) + batch * kv_tokens * kv_bytes_per_token(shape, tp, precision)
     # Attention over the cache at the rate measured for it where there is one (CPU: one query a row under a mask
     # runs far below the training kernel's rate), else the fused kernel's, else as matmuls.
     rate = device.decode_attention_flops or device.attention_flops or peak * device.gemm_efficiency
@@ -120,7 +131,7 @@ def decode_time(shape: ModelShape, device: DeviceSpec, batch: int, kv_tokens: fl
 
 def max_batch(shape: ModelShape, device: DeviceSpec, context: int, tp: int, quantize: str,
               precision: str = "bf16") -> int:
-    free = device.memory_bytes - device.runtime_bytes - weight_bytes(shape, quantize) / tp
+    free = device.memory_bytes - device.runtime_bytes - weight_bytes(shape, quantize, tp, precision)
     per_sequence = context * kv_bytes_per_token(shape, tp, precision) + 4 * shape.vocab / tp  # cache, fp32 logits
     return max(0, int(free // per_sequence))
 
@@ -137,7 +148,7 @@ def evaluate(shape: ModelShape, device: DeviceSpec, tp: int, replicas: int, batc
     tpot = decode_time(shape, device, batch, prompt + output / 2, tp, precision, quantize)
     per_request = ttft + max(0, output - 1) * tpot
     kv_seq = context * kv_bytes_per_token(shape, tp, precision)
-    return ServeLayout(tp=tp, replicas=replicas, batch=batch, weights_per_device=weight_bytes(shape, quantize) / tp,
+    return ServeLayout(tp=tp, replicas=replicas, batch=batch, weights_per_device=weight_bytes(shape, quantize, tp, precision),
                        kv_per_sequence=kv_seq, kv_per_device=batch * kv_seq,
                        max_batch=max_batch(shape, device, context, tp, quantize, precision), ttft_s=ttft, tpot_s=tpot,
                        tokens_per_sec=replicas * batch * output / per_request)
@@ -192,7 +203,7 @@ def _no_fit_message(shape: ModelShape, device: DeviceSpec, devices: int, gpus_pe
                     quantize: str, precision: str) -> str:
     gib = 2**30
     largest = max(tensor_parallel_degrees(shape, devices, gpus_per_node), default=1)
-    need = weight_bytes(shape, quantize) / gib
+    need = weight_bytes(shape, quantize, precision=precision) / gib
     what = []
     for t in tensor_parallel_degrees(shape, gpus_per_node, gpus_per_node):
         if t > largest and max_batch(shape, device, context, t, quantize, precision) >= 1:
@@ -201,7 +212,7 @@ def _no_fit_message(shape: ModelShape, device: DeviceSpec, devices: int, gpus_pe
     for q in ("int8", "int4"):
         if WEIGHT_BYTES[q] < WEIGHT_BYTES[quantize] and any(
                 max_batch(shape, device, context, t, q, precision) >= 1 for t in tensor_parallel_degrees(shape, devices, gpus_per_node)):
-            what.append(f"--quantize {q} ({weight_bytes(shape, q) / gib:,.1f} GiB of weights)")
+            what.append(f"--quantize {q} ({weight_bytes(shape, q, precision=precision) / gib:,.1f} GiB of weights)")
             break
     fix = " or ".join(what) if what else "a device with more memory"
     return (f"{shape.name}'s weights ({need:,.1f} GiB at {quantize}) and one {context}-token sequence's KV cache do not "
