@@ -9,12 +9,14 @@ import httpx
 import pytest
 import torch
 from infer_helpers import make_export, wait_healthy
+from train_helpers import HANG_GUARD_S, cli_env, error_lines
 
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.infer.engine import Engine
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained
+from scalenlp.train import faults
 
 torch.set_num_threads(1)
 PROMPTS = ["the quick brown fox", "hello", "continuous batching lets requests join", "a"]
@@ -46,3 +48,18 @@ def test_tp2_greedy_identical_to_tp1(tmp_path, flavor):
     finally:
         proc.terminate()
         proc.wait(timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_whose_forward_raises_ends_generate(tmp_path, rank):
+    """The first decode step (forward 1, after the prefill) raises on one rank: the other ranks wait in a
+    collective it never joins, yet every process ends, with one error line that names the rank and the error."""
+    export = make_export(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "scalenlp", "generate", "--checkpoint", str(export), "--tp", "2",
+                           "--dtype", "float32", "--prompt", "hello", "--max-tokens", "4"],
+                          env={**cli_env(), faults.ENV: f"raise@{rank}:1"}, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    assert proc.returncode != 0
+    [line] = error_lines(proc.stderr)
+    assert f"tensor-parallel rank {rank} failed: RuntimeError('{faults.ENV}: injected failure at step 1')" in line

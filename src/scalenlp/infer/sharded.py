@@ -6,14 +6,23 @@ and its own KV-cache shard (n_kv_heads / N heads). Rank 0's engine
 calls ``ShardedModel`` exactly like a local model; each call first broadcasts the step's inputs,
 so that the other ranks, waiting in ``follow``, run the same forward and join its collectives.
 Sampling happens on rank 0 alone: after the output projection every rank holds the full logits.
+
+A forward that raises on one rank leaves the others blocked in a collective for IDLE_TIMEOUT, and gloo
+has no abort, so a failure ends processes rather than being recovered from; rank 0 is the parent of the
+others, so it alone decides: a failing follower sends it one line on a pipe and exits; rank 0, watching
+its children, prints that line and exits 1. Rank 0's own failure kills the followers (blocked where no
+message reaches them) when the engine stops, and the engine dies as it does on one process.
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import multiprocessing
+import multiprocessing.connection
 import os
 import socket
+import sys
 import threading
 
 import torch
@@ -23,6 +32,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel
 
 from scalenlp.errors import UserError
 from scalenlp.layout import Layout, ModelSizes, check
+from scalenlp.train import faults
 
 FORWARD, SETUP_CACHE, STOP = 0, 1, 2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -123,23 +133,49 @@ class ShardedModel:
     """Rank 0's handle on the sharded model: same calls as a Transformer, broadcast to every rank.
     ``close`` (called by ``Engine.stop``) releases the followers."""
 
-    def __init__(self, model, followers=()):
+    def __init__(self, model, followers=(), reports: multiprocessing.connection.Connection | None = None):
         self.model = model
         self.args = model.args
         self.device = next(model.parameters()).device
         self.followers = list(followers)
+        self.reports = reports  # (rank, error) from a follower whose forward raised, sent just before it exits
         self.closing = threading.Event()
+        self.failed = False  # rank 0's forward raised: the followers wait in a collective it never joined
+        self.fault = faults.planned(0)
+        self.forwards = 0
+        self._failure: str | None = None
+        self._exiting = threading.RLock()
         if self.followers:
             threading.Thread(target=self._watch_followers, daemon=True).start()
 
     def _watch_followers(self) -> None:
         # A dead rank leaves the others blocked in a collective forever: exit, so that whatever
         # supervises this process (a Ray Serve controller, systemd, Kubernetes) restarts it.
-        while all(p.is_alive() for p in self.followers):
-            for p in self.followers:
-                p.join(1.0)
+        multiprocessing.connection.wait([p.sentinel for p in self.followers])
         if not self.closing.is_set():
-            print("error: a tensor-parallel rank died; stopping", flush=True)
+            self._exit_for_follower()
+
+    def _follower_failure(self) -> str | None:
+        """What ended a follower, once one has: its report (sent before it exits), or else its exit code."""
+        with self._exiting:
+            if self._failure is None and self.reports is not None and self.reports.poll():
+                rank, error = self.reports.recv()
+                self._failure = f"tensor-parallel rank {rank} failed: {error}"
+            if self._failure is not None:
+                return self._failure
+            ended = multiprocessing.connection.wait([p.sentinel for p in self.followers], timeout=0)
+            for rank, p in enumerate(self.followers, 1):
+                if p.sentinel in ended:
+                    p.join()  # its sentinel is ready: it has exited, and join reads the exit code
+                    return f"tensor-parallel rank {rank} died (exit code {p.exitcode})"
+            return None
+
+    def _exit_for_follower(self) -> None:
+        # The engine thread (its collective raised) and the watcher may both get here: one line, one exit.
+        with self._exiting:
+            print(f"error: {self._follower_failure()}; stopping", file=sys.stderr, flush=True)
+            for p in self.followers:  # with more than two ranks, the others still wait in a collective
+                p.kill()
             os._exit(1)
 
     def parameters(self):
@@ -156,15 +192,32 @@ class ShardedModel:
 
     def __call__(self, tokens, input_pos, slots=None, kv_len=None, logits_at=None):
         B, T = tokens.shape
-        self._broadcast_header(FORWARD, B, T, -1 if kv_len is None else kv_len, slots is not None,
-                               logits_at is not None)
-        for t in (tokens, input_pos, slots, logits_at):
-            if t is not None:
-                dist.broadcast(t.contiguous(), src=0)
-        return self.model(tokens, input_pos, slots, kv_len=kv_len, logits_at=logits_at)
+        try:
+            self._broadcast_header(FORWARD, B, T, -1 if kv_len is None else kv_len, slots is not None,
+                                   logits_at is not None)
+            for t in (tokens, input_pos, slots, logits_at):
+                if t is not None:
+                    dist.broadcast(t.contiguous(), src=0)
+            faults.inject(self.fault, self.forwards, None)
+            logits = self.model(tokens, input_pos, slots, kv_len=kv_len, logits_at=logits_at)
+        except Exception as e:
+            # A follower that failed first closes its connections, and so fails rank 0's collective:
+            # its own error, not this one, is the cause.
+            if self._follower_failure() is not None:
+                self._exit_for_follower()
+            self.failed = True
+            raise RuntimeError(f"tensor-parallel rank 0 failed: {e!r}") from e
+        self.forwards += 1
+        return logits
 
     def close(self) -> None:
         self.closing.set()
+        if self.failed:
+            for p in self.followers:
+                p.kill()
+                p.join()
+            dist.destroy_process_group()
+            return
         self._broadcast_header(STOP)
         for p in self.followers:
             p.join()
@@ -172,10 +225,11 @@ class ShardedModel:
 
 
 @torch.inference_mode()
-def follow(model) -> None:
-    """Ranks > 0: run whatever rank 0 runs, until it says stop."""
+def follow(model, fault: tuple[str, int] | None) -> None:
+    """Ranks > 0: run whatever rank 0 runs, until it says stop. ``fault``: see ``faults.planned``."""
     device = next(model.parameters()).device
     header = torch.empty(HEADER, dtype=torch.long, device=device)
+    forwards = 0
     while True:
         dist.broadcast(header, src=0)
         cmd, *rest = header.tolist()
@@ -193,7 +247,9 @@ def follow(model) -> None:
         for t in (tokens, input_pos, slots, logits_at):
             if t is not None:
                 dist.broadcast(t, src=0)
+        faults.inject(fault, forwards, None)
         model(tokens, input_pos, slots, kv_len=None if kv_len < 0 else kv_len, logits_at=logits_at)
+        forwards += 1
 
 
 def free_port() -> int:
@@ -202,7 +258,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _follower_main(rank: int, world_size: int, port: int, checkpoint: str, dtype_name: str, quantize) -> None:
+def _follower_main(rank: int, world_size: int, port: int, checkpoint: str, dtype_name: str, quantize,
+                   reports: multiprocessing.connection.Connection) -> None:
     from scalenlp.infer.engine import pick_dtype
     from scalenlp.models.loader import read
 
@@ -210,27 +267,30 @@ def _follower_main(rank: int, world_size: int, port: int, checkpoint: str, dtype
     device = init_process_group(rank, world_size, port)
     model = load_sharded(read(checkpoint), device, pick_dtype(device, dtype_name), quantize)
     try:
-        follow(model)
-    finally:
-        dist.destroy_process_group()
+        follow(model, faults.planned(rank))
+    except Exception as e:  # noqa: BLE001 - told to rank 0, which prints it: one line, not a child's traceback
+        reports.send((rank, repr(e)))
+        # Not destroy_process_group: it may wait on ranks that wait in a collective for this one.
+        os._exit(1)
+    dist.destroy_process_group()
 
 
 def start_sharded(pre, tp: int, dtype_name: str, quantize=None) -> ShardedModel:
     """Spawn ranks 1..tp-1, each reading the checkpoint ``pre`` was read from, become rank 0 with ``pre``
     (a ``Pretrained``), and return the handle the engine drives. ``quantize``: a ``Quantization`` applied at load."""
-    import multiprocessing
-
     from scalenlp.infer.engine import pick_dtype
 
     check_tp(pre.args, tp)
     check_quantized_tp(pre.args, quantize or pre.quantization, tp)
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
-    followers = [ctx.Process(target=_follower_main, args=(r, tp, port, str(pre.path), dtype_name, quantize),
-                                 daemon=True)
+    # A pipe, not a Queue: its semaphores would be reported leaked when rank 0 ends with os._exit.
+    reports, report = ctx.Pipe(duplex=False)
+    followers = [ctx.Process(target=_follower_main,
+                             args=(r, tp, port, str(pre.path), dtype_name, quantize, report), daemon=True)
                  for r in range(1, tp)]
     for p in followers:
         p.start()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
     device = init_process_group(0, tp, port)
-    return ShardedModel(load_sharded(pre, device, pick_dtype(device, dtype_name), quantize), followers)
+    return ShardedModel(load_sharded(pre, device, pick_dtype(device, dtype_name), quantize), followers, reports)

@@ -8,6 +8,8 @@ the first attempt of a torchrun job only (TORCHELASTIC_RESTART_COUNT=0), so the 
 - ``sigterm``: the rank sends SIGTERM to its torchrun agent, as a scheduler does before a kill.
 - ``damage``: the rank overwrites the middle of one shard of the newest checkpoint, then SIGKILLs itself:
   a checkpoint that looks complete but is not whole.
+- ``raise``: the rank raises RuntimeError, as a failing kernel would. Tensor-parallel inference counts a step
+  per forward (``raise@1:0``: rank 1's first forward fails).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import signal
 import time
 
 ENV = "SCALENLP_FAULT"
-KINDS = ("kill", "hang", "sigterm", "damage")
+KINDS = ("kill", "hang", "sigterm", "damage", "raise")
 
 
 def planned(rank: int) -> tuple[str, int] | None:
@@ -33,10 +35,12 @@ def planned(rank: int) -> tuple[str, int] | None:
 
 
 def inject(fault: tuple[str, int] | None, step: int, checkpointer) -> None:
-    """Called by the trainer after each step."""
+    """Called by the trainer after each step, and by each tensor-parallel inference rank before its forwards."""
     if fault is None or fault[1] != step:
         return
     kind = fault[0]
+    if kind == "raise":
+        raise RuntimeError(f"{ENV}: injected failure at step {step}")
     if kind == "hang":
         time.sleep(3600)
     elif kind == "sigterm":
