@@ -1,6 +1,6 @@
 """scalenlp against torchtitan on one machine: tokens/s, loss and peak memory per process, side by side.
 
-    python benchmarks/vs_torchtitan.py --work /tmp/titan-work [--steps 20] [--rounds 1] [--rows fp32,bf16,fsdp]
+    python benchmarks/vs_torchtitan.py --work /tmp/titan-work [--steps 20] [--rounds 1] [--rows fp32,bf16,fsdp] [--compile]
 
 Drives the shared peer (../shared/peers/torchtitan: torchtitan 0.3.0's llama3 debug model, 6.16M
 parameters, sequence 2048, batch 8, its test tokenizer, the substitute text): ``--work`` holds the
@@ -11,6 +11,9 @@ round's figures:
 - loss at step N (both deterministic, same seed; the data order is each trainer's own);
 - peak RSS: the largest resident set of any process of the run (getrusage of a wrapper's children).
 The load average before each run is printed beside it: on a shared machine the ratios are the figure.
+Both trainers run eager (torchtitan's configs leave compile off), or with ``--compile`` both compile each
+transformer block (scalenlp's training.compile, torchtitan's --compile.enable, which also compiles its loss);
+the table's title says which.
 """
 
 from __future__ import annotations
@@ -54,12 +57,13 @@ def throughput(walls: dict[int, float], last: int) -> float:
     return SEQ * BATCH * (last - 3) / (walls[last] - walls[3])
 
 
-def titan_run(peer: Path, work: Path, row: str, steps: int, name: str) -> dict:
+def titan_run(peer: Path, work: Path, row: str, steps: int, name: str, compiled: bool) -> dict:
     procs, threads, dtype = ROWS[row]
     log = work / "logs" / f"{name}.log"
     env = dict(os.environ, WORK=str(work))
     cmd = ["bash", str(peer / "run_bench.sh"), name, str(procs), str(BATCH // procs), str(threads),
-           "--training.steps", str(steps), "--training.mixed-precision-param", dtype, "activation-checkpoint:none"]
+           "--training.steps", str(steps), "--training.mixed-precision-param", dtype,
+           *(["--compile.enable"] if compiled else []), "activation-checkpoint:none"]  # the subcommand comes last
     rss = run_measured(cmd, env, work / f"{name}.wrapper.log")
     pattern = re.compile(r"\[titan\] (\S+ \S+) - root - INFO - step:\s+(\d+)\s+loss:\s+([\d.]+)")
     walls, losses = {}, {}
@@ -72,7 +76,7 @@ def titan_run(peer: Path, work: Path, row: str, steps: int, name: str) -> dict:
     return {"tok_s": throughput(walls, steps), "loss": losses[steps], "rss": rss}
 
 
-def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: Path) -> dict:
+def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: Path, compiled: bool) -> dict:
     procs, threads, dtype = ROWS[row]
     run_dir = work / "scalenlp-runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -82,7 +86,7 @@ def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: 
             # torchtitan's debug-model recipe: AdamW 8e-4, 2 warm-up steps, decay to 0, clip 1, seed 42.
             "training.lr=8e-4", "training.warmup_steps=2", "training.min_lr_ratio=0", "training.seed=42",
             "training.log_every=1", "training.eval_every=0", "checkpoint.every=0", "checkpoint.export=false",
-            f"training.param_dtype={dtype}"]
+            f"training.param_dtype={dtype}", f"training.compile={str(compiled).lower()}"]
     if procs > 1:
         sets.append("parallel.data_parallel=zero3")
     args = [a for s in sets for a in ("--set", s)]
@@ -107,6 +111,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="steps per run; 200 for the longer loss comparison")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--compile", action="store_true", help="both trainers compile each transformer block")
     args = parser.parse_args()
     work = args.work.resolve()
     if not (work / "venv" / "bin" / "torchrun").exists():
@@ -124,11 +129,12 @@ def main() -> int:
             for trainer in ("torchtitan", "scalenlp"):
                 load = os.getloadavg()[0]
                 name = f"{trainer}-{row}-{rnd}"
-                out = (titan_run(args.peer, work, row, args.steps, name) if trainer == "torchtitan"
-                       else scalenlp_run(args.peer, work, row, args.steps, name, data))
+                out = (titan_run(args.peer, work, row, args.steps, name, args.compile) if trainer == "torchtitan"
+                       else scalenlp_run(args.peer, work, row, args.steps, name, data, args.compile))
                 results.append({"round": rnd, "row": row, "trainer": trainer, "load": load, **out})
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    print(f"\n{'config':<46}{'round':>6}{'torchtitan tok/s':>18}{'scalenlp tok/s':>16}{'ratio':>7}"
+    print("\nboth trainers " + ("compiled (per transformer block)" if args.compile else "eager"))
+    print(f"{'config':<46}{'round':>6}{'torchtitan tok/s':>18}{'scalenlp tok/s':>16}{'ratio':>7}"
           f"{f'loss@{args.steps} tt':>13}{'scalenlp':>10}{'peak RSS tt':>13}{'scalenlp':>10}{'load':>11}")
     for rnd in range(args.rounds):
         for row in rows:
