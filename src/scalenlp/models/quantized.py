@@ -398,7 +398,7 @@ def quantize_state(state: dict[str, torch.Tensor], linears: dict[str, nn.Linear]
     check_shapes(spec, linears)
     blocks = blocks or {}
     out = {k: v for k, v in state.items() if not (tied and k == "output.weight")}
-    mapped, rounded = Counter(), Counter()
+    mapped, requantized = Counter(), Counter()
     for name in linears:
         key = "tok_embeddings.weight" if tied and name == "output" else f"{name}.weight"
         if key not in state:  # e.g. the state dict of a model an Engine packed: its linears keep no parameters
@@ -413,19 +413,19 @@ def quantize_state(state: dict[str, torch.Tensor], linears: dict[str, nn.Linear]
         else:
             tensors = quantize_weight(own, state[key].to("cpu"))
             if kind is not None:
-                rounded[kind, own] += 1
+                requantized[kind, own] += 1
         for buffer, tensor in tensors.items():
             out[f"{name}.{buffer}"] = tensor
     if blocks:
-        print(gguf_note(spec, mapped, rounded), file=sys.stderr, flush=True)
+        print(gguf_note(spec, mapped, requantized), file=sys.stderr, flush=True)
     return out
 
 
-def gguf_note(spec: Quantization, mapped: Counter, rounded: Counter) -> str:
+def gguf_note(spec: Quantization, mapped: Counter, requantized: Counter) -> str:
     """Which of a GGUF file's quantized weights ``spec`` took as they are, and why the others were rounded again
-    (``rounded`` counts them by GGML type and the quantization each got)."""
+    (``requantized`` counts them by GGML type and the quantization each got)."""
     parts = [f"{n} linears take the file's {kind} blocks as they are" for kind, n in mapped.items()]
-    for (kind, own), n in rounded.items():
+    for (kind, own), n in requantized.items():
         why = ("int8 keeps one scale per output channel, and Q8_0's scale per 32 inputs does not fit it"
                if kind == "Q8_0" and own.method != "int4" else
                f"--group-size {GGUF_BLOCK} would take them as they are" if kind in GGUF_INT4 and own.method == "int4"
