@@ -28,18 +28,17 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.parity import free_port, make_config  # noqa: E402
+from benchmarks.parity import make_config  # noqa: E402
 from scalenlp.models.flavors import build_model, model_args  # noqa: E402
 from scalenlp.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from scalenlp.parallel.parallelize import apply_ac, loss_context, parallelize, shard_optimizer_state  # noqa: E402
 from scalenlp.train.trainer import cross_entropy  # noqa: E402
 from scalenlp.parallel.data_parallel import local_optimizer  # noqa: E402
+from scalenlp.testing.ranks import spawn_ranks  # noqa: E402
 
 MODES = ("ddp", "zero1", "zero2", "zero3")
 # Big enough that per-tensor rounding of shards is noise, small enough for 4 processes on 2 cores.
@@ -143,22 +142,18 @@ def loss_peaks(world: int) -> dict:
     return results
 
 
-def _worker(rank: int, world: int, port: int, measure, out: str) -> None:
+def _worker(rank: int, world: int, measure, out: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU measurement (gloo) wherever it runs
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     results = measure(world)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
 
 
 def spawn(measure, world: int) -> dict:
     """``measure(world)`` on ``world`` processes; rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "memory.json")
-        mp.spawn(_worker, args=(world, free_port(), measure, out), nprocs=world)
+        spawn_ranks(_worker, world, measure, out)
         return json.loads(Path(out).read_text())
 
 

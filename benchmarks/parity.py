@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -26,7 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from scalenlp.config import Config
 from scalenlp.models.flavors import build_model, model_args
@@ -35,6 +33,7 @@ from scalenlp.parallel.mesh import ParallelDims, build_mesh, dp_rank
 from scalenlp.parallel.parallelize import (check_layout, clip_grad_norm_, dp_mesh, loss_context, parallelize,
                                            shard_optimizer_state)
 from scalenlp.parallel.pipeline import build_pipeline
+from scalenlp.testing.ranks import spawn_ranks
 from scalenlp.train.trainer import cross_entropy, lm_loss
 
 # name -> (world size, overrides: [parallel] keys, or "section.key" for other sections)
@@ -151,22 +150,12 @@ def train(parallel: dict, world: int, steps: int, shape: Shape = PARITY) -> dict
     return {"loss": losses, "grad_norm": norms, "step_s": seconds}
 
 
-def _worker(rank: int, world: int, port: int, layouts: dict[str, dict], steps: int, shape: Shape, out: str) -> None:
+def _worker(rank: int, world: int, layouts: dict[str, dict], steps: int, shape: Shape, out: str) -> None:
     # A CPU harness (gloo, one thread per process) wherever it runs: several ranks cannot share one GPU.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {name: train(parallel, world, steps, shape) for name, parallel in layouts.items()}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_layouts(names: list[str], steps: int, shape: Shape = PARITY,
@@ -177,7 +166,7 @@ def run_layouts(names: list[str], steps: int, shape: Shape = PARITY,
         group = {n: layouts[n][1] for n in names if layouts[n][0] == world}
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "results.json")
-            mp.spawn(_worker, args=(world, free_port(), group, steps, shape, out), nprocs=world)
+            spawn_ranks(_worker, world, group, steps, shape, out)
             results |= json.loads(Path(out).read_text())
     return results
 

@@ -25,13 +25,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.parity import free_port  # noqa: E402
-from scalenlp.parallel.pipeline import SCHEDULES  # noqa: E402
+from scalenlp.parallel.pipeline import SCHEDULES
+from scalenlp.testing.ranks import spawn_ranks
 
 MICROBATCHES = (4, 8, 16)
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -104,10 +102,7 @@ def measure(schedule_name: str, m: int, p: int, rank: int, model_forward_s: floa
     return {"idle": 1 - meter.busy / elapsed, "peak": meter.peak / v, "elapsed": elapsed}
 
 
-def _worker(rank: int, p: int, port: int, forward_s: float, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=p)
+def _worker(rank: int, p: int, forward_s: float, out: str) -> None:
     results = {}
     for name in SCHEDULE_NAMES:
         for m in MICROBATCHES:
@@ -117,7 +112,6 @@ def _worker(rank: int, p: int, port: int, forward_s: float, out: str) -> None:
             results[f"{name}/{m}"] = everyone
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
 
 
 def theory(name: str, p: int, m: int) -> tuple[float, str]:
@@ -138,7 +132,7 @@ def main() -> int:
     for p in (2, 4):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "pipeline.json")
-            mp.spawn(_worker, args=(p, free_port(), args.forward_ms / 1000, out), nprocs=p)
+            spawn_ranks(_worker, p, args.forward_ms / 1000, out)
             results = json.loads(Path(out).read_text())
         for name in SCHEDULE_NAMES:
             for m in MICROBATCHES:

@@ -9,16 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from scalenlp.errors import UserError
-from scalenlp.infer.sharded import free_port
 from scalenlp.models import loader
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.hf_bert import write_bert_folder
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.packaged import packaged_model
+from scalenlp.testing.ranks import spawn_ranks
 
 torch.set_num_threads(1)
 
@@ -148,35 +146,30 @@ def test_missing_tensor_is_a_user_error(tmp_path):
         loader.read(folder)
 
 
-def _tp_worker(rank, world, port):
+def _tp_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     from scalenlp.parallel.tensor_parallel import apply_tp
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        ids = torch.randint(0, 96, (3, 12), generator=torch.Generator().manual_seed(1))
-        mask = (torch.arange(12) < torch.tensor([[12], [7], [3]])).long()  # right-padded, three lengths
-        for task in ("classification", "token_classification"):
-            reference = tiny(task, vocab_size=96)
-            sharded = copy.deepcopy(reference)
-            with pytest.raises(ValueError, match="sequence parallelism is not implemented for encoders"):
-                apply_tp(sharded, mesh["tp"], sequence_parallel=True)
-            apply_tp(sharded, mesh["tp"], sequence_parallel=False)
-            for name in ("layers.0.attention.wq.weight", "layers.1.feed_forward.w2.weight", "tok_embeddings.weight"):
-                local = sharded.get_parameter(name).to_local()
-                assert local.numel() == reference.get_parameter(name).numel() // world, name
-            with torch.no_grad():
-                ours, theirs = sharded(ids, mask), reference(ids, mask)
-                keep = mask.bool() if ours.dim() == 3 else slice(None)
-                torch.testing.assert_close(ours[keep], theirs[keep], atol=1e-6, rtol=1e-5)
-                torch.testing.assert_close(sharded.embed(ids, mask), reference.embed(ids, mask), atol=1e-6, rtol=1e-5)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    ids = torch.randint(0, 96, (3, 12), generator=torch.Generator().manual_seed(1))
+    mask = (torch.arange(12) < torch.tensor([[12], [7], [3]])).long()  # right-padded, three lengths
+    for task in ("classification", "token_classification"):
+        reference = tiny(task, vocab_size=96)
+        sharded = copy.deepcopy(reference)
+        with pytest.raises(ValueError, match="sequence parallelism is not implemented for encoders"):
+            apply_tp(sharded, mesh["tp"], sequence_parallel=True)
+        apply_tp(sharded, mesh["tp"], sequence_parallel=False)
+        for name in ("layers.0.attention.wq.weight", "layers.1.feed_forward.w2.weight", "tok_embeddings.weight"):
+            local = sharded.get_parameter(name).to_local()
+            assert local.numel() == reference.get_parameter(name).numel() // world, name
+        with torch.no_grad():
+            ours, theirs = sharded(ids, mask), reference(ids, mask)
+            keep = mask.bool() if ours.dim() == 3 else slice(None)
+            torch.testing.assert_close(ours[keep], theirs[keep], atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(sharded.embed(ids, mask), reference.embed(ids, mask), atol=1e-6, rtol=1e-5)
 
 
 def test_tensor_parallel_encoder_matches_one_process():
     """Two gloo processes: column/row-parallel q/k/v/o and MLP, vocabulary-parallel embedding."""
-    mp.spawn(_tp_worker, args=(2, free_port()), nprocs=2)
+    spawn_ranks(_tp_worker, 2)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -11,15 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from scalenlp.data.labeled import (IGNORE_LABEL, LabeledLoader, eval_batches, label_ids, label_names, read_labeled,
                                    tokenize_labeled)
 from scalenlp.data.tokenizer import load_tokenizer
 from scalenlp.errors import UserError
-from scalenlp.infer.sharded import free_port
 from scalenlp.models.packaged import packaged_model
+from scalenlp.testing.ranks import spawn_ranks
 from scalenlp.train.scores import all_reduce_counts, classification_scores, confusion_matrix
 
 torch.set_num_threads(1)
@@ -320,19 +317,14 @@ def test_scores_match_hand_computed_values():
     assert classification_scores(confusion_matrix(PREDICTIONS, LABELS, 4)) == scores
 
 
-def _reduce_counts(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        share = slice(0, 2) if rank == 0 else slice(2, None)  # shares of different sizes
-        counts = all_reduce_counts(confusion_matrix(PREDICTIONS[share], LABELS[share], 3))
-        torch.save(counts, out / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _reduce_counts(rank, world, out):
+    share = slice(0, 2) if rank == 0 else slice(2, None)  # shares of different sizes
+    counts = all_reduce_counts(confusion_matrix(PREDICTIONS[share], LABELS[share], 3))
+    torch.save(counts, out / f"rank{rank}.pt")
 
 
 def test_scores_over_ranks_are_those_of_the_whole_set(tmp_path):
-    mp.spawn(_reduce_counts, args=(2, free_port(), tmp_path), nprocs=2)
+    spawn_ranks(_reduce_counts, 2, tmp_path)
     whole = classification_scores(confusion_matrix(PREDICTIONS, LABELS, 3))
     for rank in range(2):
         assert classification_scores(torch.load(tmp_path / f"rank{rank}.pt")) == whole

@@ -4,14 +4,12 @@ gradient-norm parity of every layout against one process (gloo, one thread per p
 from __future__ import annotations
 
 import copy
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from scalenlp.config import Config, ConfigError
@@ -19,6 +17,7 @@ from scalenlp.models.flavors import build_model, model_args
 from scalenlp.parallel.mesh import ParallelDims
 from scalenlp.parallel.parallelize import apply_ac, check_layout
 from scalenlp.parallel.pipeline import layer_costs, split_layers, stage_module
+from scalenlp.testing.ranks import spawn_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import parity  # noqa: E402  (the parity harness is shared with the benchmark script)
@@ -26,23 +25,6 @@ from benchmarks import parity  # noqa: E402  (the parity harness is shared with 
 pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
 
 torch.set_num_threads(1)
-
-
-def _spawn(fn, world: int, *args, backend: str = "gloo") -> None:
-    mp.spawn(_init_and_run, args=(world, parity.free_port(), fn, args, backend), nprocs=world)
-
-
-def _init_and_run(rank, world, port, fn, args, backend):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-        # Both ranks finish every collective before either tears down its gloo pairs and rank 0 its store:
-        # once in ~100 CI runs rank 0 aborted ("terminate called without an active exception") at the end.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 # -- tensor parallelism, layer level ----------------------------------------------------------------
@@ -80,7 +62,7 @@ def _check_tp(world, flavor, sequence_parallel):
 def test_tensor_parallel_model_matches_unsharded_forward_and_backward():
     """Llama (RoPE, GQA, SwiGLU) and GPT-2 (learned positions, GELU, biases, tied embeddings), with
     and without sequence parallelism."""
-    _spawn(_tp_matches_unsharded, 2)
+    spawn_ranks(_tp_matches_unsharded, 2)
 
 
 def _loss_parallel_matches_gathered_logits(rank, world):
@@ -120,7 +102,7 @@ def _loss_parallel_matches_gathered_logits(rank, world):
 def test_loss_parallel_keeps_logits_sharded_on_the_vocabulary():
     """Under tp2 (with and without sequence parallelism) the output projection returns V/tp columns
     per rank, and the vocabulary-parallel loss and every gradient match the gathered-logits path."""
-    _spawn(_loss_parallel_matches_gathered_logits, 2)
+    spawn_ranks(_loss_parallel_matches_gathered_logits, 2)
 
 
 def test_loss_parallel_trains_like_gathered_logits():
@@ -148,7 +130,7 @@ def _fsdp_shards(rank, world):
 
 
 def test_zero3_holds_one_shard_of_every_parameter():
-    _spawn(_fsdp_shards, 2)
+    spawn_ranks(_fsdp_shards, 2)
 
 
 def _offload_trains_like_resident(rank, world):
@@ -176,7 +158,7 @@ def _offload_trains_like_resident(rank, world):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="parallel.offload moves FSDP shards off a GPU: needs CUDA")
 def test_offload_keeps_shards_on_the_cpu_and_trains_like_gpu_resident_shards():
-    _spawn(_offload_trains_like_resident, 1, backend="nccl")
+    spawn_ranks(_offload_trains_like_resident, 1, backend="nccl")
 
 
 def _zero1_shards_state_under_tp(rank, world):
@@ -205,7 +187,7 @@ def _zero1_shards_state_under_tp(rank, world):
 
 
 def test_zero1_shards_optimizer_state_under_tensor_parallelism():
-    _spawn(_zero1_shards_state_under_tp, 4)
+    spawn_ranks(_zero1_shards_state_under_tp, 4)
 
 
 # -- pipeline split ---------------------------------------------------------------------------------
