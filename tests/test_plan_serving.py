@@ -23,22 +23,27 @@ def test_kv_cache_and_weights_per_device():
     # Llama 3 8B: 32 layers x 8 KV heads x 128 dims, K and V, bf16: 128 KiB per token, split by TP.
     assert kv_bytes_per_token(shape, 1) == 2 * 32 * 8 * 128 * 2 == 128 * 1024
     assert kv_bytes_per_token(shape, 4) == 32 * 1024
-    # Quantized, tensor parallelism splits the blocks only: the bf16 embedding and the int8 output stay whole.
+    # Quantized, tensor parallelism splits the blocks only: the int8 embedding and output tables stay whole.
     whole = (8 * weight_bytes(shape, "int4", 8) - weight_bytes(shape, "int4", 1)) / 7  # W(tp) = blocks / tp + whole
-    assert whole == pytest.approx(shape.embedding_params * 2 + shape.vocab * shape.hidden + 2 * shape.hidden)  # + norm
+    assert whole == pytest.approx(2 * shape.vocab * shape.hidden + 2 * shape.hidden)  # + the final norm in bf16
     h100 = get_device("h100-sxm")
     free = h100.memory_bytes - h100.runtime_bytes - weight_bytes(shape, "bf16")
     assert max_batch(shape, h100, 8192, 1, "bf16") == int(free // (8192 * 128 * 1024 + 4 * shape.vocab))
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_weight_bytes_are_those_scalenlp_quantize_writes(method):
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # untied; tied, with learned positions
+def test_quantized_weight_bytes_are_those_scalenlp_quantize_writes(method, family):
     from scalenlp.models.flavors import build_model, parse_shape, shape_args
-    from scalenlp.models.quantized import linears_of, quantization_of, quantize_state
+    from scalenlp.models.quantized import linears_of, quantization_of, quantize_embedding, quantize_state
 
-    spec = "hidden=128,layers=2,heads=4,ffn=256,vocab_size=512,family=llama"
+    # Wide enough that what the planner leaves out (scales per output channel, biases) is under 2%.
+    spec = f"hidden=512,layers=2,heads=4,ffn=1024,vocab_size=512,family={family}"
     model = build_model(shape_args(parse_shape(spec), 64))
-    state = quantize_state(model.state_dict(), linears_of(model), quantization_of(method), model.args.tie_embeddings)
+    tied = model.args.tie_embeddings
+    assert tied == (family == "gpt2")
+    state = quantize_embedding(quantize_state(model.state_dict(), linears_of(model), quantization_of(method), tied),
+                               tied)
     written = sum(t.numel() * t.element_size() for t in state.values())
     assert weight_bytes(model_shape(spec, 64), method, precision="fp32") == pytest.approx(written, rel=0.02)
 

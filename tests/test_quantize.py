@@ -7,12 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 
 import gguf
 import httpx
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from infer_helpers import make_export, train_tokenizer
@@ -171,7 +173,9 @@ def test_a_gguf_models_q4_blocks_are_taken_as_they_are_at_load(tmp_path, capsys)
     errors = {}
     for group in (32, 64):
         model = instantiate(pre, dtype=torch.float32, quantize=Quantization("int4", group))
-        model.output = reference.output  # int4 keeps it int8, whose rounding would hide the blocks' own
+        # int4 keeps the output projection int8, and the embedding table is int8: their rounding would hide the
+        # blocks' own.
+        model.output, model.tok_embeddings = reference.output, reference.tok_embeddings
         errors[group] = (model(tokens) - expected).abs().max() / expected.abs().max()
     assert errors[32] < errors[64] / 4
     as_gguf("output.weight", gguf.GGMLQuantizationType.Q8_0)
@@ -219,10 +223,32 @@ def test_quantize_save_load_round_trips_bitwise(tmp_path, method, capsys):
     assert torch.equal(at_load(tokens), saved(tokens))
     # The tied projection is quantized on its own, in int8 under int4 too.
     assert type(saved.output) is (Int8DynamicLinear if method == "int8dyn" else Int8Linear)
-    assert saved.tok_embeddings.weight.is_floating_point()
+    # The embedding table is stored once, as that int8 projection, and looked up there.
+    assert saved.tok_embeddings.weight is saved.output.weight
+    assert not any(k.startswith("tok_embeddings.") for k in load_file(tmp_path / "q" / "model.safetensors"))
     assert sum(isinstance(m, QuantizedLinear) for m in saved.modules()) == 2 * 7 + 1
     kernels = "on 14 linears, aten._weight_int8pack_mm on 1 linears" if method == "int4" else "on 15 linears"
     assert kernels in capsys.readouterr().err  # the line saying which kernel runs
+
+
+def test_an_export_with_a_floating_embedding_table_loads_as_a_new_one(tmp_path):
+    """Quantized exports written before embeddings were quantized hold the float table: untied, it is rounded at
+    load to what a new export stores; tied, the output projection's int8 copy is used as a new export does."""
+    for tie in (False, True):
+        (tmp_path / str(tie)).mkdir()
+        export = tiny_decoder(tmp_path / str(tie), tie=tie)
+        assert main(["quantize", "--checkpoint", str(export), "--method", "int8", "--out", str(tmp_path / "q")]) == 0
+        new, _ = load(tmp_path / "q", dtype=torch.float32)
+        weights = tmp_path / "q" / "model.safetensors"
+        state = load_file(weights)
+        assert ("tok_embeddings.scales" in state) is not tie  # untied: the table in int8, with a scale per row
+        state["tok_embeddings.weight"] = read(export).state["tok_embeddings.weight"]
+        state.pop("tok_embeddings.scales", None)
+        save_file(state, weights)
+        old, _ = load(tmp_path / "q", dtype=torch.float32)
+        tokens = torch.randint(0, 320, (2, 9))
+        assert torch.equal(old(tokens), new(tokens))
+        shutil.rmtree(tmp_path / "q")
 
 
 def test_an_encoder_quantizes_and_a_head_no_kernel_tiles_falls_back(tmp_path, capsys):

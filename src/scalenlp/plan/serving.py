@@ -34,9 +34,10 @@ from scalenlp.plan.cost import (ELEMENT_BYTES, ModelShape, _gemm_time, activatio
 # Bytes per weight: the serving precision's, or a quantized width: int8 one byte (a scale per output channel is
 # negligible), int4 two weights a byte plus a bf16 scale and zero per group of 64 (`scalenlp quantize`'s default).
 WEIGHT_BYTES = {**ELEMENT_BYTES, "int8": 1.0, "int4": 0.5 + 4 / 64}
-# What a quantized model keeps outside its blocks (models/quantized.py, infer/sharded.py): the embedding table at
-# the serving precision, the output projection in int8 (int4 included), both whole on every tensor-parallel rank.
-OUTPUT_QUANTIZED = "int8"
+# What a quantized model keeps outside its blocks (models/quantized.py, infer/sharded.py), whole on every
+# tensor-parallel rank: the output projection in int8 (int4 included), and the token embedding table in int8 too, or
+# nothing more when tied (it is looked up in the output projection); learned positions at the serving precision.
+TABLES_QUANTIZED = "int8"
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,10 @@ def weight_bytes(shape: ModelShape, quantize: str, tp: int = 1, precision: str =
     splits its blocks only."""
     if quantize in ELEMENT_BYTES:
         return shape.total_params * ELEMENT_BYTES[quantize] / tp
-    output = shape.vocab * shape.hidden
+    table = shape.vocab * shape.hidden  # the token embeddings' and the output projection's
     return (shape.layers * shape.layer_params * WEIGHT_BYTES[quantize] / tp
-            + shape.embedding_params * ELEMENT_BYTES[precision] + output * WEIGHT_BYTES[OUTPUT_QUANTIZED]
-            + (shape.head_params - output) * ELEMENT_BYTES[precision])
+            + (1 if shape.tied else 2) * table * WEIGHT_BYTES[TABLES_QUANTIZED]
+            + (shape.embedding_params + shape.head_params - 2 * table) * ELEMENT_BYTES[precision])
 
 
 def kv_bytes_per_token(shape: ModelShape, tp: int, precision: str = "bf16") -> float:
