@@ -8,9 +8,10 @@ every process SIGKILLed after a step; what it costs, beside an uninterrupted two
 - data lost: whether every step is there, with the uninterrupted run's losses and final weights (to float32
   rounding: the attempt after the kill sums the gradients of 2 processes instead of 4).
 
-`measure` gives benchmarks/faults.py its node-kill row; run alone, this prints that one row. Needs root.
+`measure` gives benchmarks/faults.py its node-kill row; run alone, this prints that row, and a second one with
+the survivor's rendezvous waiting ``--rdzv-last-call`` seconds for the lost host instead of torchrun's 30. Needs root.
 
-    python benchmarks/node_kill.py [--steps 30] [--every 5] [--kill-after 8]
+    python benchmarks/node_kill.py [--steps 30] [--every 5] [--kill-after 8] [--rdzv-last-call 5]
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ def env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def two_hosts_job(run_dir: Path, sets: list[str], nnodes: str, kill_after: int | None = None):
-    """One job over two fresh test hosts; (wall s, seconds from the kill to the next step trained, last step
-    logged before the kill, output of the host that stayed)."""
-    args = ["--run-dir", str(run_dir), "--nproc", "2", "--nnodes", nnodes, "--max-restarts", "1"]
+def two_hosts_job(run_dir: Path, sets: list[str], nnodes: str, kill_after: int | None = None,
+                  launch: tuple[str, ...] = ()):
+    """One job over two fresh test hosts, ``launch`` added to `scalenlp train`'s flags; (wall s, seconds from the
+    kill to the next step trained, last step logged before the kill, output of the host that stayed)."""
+    args = ["--run-dir", str(run_dir), "--nproc", "2", "--nnodes", nnodes, "--max-restarts", "1", *launch]
     args += [a for s in sets for a in ("--set", s)]
     with virtual_hosts(2) as hosts:
         start = time.perf_counter()
@@ -80,20 +82,25 @@ def data_lost(run_dir: Path, reference: Path, steps: int) -> str:
     return f"{verdict} (every step; losses within {loss_rel:.1e} relative, weights within {weights:.1e})"
 
 
-def measure(work: Path, sets: list[str], steps: int, every: int, kill_after: int) -> tuple:
+def measure(work: Path, sets: list[str], steps: int, every: int, kill_after: int,
+            last_call: int | None = None) -> tuple:
     """faults.py's row: (name, extra wall s, steps recomputed, of those before the newest checkpoint, data lost).
-    ``sets`` must hold training.steps=steps and checkpoint.every=every."""
+    ``sets`` must hold training.steps=steps and checkpoint.every=every; ``last_call``: --rdzv-last-call."""
+    name = NAME if last_call is None else f"{NAME}, --rdzv-last-call {last_call}"
     reason = unavailable()
     if reason:
-        return NAME, None, None, None, f"skipped: {reason}"
+        return name, None, None, None, f"skipped: {reason}"
+    shutil.rmtree(work / "node-kill", ignore_errors=True)
     base, _, _, _ = two_hosts_job(work / "two-hosts", sets, "2")
-    wall, recover_s, killed_at, out = two_hosts_job(work / "node-kill", sets, "1:2", kill_after)
+    launch = () if last_call is None else ("--rdzv-last-call", str(last_call))
+    wall, recover_s, killed_at, out = two_hosts_job(work / "node-kill", sets, "1:2", kill_after, launch)
     resumed = [int(s) for s in RESUMED.findall(out)]
     if not resumed:
-        return NAME, wall - base, None, None, "did not resume"
+        return name, wall - base, None, None, "did not resume"
     newest = killed_at // every * every
     lost = data_lost(work / "node-kill", work / "two-hosts", steps)
-    return (NAME, wall - base, killed_at - resumed[-1], max(0, newest - resumed[-1]),
+    shutil.rmtree(work / "two-hosts")
+    return (name, wall - base, killed_at - resumed[-1], max(0, newest - resumed[-1]),
             f"{lost}; {recover_s:.1f} s from the kill to the next step")
 
 
@@ -111,16 +118,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--every", type=int, default=5, help="checkpoint.every")
     p.add_argument("--kill-after", type=int, default=8, help="the host is killed once this step is logged")
+    p.add_argument("--rdzv-last-call", type=int, default=5, help="the second row's rendezvous wait (seconds)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="scalenlp-node-kill-"))
     sets = [*TINY, f"data.path={write_corpus(work / 'corpus.txt')}", f"training.steps={args.steps}",
             f"checkpoint.every={args.every}", "checkpoint.keep=2"]
-    row = measure(work, sets, args.steps, args.every, args.kill_after)
+    rows = [measure(work, sets, args.steps, args.every, args.kill_after, last_call)
+            for last_call in (None, args.rdzv_last_call)]
     load = os.getloadavg()
     print(f"{args.steps} steps, 2 hosts x 2 gloo processes, checkpoint every {args.every} steps, host 2 killed "
           f"after step {args.kill_after}; load average {load[0]:.1f} on {os.cpu_count()} cores; "
           f"torch {torch.__version__}")
-    print_table([row])
+    print_table(rows)
     shutil.rmtree(work)
 
 

@@ -76,6 +76,7 @@ def test_hosts_are_separate_machines_and_vanish_afterwards():
     (["--nnodes", "1:2", "--rdzv-endpoint", "h:1"], "add --max-restarts"),
     (["--nnodes", "3:2", "--rdzv-endpoint", "h:1", "--max-restarts", "1"], "write it as 2:3"),
     (["--nnodes", "two"], "N or MIN:MAX"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-last-call", "5"], "an elastic --nnodes MIN:MAX"),
     (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--set", "training.global_batch_size=6"], "divisible"),
     # 6 fits the 2 processes of one machine, not the 4 of two: an elastic job must fit both.
     (["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--set", "training.global_batch_size=6"],
@@ -114,8 +115,9 @@ def test_losing_a_node_continues_from_the_checkpoint_with_nothing_lost(tmp_path,
     sets = [*TINY, f"data.path={corpus}", f"training.steps={steps}", f"checkpoint.every={every}",
             "checkpoint.keep=10"]  # no checkpoint.resume: a restarted attempt resumes by itself
     run = tmp_path / "elastic"
-    survivor, lost = [start_node(h, two_hosts, run, sets, "--nnodes", "1:2", "--max-restarts", "1")
-                      for h in two_hosts]
+    # The survivor's rendezvous waits 5 s, not torchrun's 30, for the lost machine to come back.
+    survivor, lost = [start_node(h, two_hosts, run, sets, "--nnodes", "1:2", "--max-restarts", "1",
+                                 "--rdzv-last-call", "5") for h in two_hosts]
     while last_step(run) < every + 2:  # a checkpoint is written, and steps after it
         assert survivor.poll() is None, survivor.communicate()[0][-4000:]
         time.sleep(0.05)

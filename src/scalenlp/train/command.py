@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-addr", default="", metavar="ADDR",
                    help="the address other machines reach this one at (default: its host name)")
     p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of failed workers")
+    p.add_argument("--rdzv-last-call", type=int, metavar="S",
+                   help="with --nnodes MIN:MAX: seconds each rendezvous waits for more machines once MIN are in "
+                        "(torchrun's last_call_timeout, default 30); after a machine is lost the job restarts no "
+                        "sooner than this, so a short wait recovers sooner but may start without a slow machine")
     p.add_argument("--metrics-port", type=int, metavar="P",
                    help="serve every rank's CPU, memory, GPU and training figures in Prometheus' format on port P "
                         "of each machine while training (same as --set monitor.metrics_port=P)")
@@ -88,8 +92,11 @@ def _launch(args: argparse.Namespace, run_dir: Path) -> int:
     # c10d rendezvous numbers the machines in the order they join, so one command serves every machine.
     if args.rdzv_endpoint:
         launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
-        if _is_own_address(args.rdzv_endpoint):
-            launcher += ["--rdzv-conf", "is_host=true"]
+        conf = ["is_host=true"] if _is_own_address(args.rdzv_endpoint) else []
+        if args.rdzv_last_call is not None:
+            conf.append(f"last_call_timeout={args.rdzv_last_call}")
+        if conf:
+            launcher += ["--rdzv-conf", ",".join(conf)]
     else:
         launcher += ["--standalone"]
     if args.local_addr:
@@ -129,6 +136,9 @@ def node_counts(args: argparse.Namespace) -> range:
     if high > 1 and not args.rdzv_endpoint:
         raise UserError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, one machine's address, "
                         f"the same on every machine")
+    if args.rdzv_last_call is not None and (low == high or args.rdzv_last_call < 0):
+        raise UserError(f"--rdzv-last-call {args.rdzv_last_call}: takes seconds (0 or more) and an elastic "
+                        f"--nnodes MIN:MAX, the only case where the rendezvous waits for more machines")
     if low < high and args.max_restarts < 1:
         raise UserError(f"--nnodes {args.nnodes} is elastic, but a machine leaving or failing ends the job "
                         f"without restarts; add --max-restarts N")
