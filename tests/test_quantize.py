@@ -19,6 +19,7 @@ from infer_helpers import make_export, train_tokenizer
 from scalenlp.cli import main
 from scalenlp.infer.quantize import METHOD_CHOICES
 from scalenlp.infer.llm import LLM
+from scalenlp.infer.packing import PackedInt8Linear, pack_linears
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES
 from scalenlp.models.encoder import Encoder, EncoderArgs
@@ -115,6 +116,30 @@ def test_each_quantized_linear_is_within_its_rounding_bound(spec):
             # add no rounding of their own beyond the stored weights'.
             ratio = (error.square().mean() / variance.mean()).sqrt()
             assert 0.9 < ratio < 1.2
+
+
+def test_int8_packed_for_cpu_inference_computes_what_the_int8_kernel_does(tmp_path, capsys):
+    """The engine's packing fuses int8 projections that share an input (exactly: scales stack with their rows)
+    and runs each on the CPU int4 kernel as two 4-bit halves, whose products are the int8 kernel's exactly; only
+    the order of float32 sums differs, so the two bf16 outputs differ by at most a rounding of each."""
+    torch.manual_seed(0)
+    K = 576  # SmolLM2's width: the halves' scales come per group of 64 inputs
+    parts = [quantized_copy(nn.Linear(K, n), Quantization("int8")) for n in (576, 192, 192)]
+    fused = Int8Linear.stacked(parts)
+    packed = PackedInt8Linear(fused)
+    for x in (torch.randn(4, 3, K), torch.randn(1, 1, K)):
+        y = fused(x)
+        assert torch.equal(y, torch.cat([p(x) for p in parts], dim=-1))
+        magnitude = x.abs() @ dequantized(fused)[0].abs().T
+        assert ((packed(x) - y).abs() <= 2 * U_BF16 * y.abs() + 2 * K * U_FP32 * magnitude).all()
+
+    model = instantiate(read(tiny_decoder(tmp_path)), dtype=torch.bfloat16, quantize=Quantization("int8"))
+    tokens = torch.randint(0, 320, (2, 9))
+    expected = model(tokens).float()
+    pack_linears(model)
+    assert sum(isinstance(m, PackedInt8Linear) for m in model.modules()) == 2 * 4 + 1  # q/k/v, gate/up fused
+    assert "aten._weight_int4pack_mm_for_cpu on 9 linears" in capsys.readouterr().err
+    assert (model(tokens).float() - expected).abs().max() < 0.02 * expected.abs().max()
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
