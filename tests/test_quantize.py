@@ -21,6 +21,7 @@ from infer_helpers import make_export, train_tokenizer
 from scalenlp.cli import main
 from scalenlp.infer.quantize import METHOD_CHOICES
 from scalenlp.infer.llm import LLM
+from scalenlp.infer.packing import PackedInt8Linear, pack_linears
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES
 from scalenlp.models.encoder import Encoder, EncoderArgs
@@ -117,6 +118,30 @@ def test_each_quantized_linear_is_within_its_rounding_bound(spec):
             # add no rounding of their own beyond the stored weights'.
             ratio = (error.square().mean() / variance.mean()).sqrt()
             assert 0.9 < ratio < 1.2
+
+
+def test_int8_packed_for_cpu_inference_computes_what_the_int8_kernel_does(tmp_path, capsys):
+    """The engine's packing fuses int8 projections that share an input (exactly: scales stack with their rows)
+    and runs each on the CPU int4 kernel as two 4-bit halves, whose products are the int8 kernel's exactly; only
+    the order of float32 sums differs, so the two bf16 outputs differ by at most a rounding of each."""
+    torch.manual_seed(0)
+    K = 576  # SmolLM2's width: the halves' scales come per group of 64 inputs
+    parts = [quantized_copy(nn.Linear(K, n), Quantization("int8")) for n in (576, 192, 192)]
+    fused = Int8Linear.stacked(parts)
+    packed = PackedInt8Linear(fused)
+    for x in (torch.randn(4, 3, K), torch.randn(1, 1, K)):
+        y = fused(x)
+        assert torch.equal(y, torch.cat([p(x) for p in parts], dim=-1))
+        magnitude = x.abs() @ dequantized(fused)[0].abs().T
+        assert ((packed(x) - y).abs() <= 2 * U_BF16 * y.abs() + 2 * K * U_FP32 * magnitude).all()
+
+    model = instantiate(read(tiny_decoder(tmp_path)), dtype=torch.bfloat16, quantize=Quantization("int8"))
+    tokens = torch.randint(0, 320, (2, 9))
+    expected = model(tokens).float()
+    pack_linears(model)
+    assert sum(isinstance(m, PackedInt8Linear) for m in model.modules()) == 2 * 4 + 1  # q/k/v, gate/up fused
+    assert "aten._weight_int4pack_mm_for_cpu on 9 linears" in capsys.readouterr().err
+    assert (model(tokens).float() - expected).abs().max() < 0.02 * expected.abs().max()
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
@@ -348,7 +373,8 @@ def test_cuda_kernels():
 @pytest.mark.parametrize("method, group_size", [("int8", 64), ("int4", 32)])
 def test_quantized_smollm2_answers_through_the_engine(method, group_size):
     with LLM(packaged_model("smollm2"), quantize=method, group_size=group_size, max_batch=2) as llm:
-        assert all(isinstance(m, (Int8Linear, Int4Linear, Int8DynamicLinear)) for m in [llm.engine.model.output])
+        # The engine's packing runs an int8 output projection as two 4-bit halves (PackedInt8Linear).
+        assert isinstance(llm.engine.model.output, (Int8Linear, Int4Linear, Int8DynamicLinear, PackedInt8Linear))
         answers = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]] * 2,
                            SamplingParams(max_tokens=12, temperature=0))
     assert all("Paris" in a for a in answers)

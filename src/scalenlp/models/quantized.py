@@ -225,6 +225,18 @@ class Int8Linear(QuantizedLinear):
         self.kernel = "aten._weight_int8pack_mm"
         return self.kernel
 
+    @classmethod
+    def stacked(cls, parts: tuple["Int8Linear", ...]) -> "Int8Linear":
+        """One int8 linear whose output is the parts' outputs side by side (inference packing fuses q/k/v and
+        gate/up with it): per-channel scales stack with their rows, so the products are the parts' exactly."""
+        first = parts[0]
+        fused = cls(first.in_features, sum(p.out_features for p in parts), first.bias is not None)
+        fused.weight, fused.scales = torch.cat([p.weight for p in parts]), torch.cat([p.scales for p in parts])
+        if fused.bias is not None:
+            fused.bias = torch.cat([p.bias for p in parts])
+        fused.prepare()
+        return fused
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(rows_of(x, self.in_features), self.weight, self.scales)
         return add_bias(y.view(*x.shape[:-1], self.out_features).to(x.dtype), self.bias)
