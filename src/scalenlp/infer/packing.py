@@ -1,5 +1,5 @@
-"""CPU inference: linear weights reordered once into a blocked layout (oneDNN's for bf16; int8 weights into
-PyTorch's int4 kernel's, as two 4-bit halves).
+"""CPU inference: linear weights reordered once into a blocked layout (oneDNN's for bf16; an int8 output
+projection into PyTorch's int4 kernel's, as two 4-bit halves).
 
 A plain bf16 ``nn.Linear`` on CPU lets oneDNN reorder the weight on every call; at decode time,
 when each weight is read once per token, that reorder costs as much as the product itself. Packing
@@ -44,7 +44,7 @@ class PackedInt8Linear(nn.Module):
     Same bytes as the int8 weight, plus scales per group of inputs (12% more at 576 inputs). The cost: the kernel
     multiplies 2K inputs, which only streaming one row hides; with more rows the int8 kernel was faster (SmolLM2
     through the engine, per-round median against fp32: batch 1 1.57x -> 2.07x, batch 8 1.42x -> 1.22x; a
-    512-token prefill 1.9 -> 3.0 s CPU, fp32 1.5)."""
+    512-token prefill 1.9 -> 3.0 s CPU, fp32 1.5): ``pack_linears`` runs the output projection alone this way."""
 
     def __init__(self, linear: Int8Linear):
         super().__init__()
@@ -123,24 +123,28 @@ def fuse_projections(model: nn.Module) -> None:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Fuse the projections that share an input, then swap every nn.Linear for a PackedLinear (and every int8
-    weight-only linear for a PackedInt8Linear) in place; returns how many. Inference only: the packed weights
+    """Fuse the projections that share an input, then swap every nn.Linear for a PackedLinear, and an int8
+    output projection for a PackedInt8Linear, in place; returns how many. Inference only: the packed weights
     take no gradient, and a tied output projection gets its own packed copy."""
     fuse_projections(model)
-    swapped = int8 = 0
+    swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 setattr(module, name, PackedLinear(child))
-            elif can_pack_int8(child):
-                setattr(module, name, PackedInt8Linear(child))
-                int8 += 1
-            else:
-                continue
-            swapped += 1
-    if int8:  # the kernel changes, and the quantization's own line (prepare_all) named the int8 one
-        print(f"int8 packed for CPU inference: aten._weight_int4pack_mm_for_cpu on {int8} linears (each weight as "
-              f"two 4-bit halves)", file=sys.stderr, flush=True)
+                swapped += 1
+    # The output projection alone runs as halves: it reads one row per sequence, in prefill too (the last
+    # token's), where they pay; the blocks' int8 kernel is faster at a prompt's many rows. SmolLM2 through the
+    # engine, median of 3 interleaved rounds against fp32 (load 4): every int8 linear as halves: batch 1 2.08x,
+    # batch 8 1.22x, a 512-token prefill 1.93x fp32's time; the output projection only: 1.92x, 1.29x, 1.22x;
+    # none: 1.82x, 1.32x, 1.28x.
+    output = getattr(model, "output", None)
+    if output is not None and can_pack_int8(output):
+        model.output = PackedInt8Linear(output)
+        swapped += 1
+        # The kernel changes, and the quantization's own line (prepare_all) named the int8 one.
+        print("int8 output projection packed for CPU inference: aten._weight_int4pack_mm_for_cpu (its weight as two "
+              "4-bit halves)", file=sys.stderr, flush=True)
     return swapped
 
 
