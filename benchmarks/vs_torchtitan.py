@@ -10,8 +10,9 @@ round's figures:
 - tok/s: wall-clock tokens per second over steps 4..N (both trainers' first steps warm up);
 - CPU-s/step and tok/CPU-s: user + system CPU time of every process of the run (the process tree,
   sampled from /proc every SAMPLE_S and interpolated at the ends of steps 3 and N), per step and per
-  token over the same steps; unlike tok/s they move little with the machine's load: time a
-  trainer waits for a core is not counted (time it spins, e.g. in a collective, is);
+  token over the same steps; they move much less with the machine's load than tok/s, since time a
+  trainer waits for a core is not counted (time it spins, e.g. in a collective, is), but a core
+  shared with other work (caches, a virtual machine's host) still runs slower per CPU-second;
 - loss at step N (both deterministic, same seed; the data order is each trainer's own);
 - peak RSS: the largest resident set of any process of the run (getrusage of a wrapper's children).
 The load average before each run is printed beside it: on a shared machine the ratios are the figure, and
