@@ -8,9 +8,15 @@ peer's venv and data as its README sets them up. Each round runs every row for b
 after the other (interleaved, so the machine's load falls on both alike), and the table shows each
 round's figures:
 - tok/s: wall-clock tokens per second over steps 4..N (both trainers' first steps warm up);
+- CPU-s/step and tok/CPU-s: user + system CPU time of every process of the run (the process tree,
+  sampled from /proc every SAMPLE_S and interpolated at the ends of steps 3 and N), per step and per
+  token over the same steps; they move much less with the machine's load than tok/s, since time a
+  trainer waits for a core is not counted (time it spins, e.g. in a collective, is), but a core
+  shared with other work (caches, a virtual machine's host) still runs slower per CPU-second;
 - loss at step N (both deterministic, same seed; the data order is each trainer's own);
 - peak RSS: the largest resident set of any process of the run (getrusage of a wrapper's children).
-The load average before each run is printed beside it: on a shared machine the ratios are the figure.
+The load average before each run is printed beside it: on a shared machine the ratios are the figure, and
+with ``--rounds`` > 1 each row ends with the median ratios over its rounds.
 Both trainers run eager (torchtitan's configs leave compile off), or with ``--compile`` both compile each
 transformer block (scalenlp's training.compile, torchtitan's --compile.enable, which also compiles its loss);
 the table's title says which.
@@ -19,18 +25,22 @@ the table's title says which.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import re
 import shutil
 import subprocess
+import statistics
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT.parent / "shared" / "peers" / "torchtitan"  # where the repo sits beside shared/, as in CI
 SEQ, BATCH = 2048, 8
+SAMPLE_S = 0.5  # CPU-time sampling period; steps here take seconds
 
 # row -> (processes, threads per process, parameter dtype)
 ROWS = {"fp32": (1, 2, "float32"), "bf16": (1, 2, "bfloat16"), "fsdp": (2, 1, "float32")}
@@ -42,19 +52,58 @@ _RSS_WRAPPER = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[
                 "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
 
 
-def run_measured(cmd: list[str], env: dict, log: Path) -> int:
-    """Run ``cmd`` with output to ``log``; the peak RSS in bytes of its largest process."""
+def tree_cpu(root: int) -> float:
+    """CPU-seconds (user + system, every thread) used so far by ``root`` and its live descendants,
+    with what their already reaped children used (a child reaped between two samples moves from
+    its own line to its parent's cutime/cstime, so the sum does not jump)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, used = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name may hold spaces or brackets: the fields start after its last ')'.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # the process exited while the folder was listed
+            continue
+        pid = int(stat.parent.name)
+        parent[pid], used[pid] = int(fields[1]), sum(int(f) for f in fields[11:15]) / tick
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo.extend(c for c, p in parent.items() if p == pid and c not in tree)
+    return sum(used.get(pid, 0.0) for pid in tree)
+
+
+def run_measured(cmd: list[str], env: dict, log: Path) -> tuple[int, list[tuple[float, float]]]:
+    """Run ``cmd`` with output to ``log``; the peak RSS in bytes of its largest process, and
+    (time, CPU-seconds of the whole process tree) sampled every SAMPLE_S while it runs."""
+    samples = []
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-c", _RSS_WRAPPER, *cmd], env=env, stdout=subprocess.PIPE,
-                              stderr=f, text=True)
+        proc = subprocess.Popen([sys.executable, "-c", _RSS_WRAPPER, *cmd], env=env, stdout=subprocess.PIPE,
+                                stderr=f, text=True)
+        while proc.poll() is None:
+            samples.append((time.time(), tree_cpu(proc.pid)))
+            time.sleep(SAMPLE_S)
+        out = proc.stdout.read()
     if proc.returncode:
         raise RuntimeError(f"{cmd[0]} failed ({proc.returncode}); see {log}")
-    return int(proc.stdout.strip().splitlines()[-1]) * 1024
+    return int(out.strip().splitlines()[-1]) * 1024, samples
 
 
-def throughput(walls: dict[int, float], last: int) -> float:
-    """Tokens/s between the ends of step 3 and step ``last``."""
-    return SEQ * BATCH * (last - 3) / (walls[last] - walls[3])
+def window(walls: dict[int, float], last: int, samples: list[tuple[float, float]]) -> dict:
+    """Tokens/s, CPU-seconds per step and tokens per CPU-second between the ends of step 3 and step
+    ``last``; the process tree's CPU time at each end is interpolated between the samples around it."""
+    times = [t for t, _ in samples]
+
+    def cpu_at(t: float) -> float:
+        i = bisect.bisect_left(times, t)
+        if not 0 < i < len(times):
+            raise RuntimeError(f"no CPU sample around {t}: the run's samples span {times[0]}..{times[-1]}")
+        (t0, c0), (t1, c1) = samples[i - 1], samples[i]
+        return c0 + (c1 - c0) * (t - t0) / (t1 - t0)
+
+    tokens, cpu = SEQ * BATCH * (last - 3), cpu_at(walls[last]) - cpu_at(walls[3])
+    return {"tok_s": tokens / (walls[last] - walls[3]), "cpu_step": cpu / (last - 3), "tok_cpu_s": tokens / cpu}
 
 
 def titan_run(peer: Path, work: Path, row: str, steps: int, name: str, compiled: bool) -> dict:
@@ -64,7 +113,7 @@ def titan_run(peer: Path, work: Path, row: str, steps: int, name: str, compiled:
     cmd = ["bash", str(peer / "run_bench.sh"), name, str(procs), str(BATCH // procs), str(threads),
            "--training.steps", str(steps), "--training.mixed-precision-param", dtype,
            *(["--compile.enable"] if compiled else []), "activation-checkpoint:none"]  # the subcommand comes last
-    rss = run_measured(cmd, env, work / f"{name}.wrapper.log")
+    rss, samples = run_measured(cmd, env, work / f"{name}.wrapper.log")
     pattern = re.compile(r"\[titan\] (\S+ \S+) - root - INFO - step:\s+(\d+)\s+loss:\s+([\d.]+)")
     walls, losses = {}, {}
     for line in log.read_text().splitlines():
@@ -73,7 +122,7 @@ def titan_run(peer: Path, work: Path, row: str, steps: int, name: str, compiled:
             step = int(m.group(2))
             walls[step] = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             losses[step] = float(m.group(3))
-    return {"tok_s": throughput(walls, steps), "loss": losses[steps], "rss": rss}
+    return {**window(walls, steps, samples), "loss": losses[steps], "rss": rss}
 
 
 def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: Path, compiled: bool) -> dict:
@@ -96,10 +145,10 @@ def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: 
         "--rdzv_endpoint=localhost:0", *driver]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT / "src"))
     env.pop("WORLD_SIZE", None)
-    rss = run_measured(launch, env, work / f"{name}.log")
+    rss, samples = run_measured(launch, env, work / f"{name}.log")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     records = {r["step"]: r for r in records if "loss" in r}
-    return {"tok_s": throughput({s: r["wall"] for s, r in records.items()}, steps), "loss": records[steps]["loss"],
+    return {**window({s: r["wall"] for s, r in records.items()}, steps, samples), "loss": records[steps]["loss"],
             "rss": rss, "mfu": records[steps]["mfu"], "peak_source": records[steps]["peak_source"]}
 
 
@@ -133,16 +182,25 @@ def main() -> int:
                        else scalenlp_run(args.peer, work, row, args.steps, name, data, args.compile))
                 results.append({"round": rnd, "row": row, "trainer": trainer, "load": load, **out})
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    print("\nboth trainers " + ("compiled (per transformer block)" if args.compile else "eager"))
-    print(f"{'config':<46}{'round':>6}{'torchtitan tok/s':>18}{'scalenlp tok/s':>16}{'ratio':>7}"
-          f"{f'loss@{args.steps} tt':>13}{'scalenlp':>10}{'peak RSS tt':>13}{'scalenlp':>10}{'load':>11}")
-    for rnd in range(args.rounds):
-        for row in rows:
+    print("\nboth trainers " + ("compiled (per transformer block)" if args.compile else "eager")
+          + f"; steps 4..{args.steps}; tt = torchtitan, sn = scalenlp; CPU = user + system seconds of all the run's processes")
+    print(f"{'config':<46}{'round':>6}{'tok/s tt':>10}{'sn':>7}{'ratio':>7}{'CPU-s/step tt':>15}{'sn':>7}"
+          f"{'tok/CPU-s tt':>14}{'sn':>6}{'ratio':>7}{f'loss@{args.steps} tt':>13}{'sn':>7}{'peak RSS tt':>13}{'sn':>10}"
+          f"{'load tt/sn':>12}")
+    for row in rows:
+        wall_ratios, cpu_ratios = [], []
+        for rnd in range(args.rounds):
             tt, sn = (next(r for r in results if (r["round"], r["row"], r["trainer"]) == (rnd, row, t))
                       for t in ("torchtitan", "scalenlp"))
-            print(f"{LABELS[row]:<46}{rnd:>6}{tt['tok_s']:>18,.0f}{sn['tok_s']:>16,.0f}{sn['tok_s'] / tt['tok_s']:>7.2f}"
-                  f"{tt['loss']:>13.3f}{sn['loss']:>10.3f}{tt['rss'] / 2**30:>10.2f} GiB{sn['rss'] / 2**30:>6.2f} GiB"
-                  f"{tt['load']:>5.1f}/{sn['load']:.1f}")
+            wall_ratios.append(sn["tok_s"] / tt["tok_s"])
+            cpu_ratios.append(sn["tok_cpu_s"] / tt["tok_cpu_s"])
+            print(f"{LABELS[row]:<46}{rnd:>6}{tt['tok_s']:>10,.0f}{sn['tok_s']:>7,.0f}{wall_ratios[-1]:>7.2f}"
+                  f"{tt['cpu_step']:>15.2f}{sn['cpu_step']:>7.2f}{tt['tok_cpu_s']:>14,.0f}{sn['tok_cpu_s']:>6,.0f}"
+                  f"{cpu_ratios[-1]:>7.2f}{tt['loss']:>13.3f}{sn['loss']:>7.3f}"
+                  f"{tt['rss'] / 2**30:>9.2f} GiB{sn['rss'] / 2**30:>6.2f} GiB{tt['load']:>7.1f}/{sn['load']:.1f}")
+        if args.rounds > 1:
+            print(f"{LABELS[row]:<46}{'median':>6}{'':>17}{statistics.median(wall_ratios):>7.2f}{'':>42}"
+                  f"{statistics.median(cpu_ratios):>7.2f}")
     print(f"\nscalenlp's MFU peak: {results[-1]['peak_source']}")
     return 0
 

@@ -3,6 +3,7 @@ projections that train as the unfused ones."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -13,9 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from scalenlp.config import Config
+from scalenlp.models import decoder as decoder_module
 from scalenlp.models import loss as loss_module
 from scalenlp.models.decoder import stack_projections
 from scalenlp.models.flavors import build_model, model_args
+from scalenlp.parallel.mesh import ParallelDims
+from scalenlp.parallel.parallelize import parallelize
 from scalenlp.train.peak import peak_flops
 from train_helpers import TINY, read_metrics, run_train, write_corpus
 
@@ -210,6 +215,32 @@ def test_chunked_loss_equals_cross_entropy_over_full_logits(flavor, monkeypatch)
         want = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten(), reduction="sum")
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-3, atol=0)
+
+
+
+@pytest.mark.slow  # compiling the blocks and the loss takes ~30-60 s here
+@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile's CPU backend needs a C++ compiler (g++)")
+def test_compiled_loss_equals_eager(monkeypatch):
+    """training.compile compiles the chunked loss too; loss and gradients stay the eager ones."""
+    monkeypatch.setattr(loss_module, "CHUNK_LOGITS", 97 * 10)  # 4 chunks, the last short
+    calls = []
+    compiled_loss = loss_module.compiled_linear_cross_entropy()
+    monkeypatch.setattr(decoder_module, "compiled_linear_cross_entropy",
+                        lambda: calls.append(1) or compiled_loss)
+    torch.manual_seed(0)
+    eager = build_model(model_args("debug", vocab_size=97, max_seq_len=16))
+    cfg = Config()
+    cfg.training.compile = True
+    compiled = parallelize(copy.deepcopy(eager), ParallelDims(1, 1, 1, 1, 1), None, cfg)
+    tokens, targets = torch.randint(0, 97, (2, 2, 16))
+    targets[0, :3] = -100
+    losses = [model(tokens, targets=targets) for model in (eager, compiled)]
+    for loss in losses:
+        loss.mul(0.5).backward()
+    assert calls  # the compiled model's loss went through torch.compile
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow

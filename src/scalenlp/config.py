@@ -96,7 +96,7 @@ class TrainingConfig:
     eval_every: int = opt(100, "steps between evaluations on the held-out split; 0 disables")
     eval_batches: int = opt(4, "batches per evaluation")
     activation_checkpointing: str = opt("none", "none | full | selective")
-    compile: bool = opt(False, "torch.compile each transformer block")
+    compile: bool = opt(False, "torch.compile each transformer block and the chunked loss")
     stack_projections: bool = opt(True, "run q/k/v and SwiGLU's gate/up as one matmul each (the weights stay "
                                         "separate; not under tensor parallelism, whose column shards run apart)")
     peak_tflops: float = opt(0.0, "peak TFLOP/s of one process that MFU divides by; 0: the device table's on a known "

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scalenlp.models.loss import linear_cross_entropy
+from scalenlp.models.loss import compiled_linear_cross_entropy, linear_cross_entropy
 
 
 @dataclass
@@ -290,6 +290,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm = make_norm(args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.compile_loss = False  # the chunked loss through torch.compile: parallelize turns it on (training.compile)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if args.position == "rope":
@@ -369,7 +370,8 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if targets is not None:
-            return linear_cross_entropy(h, self.output.weight, targets)
+            loss = compiled_linear_cross_entropy() if self.compile_loss else linear_cross_entropy
+            return loss(h, self.output.weight, targets)
         return self.output(h) if self.output is not None else h
 
     def num_params(self, exclude_embedding: bool = False) -> int:

@@ -11,6 +11,9 @@ The gradients are those of the summed loss, scaled in backward by the incoming g
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 # A chunk's fp32 logits: 2**23 elements, 32 MiB, whatever the vocabulary.
@@ -60,3 +63,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     the logits. hidden: (..., dim); weight: (vocab, dim); targets: hidden's leading shape; targets equal
     to ``ignore_index`` (F.cross_entropy's default) count for nothing."""
     return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), ignore_index)
+
+
+@functools.cache
+def compiled_linear_cross_entropy() -> Callable[..., torch.Tensor]:
+    """``linear_cross_entropy`` through torch.compile, for training.compile (as torchtitan compiles its
+    loss): inductor fuses each chunk's log-softmax and the gradient built from it into a few passes
+    over the chunk's logits, where eager makes one per operation. One wrapper per process; the
+    compiling itself happens at its first call."""
+    return torch.compile(linear_cross_entropy)

@@ -76,9 +76,10 @@ def apply_ac(model: nn.Module, mode: str) -> None:
 
 def apply_compile(model: nn.Module) -> None:
     """Compile each block separately: blocks are identical, so one compiled graph is reused, and
-    FSDP's per-block hooks stay outside the graphs."""
+    FSDP's per-block hooks stay outside the graphs. The chunked loss is compiled on its own too."""
     for block in model.layers.values():
         block.compile(fullgraph=False)
+    model.compile_loss = True
 
 
 def dp_mesh(mesh: DeviceMesh, flat: bool) -> DeviceMesh:
