@@ -217,7 +217,6 @@ def test_chunked_loss_equals_cross_entropy_over_full_logits(flavor, monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=0)
 
 
-
 @pytest.mark.slow  # compiling the blocks and the loss takes ~30-60 s here
 @pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile's CPU backend needs a C++ compiler (g++)")
 def test_compiled_loss_equals_eager(monkeypatch):

@@ -15,7 +15,7 @@ import sys
 import torch
 from torch import nn
 
-from scalenlp.models.quantized import KERNEL_DTYPE, Int8Linear, add_bias, rows_of
+from scalenlp.models.quantized import CPU_INT4_ROWS, KERNEL_DTYPE, Int8Linear, add_bias, rows_of
 
 
 class PackedLinear(nn.Module):
@@ -75,9 +75,9 @@ def halves_group(in_features: int) -> int | None:
 
 
 def can_pack_int8(linear: nn.Module) -> bool:
-    # The CPU int4 kernel's tiles: 16 output rows (as Int4Linear's CPU check), whole groups of inputs.
-    return (type(linear) is Int8Linear and linear.weight.device.type == "cpu" and linear.out_features % 16 == 0
-            and halves_group(linear.in_features) is not None)
+    # The CPU int4 kernel's tiles of output rows, and whole groups of inputs.
+    return (type(linear) is Int8Linear and linear.weight.device.type == "cpu"
+            and linear.out_features % CPU_INT4_ROWS == 0 and halves_group(linear.in_features) is not None)
 
 
 def can_pack(model: nn.Module) -> bool:

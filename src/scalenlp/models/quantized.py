@@ -42,6 +42,7 @@ METHODS = ("int8", "int4", "int8dyn")
 GROUP_SIZES = (32, 64, 128)
 QUANTIZATION = "quantization.json"  # the method, beside model_args.json in an export folder
 KERNEL_DTYPE = torch.bfloat16
+CPU_INT4_ROWS = 16  # PyTorch's CPU int4 kernel takes weights in tiles of this many output rows
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,7 @@ class Int4Linear(QuantizedLinear):
 
     def prepare_kernel(self) -> str:
         device = self.weight.device
-        if device.type == "cpu" and self.out_features % 16 == 0:
+        if device.type == "cpu" and self.out_features % CPU_INT4_ROWS == 0:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.weight), 1)
             self.int4_mm, self.kernel = torch.ops.aten._weight_int4pack_mm_for_cpu, "aten._weight_int4pack_mm_for_cpu"
         elif device.type == "cuda" and self.out_features % 8 == 0 and self.in_features % 256 == 0:
