@@ -149,6 +149,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
+        self._failure: BaseException | None = None  # set by ``fail``
         self.steps = 0  # completed loop steps; a health check watches it move
         # Called with the error when the loop dies: a server exits then, so that its supervisor restarts it.
         self.on_death: Callable[[BaseException], None] | None = None
@@ -170,6 +171,13 @@ class Engine:
         close = getattr(self.model, "close", None)  # a sharded model's other ranks
         if close is not None:
             close()
+
+    def fail(self, error: BaseException) -> None:
+        """End the loop with ``error`` from outside it (a sharded model's rank died): as if a step had raised
+        it, every request waiting or running is told and ``on_death`` is called."""
+        with self._wake:
+            self._failure = error
+            self._wake.notify()
 
     @property
     def alive(self) -> bool:
@@ -263,8 +271,10 @@ class Engine:
             with torch.inference_mode():
                 while True:
                     with self._wake:
-                        while not self._stopping and not self._waiting and not self._running:
+                        while not (self._stopping or self._waiting or self._running or self._failure):
                             self._wake.wait()
+                        if self._failure is not None:
+                            raise self._failure
                         if self._stopping:
                             break
                     self.step()

@@ -47,10 +47,13 @@ def engine_from_checkpoint(checkpoint: str | Path, *, dtype: str = "auto", devic
         model = start_sharded(pre, tp, dtype, spec)
     else:
         model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, dtype), quantize=spec)
-    return Engine(model, pre.tokenizer, max_batch=max_batch, max_queue=max_queue, max_seq_len=max_seq_len,
-                  eos_id=end_of_text_id(pre.tokenizer, pre.tokenizer_config),  # none: runs to max_tokens
-                  stop_ids=end_of_turn_ids(pre.tokenizer, pre.tokenizer_config),
-                  tokenizer_config=pre.tokenizer_config, compile=compile).start()
+    engine = Engine(model, pre.tokenizer, max_batch=max_batch, max_queue=max_queue, max_seq_len=max_seq_len,
+                    eos_id=end_of_text_id(pre.tokenizer, pre.tokenizer_config),  # none: runs to max_tokens
+                    stop_ids=end_of_turn_ids(pre.tokenizer, pre.tokenizer_config),
+                    tokenizer_config=pre.tokenizer_config, compile=compile)
+    if tp > 1:  # a rank that dies ends the engine: its requests are answered, a server exits 1
+        model.followers.on_failure = engine.fail
+    return engine.start()
 
 
 class LLM:

@@ -10,8 +10,8 @@ Sampling happens on rank 0 alone: after the output projection every rank holds t
 A forward that raises on one rank leaves the others blocked in a collective for IDLE_TIMEOUT, and gloo
 has no abort, so a failure ends processes rather than being recovered from; rank 0 is the parent of the
 others, so it alone decides: a failing follower sends it one line on a pipe and exits; rank 0, watching
-its children, prints that line and exits 1. Rank 0's own failure kills the followers (blocked where no
-message reaches them) when the engine stops, and the engine dies as it does on one process.
+its children (``Followers``), ends its engine with that line, as a failure of its own does: the requests
+in flight are answered (503 from a server), the followers killed, and the process exits 1.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -129,54 +130,70 @@ def _sum_over_ranks(module, args, output: torch.Tensor) -> torch.Tensor:
     return output
 
 
+class Followers:
+    """Ranks 1..N-1 as rank 0 sees them: their processes, what ended one, and a watcher that acts on it from
+    the moment they start. A dead rank leaves the others blocked in a collective forever, so the watcher
+    kills the rest (rank 0's collective with them then fails instead of waiting) and calls ``on_failure``:
+    the engine's ``fail``, which answers every request in flight and ends the server with exit 1, so that
+    whatever supervises it (a Ray Serve controller, systemd, Kubernetes) restarts it. Before an engine
+    is attached (loading), nothing is in flight: it prints the failure and exits 1."""
+
+    def __init__(self, processes, reports: multiprocessing.connection.Connection):
+        self.processes = list(processes)
+        self.reports = reports  # (rank, error) from a follower whose forward raised, sent just before it exits
+        self.closing = threading.Event()
+        self.on_failure: Callable[[BaseException], None] | None = None
+        self._failure: str | None = None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        multiprocessing.connection.wait([p.sentinel for p in self.processes])
+        if self.closing.is_set():
+            return
+        failure = self.failure()
+        self.kill()
+        if self.on_failure is None:
+            print(f"error: {failure}; stopping", file=sys.stderr, flush=True)
+            os._exit(1)
+        self.on_failure(RuntimeError(failure))
+
+    def failure(self) -> str | None:
+        """What ended a follower, once one has: its report (sent before it exits), or else its exit code."""
+        with self._lock:  # the engine thread (its collective raised) and the watcher may both ask
+            if self._failure is None and self.reports.poll():
+                try:
+                    rank, error = self.reports.recv()
+                    self._failure = f"tensor-parallel rank {rank} failed: {error}"
+                except EOFError:  # every follower that held the pipe ended without a report: see the exit codes
+                    pass
+            if self._failure is None:
+                ended = multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout=0)
+                for rank, p in enumerate(self.processes, 1):
+                    if p.sentinel in ended:
+                        p.join()  # its sentinel is ready: it has exited, and join reads the exit code
+                        self._failure = f"tensor-parallel rank {rank} died (exit code {p.exitcode})"
+                        break
+            return self._failure
+
+    def kill(self) -> None:
+        for p in self.processes:
+            p.kill()
+            p.join()
+
+
 class ShardedModel:
     """Rank 0's handle on the sharded model: same calls as a Transformer, broadcast to every rank.
     ``close`` (called by ``Engine.stop``) releases the followers."""
 
-    def __init__(self, model, followers=(), reports: multiprocessing.connection.Connection | None = None):
+    def __init__(self, model, followers: Followers):
         self.model = model
         self.args = model.args
         self.device = next(model.parameters()).device
-        self.followers = list(followers)
-        self.reports = reports  # (rank, error) from a follower whose forward raised, sent just before it exits
-        self.closing = threading.Event()
-        self.failed = False  # rank 0's forward raised: the followers wait in a collective it never joined
+        self.followers = followers
+        self.failed = False  # a forward raised: the followers wait in a collective rank 0 left, or are gone
         self.fault = faults.planned(0)
         self.forwards = 0
-        self._failure: str | None = None
-        self._exiting = threading.RLock()
-        if self.followers:
-            threading.Thread(target=self._watch_followers, daemon=True).start()
-
-    def _watch_followers(self) -> None:
-        # A dead rank leaves the others blocked in a collective forever: exit, so that whatever
-        # supervises this process (a Ray Serve controller, systemd, Kubernetes) restarts it.
-        multiprocessing.connection.wait([p.sentinel for p in self.followers])
-        if not self.closing.is_set():
-            self._exit_for_follower()
-
-    def _follower_failure(self) -> str | None:
-        """What ended a follower, once one has: its report (sent before it exits), or else its exit code."""
-        with self._exiting:
-            if self._failure is None and self.reports is not None and self.reports.poll():
-                rank, error = self.reports.recv()
-                self._failure = f"tensor-parallel rank {rank} failed: {error}"
-            if self._failure is not None:
-                return self._failure
-            ended = multiprocessing.connection.wait([p.sentinel for p in self.followers], timeout=0)
-            for rank, p in enumerate(self.followers, 1):
-                if p.sentinel in ended:
-                    p.join()  # its sentinel is ready: it has exited, and join reads the exit code
-                    return f"tensor-parallel rank {rank} died (exit code {p.exitcode})"
-            return None
-
-    def _exit_for_follower(self) -> None:
-        # The engine thread (its collective raised) and the watcher may both get here: one line, one exit.
-        with self._exiting:
-            print(f"error: {self._follower_failure()}; stopping", file=sys.stderr, flush=True)
-            for p in self.followers:  # with more than two ranks, the others still wait in a collective
-                p.kill()
-            os._exit(1)
 
     def parameters(self):
         return self.model.parameters()
@@ -201,26 +218,23 @@ class ShardedModel:
             faults.inject(self.fault, self.forwards, None)
             logits = self.model(tokens, input_pos, slots, kv_len=kv_len, logits_at=logits_at)
         except Exception as e:
+            self.failed = True
             # A follower that failed first closes its connections, and so fails rank 0's collective:
             # its own error, not this one, is the cause.
-            if self._follower_failure() is not None:
-                self._exit_for_follower()
-            self.failed = True
+            if (failure := self.followers.failure()) is not None:
+                raise RuntimeError(failure) from e
             raise RuntimeError(f"tensor-parallel rank 0 failed: {e!r}") from e
         self.forwards += 1
         return logits
 
     def close(self) -> None:
-        self.closing.set()
+        self.followers.closing.set()
         if self.failed:
-            for p in self.followers:
-                p.kill()
+            self.followers.kill()
+        else:
+            self._broadcast_header(STOP)
+            for p in self.followers.processes:
                 p.join()
-            dist.destroy_process_group()
-            return
-        self._broadcast_header(STOP)
-        for p in self.followers:
-            p.join()
         dist.destroy_process_group()
 
 
@@ -291,6 +305,7 @@ def start_sharded(pre, tp: int, dtype_name: str, quantize=None) -> ShardedModel:
                  for r in range(1, tp)]
     for p in followers:
         p.start()
+    watched = Followers(followers, reports)  # a rank failing while it loads would leave this one waiting for it
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
     device = init_process_group(0, tp, port)
-    return ShardedModel(load_sharded(pre, device, pick_dtype(device, dtype_name), quantize), followers, reports)
+    return ShardedModel(load_sharded(pre, device, pick_dtype(device, dtype_name), quantize), watched)
