@@ -248,9 +248,10 @@ FSDP_HELD_OUT = [
 # - ZeRO-3's traffic (two gathers and a reduce-scatter of 2 bytes per parameter over 8 rails of 25 GB/s per node) is
 #   34 s and 67 s, of which the model exposes 9 s and 17 s: all of it exposed leaves +21% and +29%. If DeepSpeed's
 #   per-submodule hooks also gather for the recomputed forward, that third gather adds 11 s and 22 s: +17% and +25%.
-#   Its prefetch limits (stage3_prefetch_bucket_size 5e7: one submodule ahead; stage3_max_live_parameters 3e9, under
-#   two MLP matrices of either model) expose about one MLP matrix's gather per layer per pass, 10 s and 21 s, which
-#   the all-exposed figures already include.
+#   Its prefetch (DeepSpeed's partitioned_param_coordinator: up to min(stage3_max_live_parameters − parameters live,
+#   stage3_prefetch_bucket_size) = min(3e9 − live, 5e7), at least one weight ahead) stops while a 2T MLP matrix
+#   (4.3e9 parameters) is live, so the other MLP matrix's gather waits, 21 s a step; at 1T (2.6e9) it still runs one
+#   weight ahead. The all-exposed figures include this.
 # - The optimizer on the host (priced: layout offload): 0.6 s and 1.2 s of host Adam at 51 GB/s per GPU.
 # - Activation checkpoints in host memory (the post's hardware section; not in the 1T recipe): 0.42 and 0.54 GB per
 #   layer out and back over a 32 GB/s PCIe link, 3.4 s and 5.4 s.
