@@ -34,6 +34,8 @@ CASES = [
     (Layout(pp=2, microbatch=2, schedule="interleaved_1f1b", stages_per_rank=2), "small", 10,
      "5 microbatches per step into m // pp = 2 rounds, which must divide them"),
     (Layout(pp=4, microbatch=2), "debug", 8, "4 pipeline stages but the model has only 2 layers"),
+    (Layout(dp_replicate=2, microbatch=4, offload=True), "debug", 8, "offload moves FSDP's shards to host memory"),
+    (Layout(zero=3, microbatch=8, offload=True), "debug", 8, "zero2 or zero3 data parallelism over more than one"),
 ]
 
 
@@ -67,7 +69,7 @@ def server_answer(layout: Layout, flavor: str) -> str | None:
 def test_trainer_server_and_planner_give_the_same_answer(layout, flavor, global_batch, expected):
     planner = planner_answer(layout, flavor, global_batch)
     assert trainer_answer(layout, flavor, global_batch) == planner
-    if layout.dp == layout.pp == 1 and not layout.sequence_parallel:  # what the server shards: tp alone
+    if layout.dp == layout.pp == 1 and not (layout.sequence_parallel or layout.offload):  # the server's: tp alone
         assert server_answer(layout, flavor) == planner
     if expected is None:
         assert planner is None
@@ -81,6 +83,12 @@ def test_config_and_layout_convert_both_ways():
             keys = {"training.global_batch_size": global_batch, **layout.to_config(global_batch)}
             cfg = load_config(overrides=[f"{k}={v}" for k, v in keys.items()])
             assert Layout.from_config(cfg, layout.devices) == layout
+
+
+def test_offload_converts_both_ways():
+    layout = Layout(dp_shard=2, zero=3, microbatch=4, offload=True)  # runs on GPUs only, so not among CASES
+    keys = {"training.global_batch_size": 8, **layout.to_config(8)}
+    assert Layout.from_config(load_config(overrides=[f"{k}={v}" for k, v in keys.items()]), 2) == layout
 
 
 def test_one_list_of_schedules():

@@ -228,6 +228,8 @@ def test_single_layout_prediction_and_human_output(capsys):
     ("tp=3", "does not divide"),
     ("tp=2,dp_replicate=3", "dp_replicate*dp_shard*tp*pp = 3*1*2*1 = 6 but there are 16 devices"),
     ("pp=4,microbatch=64", "2 microbatches per step cannot fill 4 pipeline stages"),
+    ("dp_replicate=16,offload=true", "offload moves FSDP's shards to host memory"),
+    ("dp_shard=16,zero=3,offload=yes", "offload='yes': expected true or false"),
 ])
 def test_a_layout_that_cannot_work_says_why(capsys, layout, reason):
     code, _, err = run_cli(capsys, "--model", "llama-8b", "--seq", "8192", "--global-batch", "512", "--devices", "16",

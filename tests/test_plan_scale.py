@@ -131,3 +131,36 @@ def test_a_search_lists_only_layouts_that_fit():
     result = search(shape, work, get_device("h100-sxm"), 8, 8)
     assert result.ranked and all(p.fits for p in result.ranked)
     assert result.rejected["out of memory (more than the 80.0 GiB of a device)"] > 0
+
+
+def test_offload_keeps_the_states_on_the_host_and_copies_each_shard_over_its_link():
+    """parallel.offload: no weights, gradients or optimizer state on the GPU; each of ZeRO-3's two gathers copies its
+    bf16 shard in and each reduce-scatter its gradient shard out over the host link; Adam streams host memory."""
+    shape, work = model_shape("llama-8b", 4096), Workload(seq=4096, global_batch=16, states="mixed")
+    resident, offload = (Layout(dp_shard=16, zero=3, microbatch=1, recompute="full", offload=o) for o in (False, True))
+    h100 = get_device("h100-sxm")
+    on_gpu, on_host = predict(shape, work, resident, h100), predict(shape, work, offload, h100)
+    assert on_host.memory["params"] == on_host.memory["grads"] == on_host.memory["optimizer"] == 0
+    assert on_gpu.memory["optimizer"] > 0 and on_host.memory["activations"] == on_gpu.memory["activations"]
+    assert on_host.time_breakdown_s["optimizer"] == pytest.approx(
+        on_gpu.time_breakdown_s["optimizer"] * h100.hbm_bw / h100.host_bw)
+    # With only the host link costing anything and nothing overlapped, the traffic is the copies: 2 + 2 + 2 bytes
+    # per parameter of this rank's shard.
+    link_only = dataclasses.replace(_frictionless(), intra_node_bw=math.inf, nic_bw=math.inf,
+                                    overlaps_communication=False)
+    copies = predict(shape, work, offload, link_only).time_breakdown_s["data_parallel_exposed"]
+    assert copies == pytest.approx(6 * shape.total_params / 16 / link_only.host_link_bw)
+
+
+def test_offload_is_planned_as_the_trainer_runs_it_and_needs_a_host_link(capsys):
+    from scalenlp.cli import main
+    from scalenlp.errors import UserError
+
+    assert main(["plan", "--model", "debug", "--seq", "64", "--global-batch", "8", "--devices", "2",
+                 "--layout", "dp_shard=2,zero=3,offload=true"]) == 0
+    out = capsys.readouterr().out
+    assert "zero=3 recompute=none offload=true" in out and "--set parallel.offload=true" in out
+    no_host = dataclasses.replace(get_device("h100-sxm"), host_link_bw=None)  # as the measured CPU device has none
+    with pytest.raises(UserError, match="has no host link; drop offload"):
+        predict(model_shape("debug", 64), Workload(seq=64, global_batch=8),
+                Layout(dp_shard=2, zero=3, microbatch=4, offload=True), no_host)

@@ -57,6 +57,7 @@ class Layout:
     schedule: str = "1f1b"  # one of SCHEDULES (pp > 1)
     stages_per_rank: int = 1  # v of the interleaved schedules
     sequence_parallel: bool = False
+    offload: bool = False  # FSDP's shards and the optimizer's state in host memory (parallel.offload)
 
     @property
     def dp(self) -> int:
@@ -78,6 +79,8 @@ class Layout:
             parts.append(f"schedule={self.schedule}" + (f",v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
         if self.sequence_parallel:
             parts.append("sp=true")
+        if self.offload:
+            parts.append("offload=true")
         return " ".join(parts)
 
     @classmethod
@@ -109,7 +112,7 @@ class Layout:
         return cls(dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, pp=p.pp, microbatch=micro,
                    zero=DATA_PARALLEL.index(p.data_parallel), recompute=t.activation_checkpointing,
                    schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank,
-                   sequence_parallel=p.sequence_parallel)
+                   sequence_parallel=p.sequence_parallel, offload=p.offload)
 
     def to_config(self, global_batch: int) -> dict[str, str]:
         """The reverse of ``from_config``: ``section.key`` -> value as ``--set`` takes it (the workload's keys,
@@ -119,6 +122,8 @@ class Layout:
             "parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.data_parallel": DATA_PARALLEL[self.zero],
             "parallel.sequence_parallel": self.sequence_parallel,
         }
+        if self.offload:  # rare: left out of the usual command
+            settings["parallel.offload"] = True
         if self.pp > 1:  # the schedule splits each rank's batch into pp_microbatches itself
             settings["parallel.pp_schedule"] = self.schedule
             settings["parallel.pp_microbatches"] = self.microbatches(global_batch)
@@ -176,6 +181,9 @@ def problems(layout: Layout, model: ModelSizes, devices: int, seq: int | None = 
         bad("bad value", f"ZeRO stage {lay.zero} is not one of 0 (ddp), 1, 2, 3")
     for problem in choice_problems(lay.schedule, lay.recompute):
         bad("bad value", problem)
+    if lay.offload and (lay.zero < 2 or lay.dp == 1):
+        bad("bad value", "offload moves FSDP's shards to host memory, so it needs zero2 or zero3 data parallelism "
+                         "over more than one rank; turn offload off, or shard with zero2|zero3 over dp > 1 ranks")
     for what, size in (("attention heads", model.heads), ("key/value heads", model.kv_heads),
                        ("MLP width (ffn)", model.ffn)):
         if size % lay.tp:

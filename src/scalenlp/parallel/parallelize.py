@@ -56,8 +56,8 @@ def check_layout(model_args: ModelArgs | EncoderArgs, dims: ParallelDims, cfg: C
         raise ConfigError("training.param_dtype=\"bfloat16\" casts weights through FSDP, which "
                           f"parallel.data_parallel=\"{p.data_parallel}\" does not use here; choose \"zero2\" or "
                           f"\"zero3\", or training.mixed_precision=\"bf16\" (autocast)")
-    if p.offload and (p.data_parallel not in ("zero2", "zero3") or not torch.cuda.is_available()):
-        raise ConfigError("parallel.offload=true needs a GPU and parallel.data_parallel=\"zero2\" or \"zero3\"; "
+    if p.offload and not torch.cuda.is_available():  # its data-parallel needs are the layout check's
+        raise ConfigError("parallel.offload=true moves FSDP's shards from a GPU to host memory: it needs a GPU; "
                           "set parallel.offload=false")
 
 

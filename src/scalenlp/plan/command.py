@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default=None,
                         help="predict one layout: dp_shard=..,dp_replicate=..,tp=..,pp=..,microbatch=..,"
                              f"zero=0-3|ddp|zero1-3,recompute={'|'.join(RECOMPUTE)}[,schedule={'|'.join(SCHEDULES)}]"
-                             "[,v=..][,sp=true]")
+                             "[,v=..][,sp=true][,offload=true: shards and optimizer state in host memory]")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to list")
     serve = parser.add_argument_group("serving (--serve): tensor-parallel degree and replicas for inference")
     serve.add_argument("--serve", action="store_true", help="plan serving instead of training")
@@ -68,7 +68,8 @@ def parse_layout(text: str, devices: int, global_batch: int):
         if not eq:
             raise UserError(f"--layout {item!r}: expected key=value")
         values[key.strip()] = value.strip()
-    known = {"dp_shard", "dp_replicate", "tp", "pp", "microbatch", "zero", "recompute", "schedule", "v", "sp"}
+    known = {"dp_shard", "dp_replicate", "tp", "pp", "microbatch", "zero", "recompute", "schedule", "v", "sp",
+             "offload"}
     unknown = set(values) - known
     if unknown:
         raise UserError(f"--layout: unknown key(s) {', '.join(sorted(unknown))}; keys are {', '.join(sorted(known))}")
@@ -98,14 +99,18 @@ def parse_layout(text: str, devices: int, global_batch: int):
         shard = rest // replicate if zero and rest % replicate == 0 else 1
     dp = replicate * shard
     microbatch = integer("microbatch", 1 if pp > 1 else max(1, global_batch // dp))
-    sp = values.get("sp", "false").lower()
-    if sp not in ("true", "false", "1", "0"):
-        raise UserError(f"--layout sp={values['sp']!r}: expected true or false")
+
+    def flag(key: str) -> bool:
+        value = values.get(key, "false").lower()
+        if value not in ("true", "false", "1", "0"):
+            raise UserError(f"--layout {key}={values[key]!r}: expected true or false")
+        return value in ("true", "1")
+
     v = integer("v", 1)
     schedule = values.get("schedule", "interleaved_1f1b" if v > 1 else "1f1b")
     return Layout(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp, microbatch=microbatch, zero=zero,
                   recompute=values.get("recompute", "none"), schedule=schedule, stages_per_rank=v,
-                  sequence_parallel=sp in ("true", "1"))
+                  sequence_parallel=flag("sp"), offload=flag("offload"))
 
 
 def train_command(shape, work, layout, devices: int, gpus_per_node: int) -> str:

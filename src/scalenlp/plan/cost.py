@@ -51,6 +51,10 @@ splits them (balanced against the output projection). The pipeline runs m microb
 slowest rank, plus one pass of the first microbatch (forward) and the last (backward) through every
 other rank, 1/v of a slot at a time when interleaved: for equal stages the bubble is (p − 1)/(v·m)
 of the ideal time, a third of it under zero_bubble (ZERO_BUBBLE_SHARE). The optimizer streams its state once per step.
+Offload (parallel.offload, FSDP's CPUOffloadPolicy) keeps the sharded weights, gradients and optimizer state in host
+memory: each gather first copies its shard in over the device's host link, each reduce-scatter copies its shard out
+(both on the collectives' streams, so they hide as the collectives do), and the optimizer streams its state at the
+host's memory bandwidth instead of the device's, after the backward.
 
 Calibration, once (scalenlp.plan.calibrate fits and prints the constants devices.py carries):
 GPU_GEMM_HALF_DIM, GPU_ELEMENTWISE_TRAFFIC and the A100's gemm_efficiency by least squares on log
@@ -285,6 +289,8 @@ def memory_by_stage(shape: ModelShape, work: Workload, layout: Layout, device: D
     for stage, layers in enumerate(counts):
         params = stage_params(shape, layout, stage, layers)
         weights, grads, optimizer = model_state_bytes(params, layout.zero, layout.dp_shard, work.states)
+        if layout.offload:  # the shards live in host memory; ZeRO-2 still holds the gathered weights fwd to bwd
+            weights, grads, optimizer = (weights if layout.zero == 2 else 0.0), 0.0, 0.0
         in_flight = _in_flight(layout, stage, microbatches)
         activations = in_flight * layers * per_layer
         if layout.recompute == "full":
@@ -361,6 +367,9 @@ def step_flops(shape: ModelShape, work: Workload, recompute: str) -> tuple[float
 def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpec, gpus_per_node: int = 8) -> Prediction:
     """Memory and time of one step; assumes ``check_layout`` found nothing wrong with the degrees."""
     lay, e = layout, ELEMENT_BYTES[work.precision]
+    if lay.offload and device.host_link_bw is None:
+        raise UserError(f"--layout offload=true moves shards from a device to its host's memory, and {device.name} "
+                        f"has no host link; drop offload, or plan for a GPU")
     peak = device.peak_flops(work.precision)
     microbatches = work.global_batch // (lay.dp * lay.microbatch)
     tokens = lay.microbatch * work.seq
@@ -419,13 +428,20 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     overlaps = device.overlaps_communication
     reduce_every_microbatch = lay.zero >= 2 and lay.pp == 1
 
+    def host_copy(nbytes: float) -> float:  # an offloaded shard in or out over the host link
+        return nbytes / lay.dp_shard / device.host_link_bw if lay.offload else 0.0
+
     def gather(params: float) -> float:
-        return comms.collective("all_gather", e * params, shard, device.all_gather_factor) if lay.zero >= 2 else 0.0
+        if lay.zero >= 2:
+            return (host_copy(w_bytes * params)
+                    + comms.collective("all_gather", e * params, shard, device.all_gather_factor))
+        return 0.0
 
     def reduction(params: float) -> float:
         if lay.zero >= 2:
             return (comms.collective("reduce_scatter", g_bytes * params, shard, device.reduce_scatter_factor)
-                    + comms.collective("all_reduce", g_bytes * params / lay.dp_shard, replicate))
+                    + comms.collective("all_reduce", g_bytes * params / lay.dp_shard, replicate)
+                    + host_copy(g_bytes * params))
         return comms.collective("all_reduce", g_bytes * params, whole_dp)
 
     def exposed(communication: float, compute_beside: float) -> float:
@@ -499,7 +515,8 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
             step_sync += comms.ring_time("all_reduce", tied_shard, 2, pp_bw, lat)
         optimizer_params = params / (lay.dp_shard if lay.zero else 1)
         tail = dict(grad_sync_exposed=step_sync,
-                    optimizer=optimizer_params * (OPTIMIZER_TRAFFIC + g_bytes) / device.hbm_bw)
+                    optimizer=optimizer_params * (OPTIMIZER_TRAFFIC + g_bytes)
+                    / (device.host_bw if lay.offload else device.hbm_bw))
         per_stage.append((slot, tail))
 
     # The slowest rank sets the pace of the m microbatches; the first microbatch's forward and the last one's
