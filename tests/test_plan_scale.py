@@ -164,3 +164,39 @@ def test_offload_is_planned_as_the_trainer_runs_it_and_needs_a_host_link(capsys)
     with pytest.raises(UserError, match="has no host link; drop offload"):
         predict(model_shape("debug", 64), Workload(seq=64, global_batch=8),
                 Layout(dp_shard=2, zero=3, microbatch=4, offload=True), no_host)
+
+
+_LLAMA2_70B = "hidden=8192,layers=80,heads=64,kv_heads=8,ffn=28672,vocab_size=32000"
+
+
+def test_the_search_offloads_only_where_nothing_fits_on_the_device_and_the_host_holds_the_states():
+    """Llama 2 70B's mixed-precision states (1.1 TB) fit 8 A100s only offloaded: the search finds those layouts,
+    each one whose every recomputation choice does not fit on the device alone, and none whose host shards exceed
+    the host's 256 GiB per GPU (HSDP's 2 replicas would hold 280 GB each)."""
+    from scalenlp.plan.search import search
+
+    shape, work, a100 = model_shape(_LLAMA2_70B, 4096), Workload(seq=4096, global_batch=8, states="mixed"), \
+        get_device("a100-80gb")
+    result = search(shape, work, a100, 8, 8, fixed={"tp": 1, "pp": 1})
+    assert [p.layout for p in result.ranked] == [Layout(dp_shard=8, zero=3, microbatch=1, recompute="full",
+                                                        offload=True)]
+    assert result.rejected["out of host memory, offloaded (more than 256 GiB per device)"] > 0
+    ranked = search(shape, work, a100, 8, 8).ranked
+    assert ranked and all(p.layout.offload for p in ranked)  # nothing fits without it
+    for p in ranked:
+        assert p.host_memory_per_device_bytes <= a100.host_memory_bytes
+        on_device = [dataclasses.replace(p.layout, offload=False, recompute=r) for r in ("none", "selective", "full")]
+        assert not any(predict(shape, work, layout, a100).fits for layout in on_device)
+
+
+def test_a_layout_that_fits_only_offloaded_is_told_so(capsys):
+    from scalenlp.cli import main
+
+    base = ["plan", "--model", _LLAMA2_70B, "--seq", "4096", "--global-batch", "8", "--devices", "8",
+            "--device", "a100-80gb", "--states", "mixed", "--layout"]
+    assert main([*base, "dp_shard=8,zero=3,recompute=full"]) == 1
+    out = capsys.readouterr().out
+    assert "GiB per device, a a100-80gb has 80.00 GiB" in out
+    assert "fits with offload=true: " in out
+    assert main([*base, "dp_replicate=2,dp_shard=4,zero=3,recompute=full,offload=true"]) == 1
+    assert "GiB of host memory per device, a a100-80gb's host has 256.00 GiB" in capsys.readouterr().out

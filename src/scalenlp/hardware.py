@@ -88,6 +88,7 @@ class DeviceSpec:
     # memory bandwidth per device that the host optimizer streams. None: no host to offload to (the CPU is the host).
     host_link_bw: float | None = None
     host_bw: float | None = None
+    host_memory_bytes: float | None = None  # the host's memory per device, which offloaded states must fit
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_flops_bf16 if precision == "bf16" else self.peak_flops_fp32
@@ -99,29 +100,36 @@ class DeviceSpec:
 _GPU_SHAPE = dict(gemm_half_dim=GPU_GEMM_HALF_DIM, elementwise_traffic=GPU_ELEMENTWISE_TRAFFIC,
                   latency_s=10e-6, nic_latency_s=15e-6, runtime_bytes=1.5 * GiB,
                   overlap_contention=GPU_OVERLAP_CONTENTION, decode_layer_overhead_s=GPU_DECODE_LAYER_OVERHEAD)
+# The DGX-class servers below (and the clouds' equivalents) have 2 TiB of host memory for their 8 GPUs.
+HOST_MEMORY_PER_GPU = 2 * 2**40 / 8
 
 DEVICES: dict[str, DeviceSpec] = {
     # DGX A100: NVLink3, 600 GB/s per GPU both ways (datasheet), ~230 GB/s all-reduce bus bandwidth in nccl-tests;
     # one ConnectX-6 HDR 200 Gb/s NIC per GPU, 25 GB/s (a rail each: 8 per node, 1,600 Gb/s, as MosaicML's and
     # Meta's A100 clusters have; nccl-tests across DGX A100 nodes report ~185-190 GB/s bus bandwidth per node).
     # Host: PCIe 4.0 x16 per GPU, 32 GB/s each way (the A100 datasheet's 64 GB/s both ways); two 8-channel DDR4-3200
-    # sockets (DGX A100's EPYC 7742s, Azure NDm A100 v4's EPYC 7V12s), 409.6 GB/s for 8 GPUs.
+    # sockets (DGX A100's EPYC 7742s, Azure NDm A100 v4's EPYC 7V12s), 409.6 GB/s for 8 GPUs; 2 TiB of it per
+    # 8 GPUs (DGX A100 640GB datasheet: "2TB"; NDm A100 v4: 1,900 GiB).
     "a100-80gb": DeviceSpec("a100-80gb", peak_flops_bf16=312e12, peak_flops_fp32=19.5e12, memory_bytes=80 * GiB,
                             hbm_bw=2.04e12, intra_node_bw=230e9, nic_bw=25e9,
                             gemm_efficiency=A100_GEMM_EFFICIENCY, host_link_bw=32e9, host_bw=409.6e9 / 8,
+                            host_memory_bytes=HOST_MEMORY_PER_GPU,
                             **_GPU_SHAPE),
     # HGX H100 SXM: NVLink4, 900 GB/s per GPU both ways (datasheet), ~360 GB/s all-reduce bus bandwidth in
     # nccl-tests without NVLink SHARP; one ConnectX-7 NDR 400 Gb/s NIC per GPU, 50 GB/s (3,200 Gb/s per node).
     # Host: PCIe 5.0 x16 per GPU, 64 GB/s each way (datasheet: 128 GB/s both ways); DGX H100's two Xeon 8480C
-    # sockets, 8 channels of DDR5-4800 each, 614.4 GB/s for 8 GPUs (DGX H200 has the same host).
+    # sockets, 8 channels of DDR5-4800 each, 614.4 GB/s for 8 GPUs, 2 TiB of it (datasheet: "2TB"; DGX H200 has the
+    # same host).
     "h100-sxm": DeviceSpec("h100-sxm", peak_flops_bf16=989e12, peak_flops_fp32=67e12, memory_bytes=80 * GiB,
                            hbm_bw=3.35e12, intra_node_bw=360e9, nic_bw=50e9,
                            gemm_efficiency=H100_GEMM_EFFICIENCY, host_link_bw=64e9, host_bw=614.4e9 / 8,
+                           host_memory_bytes=HOST_MEMORY_PER_GPU,
                            **_GPU_SHAPE),
     # The H100's compute die with 141 GB of faster HBM3e.
     "h200": DeviceSpec("h200", peak_flops_bf16=989e12, peak_flops_fp32=67e12, memory_bytes=141e9,
                        hbm_bw=4.8e12, intra_node_bw=360e9, nic_bw=50e9,
-                       gemm_efficiency=H100_GEMM_EFFICIENCY, host_link_bw=64e9, host_bw=614.4e9 / 8, **_GPU_SHAPE),
+                       gemm_efficiency=H100_GEMM_EFFICIENCY, host_link_bw=64e9, host_bw=614.4e9 / 8,
+                       host_memory_bytes=HOST_MEMORY_PER_GPU, **_GPU_SHAPE),
 }
 
 _UNITS = {"memory_gb": ("memory_bytes", 1e9), "memory_gib": ("memory_bytes", GiB)}

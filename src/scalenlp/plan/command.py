@@ -157,6 +157,8 @@ def _describe(p, device, rank: int | None) -> list[str]:
         f"    memory per device {_gib(p.memory_per_device_bytes)} of {_gib(device.memory_bytes)} GiB: params "
         f"{_gib(m['params'])}, grads {_gib(m['grads'])}, optimizer {_gib(m['optimizer'])}, activations "
         f"{_gib(m['activations'])}, buffers {_gib(m['buffers'])}, runtime {_gib(m['runtime'])}",
+        *([f"    host memory per device {_gib(p.host_memory_per_device_bytes)} of {_gib(device.host_memory_bytes)} "
+           "GiB (offloaded weights, gradients and optimizer state)"] if p.layout.offload else []),
         f"    {p.train_command}",
     ]
 
@@ -325,8 +327,12 @@ def run(args: argparse.Namespace) -> int:
             print(title)
             print("\n".join(_describe(p, result.device, None)))
             if not p.fits:
-                print(f"does not fit: {_gib(p.memory_per_device_bytes)} GiB per device, a {result.device.name} has "
-                      f"{_gib(result.device.memory_bytes)} GiB")
+                if p.memory_per_device_bytes > result.device.memory_bytes:
+                    print(f"does not fit: {_gib(p.memory_per_device_bytes)} GiB per device, a {result.device.name} "
+                          f"has {_gib(result.device.memory_bytes)} GiB")
+                else:
+                    print(f"does not fit: {_gib(p.host_memory_per_device_bytes)} GiB of host memory per device, a "
+                          f"{result.device.name}'s host has {_gib(result.device.host_memory_bytes)} GiB")
                 for change, q in result.would_fit:
                     print(f"  fits with {change}: {_gib(q.memory_per_device_bytes)} GiB, {q.tokens_per_sec:,.0f} "
                           f"tokens/s ({q.layout.describe()})")

@@ -73,6 +73,7 @@ FSDP runs).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import asdict, dataclass, field
 
 from scalenlp.errors import UserError
@@ -146,7 +147,8 @@ class Prediction:
     bubble_fraction: float
     time_breakdown_s: dict[str, float] = field(default_factory=dict)
     train_command: str | None = None  # filled in by the command
-    fits: bool = True  # whether memory_per_device_bytes fits the device's memory
+    fits: bool = True  # whether memory_per_device_bytes fits the device's memory (and the host's, offloaded)
+    host_memory_per_device_bytes: float = 0.0  # offloaded states in host memory, per device (largest stage)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -276,6 +278,8 @@ def _in_flight(layout: Layout, stage: int, microbatches: int) -> float:
 
 
 def memory_by_stage(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpec) -> list[dict[str, float]]:
+    """Device bytes per pipeline stage by kind; with offload, the states moved to host memory are not among them
+    (``host_bytes_by_stage``)."""
     e = ELEMENT_BYTES[work.precision]
     g_bytes = STATE_BYTES[work.states][1]
     microbatches = work.global_batch // (layout.dp * layout.microbatch)
@@ -308,6 +312,19 @@ def memory_by_stage(shape: ModelShape, work: Workload, layout: Layout, device: D
             buffers += gathered * (e + g_bytes)  # this layer and the prefetched next, unsharded
         out.append(dict(params=weights, grads=grads, optimizer=optimizer, activations=activations,
                         buffers=buffers, runtime=device.runtime_bytes))
+    return out
+
+
+def host_bytes_by_stage(shape: ModelShape, work: Workload, layout: Layout) -> list[float]:
+    """Host memory per device that offload fills: the rank's shards of weights (ZeRO-3), gradients and optimizer
+    state, per pipeline stage; 0 without offload."""
+    if not layout.offload:
+        return [0.0] * layout.pp
+    out = []
+    for stage, layers in enumerate(layers_per_rank(shape, work.seq, layout.pp, layout.stages_per_rank)):
+        weights, grads, optimizer = model_state_bytes(stage_params(shape, layout, stage, layers), layout.zero,
+                                                      layout.dp_shard, work.states)
+        out.append((weights if layout.zero == 3 else 0.0) + grads + optimizer)
     return out
 
 
@@ -536,6 +553,7 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     parts = max(memory_by_stage(shape, work, lay, device), key=lambda m: sum(m.values()))
     prediction = Prediction(
         layout=lay, memory=parts, memory_per_device_bytes=sum(parts.values()),
+        host_memory_per_device_bytes=max(host_bytes_by_stage(shape, work, lay)),
         model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops, step_time_s=step_s,
         tokens_per_sec=work.global_batch * work.seq / step_s,
         tflops_per_device=hardware_flops / step_s / n / 1e12, mfu=model_flops / step_s / n / peak,
@@ -546,4 +564,5 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
 
 
 def fits(prediction: Prediction, device: DeviceSpec) -> bool:
-    return prediction.memory_per_device_bytes <= device.memory_bytes
+    host = device.host_memory_bytes if device.host_memory_bytes is not None else math.inf
+    return prediction.memory_per_device_bytes <= device.memory_bytes and prediction.host_memory_per_device_bytes <= host

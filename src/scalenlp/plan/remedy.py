@@ -2,8 +2,9 @@
 
 Each change keeps the device count and the global batch: shard the model states further (a higher ZeRO
 stage, with the data-parallel ranks sharded), recompute more, a smaller microbatch, more tensor or pipeline
-parallelism (taken from data parallelism). Single changes first; where none fits, pairs of them. Only
-changes that check_layout accepts and whose memory fits are named, fastest first.
+parallelism (taken from data parallelism), the shards offloaded to host memory (ZeRO-2/3, a device with
+a host link). Single changes first; where none fits, pairs of them. Only changes that check_layout
+accepts and whose memory fits are named, fastest first.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from scalenlp.plan.cost import ModelShape, Prediction, Workload, predict
 from scalenlp.plan.search import RECOMPUTE_ORDER, check_layout
 
 
-def _changes(layout: Layout) -> list[tuple[str, dict]]:
+def _changes(layout: Layout, device: DeviceSpec) -> list[tuple[str, dict]]:
     """(what to write in --layout, the Layout fields it sets) for each single change worth trying."""
     out = []
+    if not layout.offload and device.host_link_bw is not None:  # check_layout asks for ZeRO-2/3 over ranks
+        out.append(("offload=true", dict(offload=True)))
     for zero in range(max(layout.zero, 0) + 1, 4):  # a higher ZeRO stage shards over every data-parallel rank
         out.append((f"zero={zero}", dict(zero=zero, dp_shard=layout.dp, dp_replicate=1)
                     if layout.dp_shard == 1 else dict(zero=zero)))
@@ -58,7 +61,7 @@ def what_fits(shape: ModelShape, work: Workload, layout: Layout, device: DeviceS
               gpus_per_node: int, limit: int = 5) -> list[tuple[str, Prediction]]:
     """Up to ``limit`` (change, its prediction) that make ``layout`` fit, fastest first: single changes, or
     where none fits, pairs."""
-    changes = _changes(layout)
+    changes = _changes(layout, device)
     for size in (1, 2):
         found: dict[Layout, tuple[str, Prediction]] = {}
         for combo in combinations(changes, size):

@@ -4,12 +4,14 @@ Pruning that loses nothing: sequence parallelism is on with TP wherever tp divid
 replaces each all-reduce by an all-gather and a reduce-scatter of the same volume and only saves memory
 and memory traffic), and recomputation is tried
 none -> selective -> full, keeping the first that fits (each step only saves memory and costs time).
+Offloading a ZeRO-2/3 layout's shards to host memory is the last resort, as DeepSpeed's and FSDP's users
+take it: tried (with the same recomputation order) only where no recomputation fits on the device alone.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scalenlp.hardware import DeviceSpec
 from scalenlp.layout import INTERLEAVED, Layout, ModelSizes, problems
@@ -101,20 +103,31 @@ def search(shape: ModelShape, work: Workload, device: DeviceSpec, devices: int, 
            fixed: dict | None = None) -> SearchResult:
     result = SearchResult(ranked=[])
     oom = f"out of memory (more than the {device.memory_bytes / 2**30:.1f} GiB of a device)"
+    host_oom = (f"out of host memory, offloaded (more than {device.host_memory_bytes / 2**30:.0f} GiB per device)"
+                if device.host_memory_bytes is not None else "")
+    offload = fixed.get("offload") if fixed else None
     for group in candidates(shape, work, devices, gpus_per_node, fixed):
         problems = check_layout(shape, work, group[0], devices, gpus_per_node)
         if problems:
             result.rejected[problems[0][0]] += len(group)
             continue
-        for layout in group:
+        tries = [] if offload else [group]
+        if offload is not False and can_offload(group[0], device):
+            tries.append([replace(layout, offload=True) for layout in group])
+        for layout in (layout for tried in tries for layout in tried):
             prediction = predict(shape, work, layout, device, gpus_per_node)
             result.evaluated += 1
             if fits(prediction, device):
                 result.ranked.append(prediction)
                 break
-            result.rejected[oom] += 1
+            result.rejected[oom if prediction.memory_per_device_bytes > device.memory_bytes else host_oom] += 1
     result.ranked.sort(key=lambda p: (-p.tokens_per_sec, p.memory_per_device_bytes))
     return result
+
+
+def can_offload(layout: Layout, device: DeviceSpec) -> bool:
+    """FSDP's shards can move to host memory: ZeRO-2/3 over more than one rank, on a device with a host link."""
+    return layout.zero >= 2 and layout.dp > 1 and device.host_link_bw is not None
 
 
 def smallest_device_count(shape: ModelShape, work: Workload, device: DeviceSpec, devices: int, gpus_per_node: int,
