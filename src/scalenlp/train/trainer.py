@@ -168,6 +168,15 @@ def _mean_over(value: torch.Tensor, group) -> float:
     return (_sum_over(value, group) / (1 if group is None else dist.get_world_size(group))).item()
 
 
+@dataclasses.dataclass
+class _Window:
+    """The steps one metrics record averages over: those since the last record (or rollback). The tokens and
+    targets they saw are counted on the trainer, by ``train_step``."""
+    loss: torch.Tensor
+    steps: int = 0
+    time: float = 0.0
+
+
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, stop: StopRequest | None = None):
         validate(cfg)  # a Config built in Python gets the checks load_config gives the CLI's
@@ -326,6 +335,10 @@ class Trainer:
         self.loader.load_state_dict(data)
         self.rolled_back_to = latest
 
+    def _new_window(self) -> _Window:
+        self.tokens_seen = self.targets_seen = 0
+        return _Window(torch.zeros((), device=self.device))
+
     # -- the step ---------------------------------------------------------------------------------
     def _weigh_loss(self, targets: torch.Tensor) -> None:
         """Set ``loss_weight`` so that summed micro-batch losses times it, summed over micro-batches and
@@ -481,7 +494,7 @@ class Trainer:
         records = []
         bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", disable=not self.is_main,
                    dynamic_ncols=True, file=sys.stderr)
-        window_loss, window_steps, window_time = torch.zeros((), device=self.device), 0, 0.0
+        window = self._new_window()
         last_saved = None
         profiler = StepProfiler(profile_steps(cfg), self.step, self.run_dir / "traces" / f"rank{self.rank}.json",
                                 self.device, self.log)
@@ -491,11 +504,11 @@ class Trainer:
             with profiler.step(self.step + 1):
                 loss, grad_norm, check = self.train_step()
             self.checkpointer.poll()
-            window_loss += loss
+            window.loss += loss
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
-            window_time += time.perf_counter() - start
-            window_steps += 1
+            window.time += time.perf_counter() - start
+            window.steps += 1
             self.step += 1
             bar.update(1)
             faults.inject(self.fault, self.step, self.checkpointer)
@@ -508,20 +521,19 @@ class Trainer:
                 if t.on_nonfinite == "rollback":
                     self._roll_back(check)
                     bar.n = self.step
-                    window_loss.zero_()
-                    window_steps, window_time, self.tokens_seen, self.targets_seen = 0, 0.0, 0, 0
+                    window = self._new_window()
                     continue
                 self.log(f"{check.describe(self.step)}; its update is skipped (training.on_nonfinite=skip)")
             if self.step % t.log_every == 0 or self.step == t.steps:
                 # Tokens the model ran on, padding included (classification batches are padded to their longest
                 # row, SFT rows to seq_len): the model computes on padding too, so MFU counts it.
-                tokens_per_sec = self.tokens_seen * self.dims.dp / window_time
+                tokens_per_sec = self.tokens_seen * self.dims.dp / window.time
                 mfu, peak_note = self.peak.mfu(tokens_per_sec / self.world * self.flops_per_token)
                 if peak_note:
                     self.log(f"step {self.step}: {peak_note}")
                 record = {
                     "step": self.step,
-                    "loss": _mean_over(window_loss / window_steps, self.dp_group),
+                    "loss": _mean_over(window.loss / window.steps, self.dp_group),
                     "lr": self.scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm.item(),
                     "tokens_per_sec": tokens_per_sec,
@@ -529,11 +541,11 @@ class Trainer:
                     "peak_tflops": self.peak.flops / 1e12,
                     "peak_source": self.peak.source,
                     "peak_mem_bytes": peak_memory_bytes(self.device),
-                    "step_time_s": window_time / window_steps,
-                    "samples_per_sec": window_steps * t.global_batch_size / window_time,
+                    "step_time_s": window.time / window.steps,
+                    "samples_per_sec": window.steps * t.global_batch_size / window.time,
                 }
                 if t.task == "sft":  # the tokens it learns from; tokens_per_sec counts padding too (see metrics.py)
-                    record["assistant_tokens_per_sec"] = float(self.targets_seen) / window_time
+                    record["assistant_tokens_per_sec"] = float(self.targets_seen) / window.time
                 record.update(self.monitor.gather())  # every rank's CPU and memory (a collective)
                 self.monitor.publish(record)
                 records.append(record)
@@ -543,8 +555,7 @@ class Trainer:
                          f"{record['grad_norm']:.3f} | {tokens_per_sec:,.0f} tok/s | MFU {record['mfu']:.1%} | "
                          f"peak mem {record['peak_mem_bytes'] / 2**20:,.0f} MiB"
                          + (f" | {record['assistant_tokens_per_sec']:,.0f} assistant tok/s" if t.task == "sft" else ""))
-                window_loss.zero_()
-                window_steps, window_time, self.tokens_seen, self.targets_seen = 0, 0.0, 0, 0
+                window = self._new_window()
             self.watchdog.step_finished()  # evaluations and saves are bounded by training.timeout_s instead
             saved_best = None
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
