@@ -5,15 +5,16 @@ SST-2 classifier (MiniLM fine-tuned here), each beside the fp32 and bf16 baselin
                                    [--sst2-run RUN] [--sst2-rows 3200] [--skip-prune] [--recovery-steps 20]
 
 SmolLM2 rows (every linear of its packaged GGUF file is Q4_1, 4-bit in blocks of 32, so fp32 is those weights
-dequantized; the quantized rows round them again, except the last, which maps the file's own codes onto the int4
-kernel): WikiText-2 test perplexity (``scalenlp eval``'s sliding windows, ``--seq`` tokens moving by
-``--seq``, over the first ``--max-tokens`` tokens; floating layers in fp32 as `scalenlp eval` runs by default, so
-a quantized row differs from fp32 by its quantization alone) and greedy decode tokens/s through the engine at
-batch 1 and 8 (``--new-tokens`` each; the serving dtype: bf16 for the floating layers of a quantized model, as
-`scalenlp serve --quantize` runs on this CPU). The decode timings of all rows are interleaved ``--repeats`` times
-and the best kept, so load from other processes hits every row alike. Pruning rows come from
-``benchmarks/pruning.py``'s helpers (calibration on WikiText-2 validation); masked methods keep dense shapes,
-so their speed is fp32's.
+dequantized; the quantized rows round them again, except "GGUF Q4_1 codes as they are", which maps the file's own
+codes onto the int4 kernel; "AWQ calibrated" is `scalenlp quantize --calibration` over ``--awq-samples`` windows of
+512 tokens of WikiText-2 valid, its calibration time printed): WikiText-2 test perplexity (``scalenlp eval``'s
+sliding windows, ``--seq`` tokens moving by ``--seq``, over the first ``--max-tokens`` tokens; floating layers in
+fp32 as `scalenlp eval` runs by default, so a quantized row differs from fp32 by its quantization alone) and greedy
+decode tokens/s through the engine at batch 1 and 8 (``--new-tokens`` each; the serving dtype: bf16 for the floating
+layers of a quantized model, as `scalenlp serve --quantize` runs on this CPU). The decode timings of all rows are
+interleaved ``--repeats`` times and the best kept, so load from other processes hits every row alike. Pruning rows
+come from ``benchmarks/pruning.py``'s helpers (calibration on WikiText-2 validation); masked methods keep dense
+shapes, so their speed is fp32's.
 
 SST-2 rows: a MiniLM classifier fine-tuned by ``scalenlp train`` on the first ``--sst2-rows`` training rows
 (or ``--sst2-run``, an existing run folder), scored on all of dev.tsv through the encoder engine (batches of
