@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import scalenlp.infer.awq
 from infer_helpers import SENTENCES, train_tokenizer
 from scalenlp.cli import main
 from scalenlp.infer.awq import awq
@@ -41,14 +42,17 @@ def text(tmp_path):
     return path
 
 
-def test_folded_scales_leave_the_float_model_unchanged(export, text):
+def test_folded_scales_leave_the_float_model_unchanged(export, text, monkeypatch):
+    monkeypatch.setattr(scalenlp.infer.awq, "ALPHAS", (0.5,))  # every set scaled: each fold (GQA's v too) runs
     pre = read(export)
     model = instantiate(pre, "cpu", torch.float32)
     tokens = torch.randint(0, 320, (2, 24))
     before = model(tokens)
-    norms = model.layers["0"].attention_norm.weight.clone()
+    folded = ["attention_norm.weight", "attention.wv.weight", "ffn_norm.weight", "feed_forward.w3.weight"]
+    original = {name: model.layers["0"].get_parameter(name).clone() for name in folded}
     awq(model, calibration_batches(text, pre.tokenizer, 4, 32), SPEC)
-    assert not torch.equal(norms, model.layers["0"].attention_norm.weight)  # scales were folded in
+    for name in folded:
+        assert not torch.equal(original[name], model.layers["0"].get_parameter(name)), name
     torch.testing.assert_close(model(tokens), before, atol=1e-5, rtol=1e-5)
 
 
