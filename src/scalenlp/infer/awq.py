@@ -84,7 +84,8 @@ def check_model(model: nn.Module, spec: Quantization) -> None:
     check_shapes(spec, linears_of(model))
 
 
-def input_statistics(model: Transformer, calibration: list[torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def input_statistics(model: Transformer,
+                     calibration: list[torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(X^T X, mean |x| per channel) of the inputs X (every calibration token) of the first linear of each set
     in ``awq`` (q, o, gate, down), by name, in float64 sums."""
     firsts = {name: m for name, m in linears_of(model.layers).items()

@@ -95,7 +95,8 @@ def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-def int4_grouped(w: torch.Tensor, group_size: int, gram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_grouped(w: torch.Tensor, group_size: int,
+                 gram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed uint8 (N, K/2), bf16 scales_and_zeros (K/group, N, 2)): asymmetric per group of ``group_size``
     inputs, in the kernels' convention w = (q - 8) * scale + zero with q in 0..15. Each group keeps, of a few
     candidate grids, the one whose rounded weights lie nearest its own (least squared error, scale and zero as
@@ -130,7 +131,7 @@ class Grid(NamedTuple):
     scales: torch.Tensor  # (N, groups), float32 holding bf16 values
     zeros: torch.Tensor
     q: torch.Tensor  # (N, groups, group_size), 0..15
-    error: torch.Tensor  # (N, groups): squared error of the rounded weights
+    error: torch.Tensor  # (N, groups): squared error of the rounded weights, or their output error (``rounded``)
 
 
 def rounded(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, blocks: torch.Tensor | None) -> Grid:
