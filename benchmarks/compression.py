@@ -5,15 +5,16 @@ SST-2 classifier (MiniLM fine-tuned here), each beside the fp32 and bf16 baselin
                                    [--sst2-run RUN] [--sst2-rows 3200] [--skip-prune] [--recovery-steps 20]
 
 SmolLM2 rows (every linear of its packaged GGUF file is Q4_1, 4-bit in blocks of 32, so fp32 is those weights
-dequantized; the quantized rows round them again, except the last, which maps the file's own codes onto the int4
-kernel): WikiText-2 test perplexity (``scalenlp eval``'s sliding windows, ``--seq`` tokens moving by
-``--seq``, over the first ``--max-tokens`` tokens; floating layers in fp32 as `scalenlp eval` runs by default, so
-a quantized row differs from fp32 by its quantization alone) and greedy decode tokens/s through the engine at
-batch 1 and 8 (``--new-tokens`` each; the serving dtype: bf16 for the floating layers of a quantized model, as
-`scalenlp serve --quantize` runs on this CPU). The decode timings of all rows are interleaved ``--repeats`` times
-and the best kept, so load from other processes hits every row alike. Pruning rows come from
-``benchmarks/pruning.py``'s helpers (calibration on WikiText-2 validation); masked methods keep dense shapes,
-so their speed is fp32's.
+dequantized; the quantized rows round them again, except "GGUF Q4_1 codes as they are", which maps the file's own
+codes onto the int4 kernel; "AWQ calibrated" is `scalenlp quantize --calibration` over ``--awq-samples`` windows of
+512 tokens of WikiText-2 valid, its calibration time printed): WikiText-2 test perplexity (``scalenlp eval``'s
+sliding windows, ``--seq`` tokens moving by ``--seq``, over the first ``--max-tokens`` tokens; floating layers in
+fp32 as `scalenlp eval` runs by default, so a quantized row differs from fp32 by its quantization alone) and greedy
+decode tokens/s through the engine at batch 1 and 8 (``--new-tokens`` each; the serving dtype: bf16 for the floating
+layers of a quantized model, as `scalenlp serve --quantize` runs on this CPU). The decode timings of all rows are
+interleaved ``--repeats`` times and the best kept, so load from other processes hits every row alike. Pruning rows
+come from ``benchmarks/pruning.py``'s helpers (calibration on WikiText-2 validation); masked methods keep dense
+shapes, so their speed is fp32's.
 
 SST-2 rows: a MiniLM classifier fine-tuned by ``scalenlp train`` on the first ``--sst2-rows`` training rows
 (or ``--sst2-run``, an existing run folder), scored on all of dev.tsv through the encoder engine (batches of
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,6 +43,7 @@ from classify import head_rows
 from pruning import DATA as WIKITEXT
 from pruning import calibration_batches, prune_row, recover
 from scalenlp.data.labeled import read_labeled
+from scalenlp.infer.awq import awq
 from scalenlp.infer.encoder_engine import EncoderEngine
 from scalenlp.infer.engine import Engine
 from scalenlp.infer.evaluate import perplexity
@@ -48,7 +51,7 @@ from scalenlp.infer.sampling import SamplingParams
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.loader import instantiate, load, read
 from scalenlp.models.packaged import packaged_model
-from scalenlp.models.quantized import Quantization
+from scalenlp.models.quantized import Quantization, build_quantized
 
 DATA = WIKITEXT.parent  # shared/data, found beside the repository or above it
 # (row name, dtype of the floating layers when serving, quantization)
@@ -60,6 +63,8 @@ VARIANTS = [("fp32", torch.float32, None), ("bf16", torch.bfloat16, None),
 # SmolLM2's packaged file stores its linears as GGUF Q4_1 blocks of 32: the rows above round its dequantized weights
 # again (as for any float checkpoint); this one takes the file's 4-bit codes as they are.
 GGUF_ROW = ("int4 group 32, GGUF Q4_1 codes as they are", torch.bfloat16, Quantization("int4", 32))
+# `scalenlp quantize --calibration`: activation-aware scales and clipping (scalenlp.infer.awq) from WikiText-2 valid.
+AWQ_ROW = ("int4 weight-only, group 64, AWQ calibrated", torch.bfloat16, Quantization("int4", 64))
 PRUNE_METHODS = (("magnitude 50%", "magnitude", 0.5), ("wanda 50%", "wanda", 0.5), ("2:4 (wanda score)", "2:4", 0.5))
 NOTES = {"int8 dynamic": "+ fbgemm's packed copy"}
 
@@ -78,6 +83,19 @@ def decode_tokens_per_sec(engine: Engine, batch: int, new_tokens: int) -> float:
     start = time.perf_counter()
     engine.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
     return batch * new_tokens / (time.perf_counter() - start)
+
+
+def awq_builder(pre, args):
+    """AWQ_ROW's model in a given dtype, from one calibration of the file's weights as floats (timed: `scalenlp
+    quantize --calibration` takes about as long)."""
+    start = time.perf_counter()
+    model = instantiate(pre, dtype=torch.float32)
+    calibration = calibration_batches(DATA / "wikitext2" / "valid.txt", pre.tokenizer, args.awq_samples, 512)
+    grams = awq(model, calibration, AWQ_ROW[2])
+    state = model.state_dict()
+    print(f"AWQ calibration: {args.awq_samples} x 512 tokens of WikiText-2 valid, "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+    return partial(build_quantized, pre.args, state, AWQ_ROW[2], True, grams=grams)
 
 
 def sst2_run(args, tmp: Path) -> Path:
@@ -125,14 +143,15 @@ def decoder_rows(args, tmp: Path) -> tuple[list[dict], str]:
     text = (DATA / "wikitext2" / "test.txt").read_text()
     ids = pre.tokenizer.encode(text).ids[:args.max_tokens]
     rows, timed = [], {}
-    for name, dtype, spec in [*VARIANTS, GGUF_ROW]:
-        source = pre if name == GGUF_ROW[0] else dequantized
+    for name, dtype, spec in [*VARIANTS, GGUF_ROW, AWQ_ROW]:
+        build = (awq_builder(pre, args) if name == AWQ_ROW[0] else
+                 partial(instantiate, pre if name == GGUF_ROW[0] else dequantized, quantize=spec))
         # Quality with the floating layers in fp32 (bf16's own row excepted), as `scalenlp eval` measures.
-        model = instantiate(source, dtype=torch.bfloat16 if name == "bf16" else torch.float32, quantize=spec)
+        model = build(dtype=torch.bfloat16 if name == "bf16" else torch.float32)
         ppl = perplexity(model, ids, args.seq, args.seq).perplexity
         del model
         gc.collect()
-        timed[name] = instantiate(source, dtype=dtype, quantize=spec)
+        timed[name] = build(dtype=dtype)
         rows.append({"name": name, "quality": ppl, "bytes": model_bytes(timed[name])})
         print(f"{name}: perplexity {ppl:.3f}", flush=True)
     if not args.skip_prune:
@@ -200,6 +219,7 @@ def main() -> int:
     parser.add_argument("--sst2-rows", type=int, default=3200, help="training rows of the short fine-tune")
     parser.add_argument("--skip-prune", action="store_true", help="quantization rows only")
     parser.add_argument("--calibration-samples", type=int, default=64)
+    parser.add_argument("--awq-samples", type=int, default=32, help="AWQ calibration windows of 512 tokens")
     parser.add_argument("--structured-sparsity", type=float, default=0.5)
     parser.add_argument("--recovery-steps", type=int, default=20, help="0 skips the recovery fine-tune")
     args = parser.parse_args()

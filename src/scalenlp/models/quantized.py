@@ -95,25 +95,29 @@ def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-def int4_grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_grouped(w: torch.Tensor, group_size: int,
+                 gram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed uint8 (N, K/2), bf16 scales_and_zeros (K/group, N, 2)): asymmetric per group of ``group_size``
     inputs, in the kernels' convention w = (q - 8) * scale + zero with q in 0..15. Each group keeps, of a few
     candidate grids, the one whose rounded weights lie nearest its own (least squared error, scale and zero as
     stored): its min..max range shrunk about the middle by each of ``CLIP_RATIOS`` (clipping a few outliers buys
     a finer step for the rest), and from each, ``REFITS`` rounds of refitting scale and zero by least squares to
-    the codes the last grid gave."""
+    the codes the last grid gave. ``gram`` (K, K), X^T X of calibration inputs X (``scalenlp.infer.awq``), makes
+    "nearest" the group's error in the layer's output on them instead, d^T X_g^T X_g d for a rounding error d."""
     w = w.float()
     N, K = w.shape
     groups = w.reshape(N, K // group_size, group_size)
+    blocks = None if gram is None else torch.stack([gram[i:i + group_size, i:i + group_size].float()
+                                                    for i in range(0, K, group_size)])
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     middle, half = (low + high) / 2, (high - low) / 2
     best = None
     for ratio in CLIP_RATIOS:
         scales = half * ratio * 2 / 15
-        grid = rounded(groups, scales, middle - half * ratio + 8 * scales)
+        grid = rounded(groups, scales, middle - half * ratio + 8 * scales, blocks)
         best = grid if best is None else nearer(best, grid)
         for _ in range(REFITS):
-            grid = rounded(groups, *least_squares(groups, grid.q))
+            grid = rounded(groups, *least_squares(groups, grid.q), blocks)
             best = nearer(best, grid)
     scales_and_zeros = torch.stack([best.scales, best.zeros], dim=-1).to(KERNEL_DTYPE).transpose(0, 1).contiguous()
     return pack_int4(best.q.reshape(N, K)), scales_and_zeros
@@ -127,15 +131,17 @@ class Grid(NamedTuple):
     scales: torch.Tensor  # (N, groups), float32 holding bf16 values
     zeros: torch.Tensor
     q: torch.Tensor  # (N, groups, group_size), 0..15
-    error: torch.Tensor  # (N, groups): squared error of the rounded weights
+    error: torch.Tensor  # (N, groups): squared error of the rounded weights, or their output error (``rounded``)
 
 
-def rounded(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Grid:
-    """``groups`` rounded to the 16 levels of ``scales`` and ``zeros`` as stored in bf16 (what the kernels use)."""
+def rounded(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, blocks: torch.Tensor | None) -> Grid:
+    """``groups`` rounded to the 16 levels of ``scales`` and ``zeros`` as stored in bf16 (what the kernels use);
+    the error is squared, or weighted by ``blocks`` (groups, size, size), each group's inputs' Gram matrix."""
     scales = scales.clamp(min=torch.finfo(torch.float32).tiny).to(KERNEL_DTYPE).float()
     zeros = zeros.to(KERNEL_DTYPE).float()
     q = torch.round((groups - zeros[..., None]) / scales[..., None] + 8).clamp(0, 15)
-    error = ((q - 8) * scales[..., None] + zeros[..., None] - groups).square().sum(dim=-1)
+    d = (q - 8) * scales[..., None] + zeros[..., None] - groups
+    error = d.square().sum(dim=-1) if blocks is None else torch.einsum("ngi,gij,ngj->ng", d, blocks, d)
     return Grid(scales, zeros, q, error)
 
 
@@ -173,6 +179,14 @@ def int4_from_gguf(kind: str, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     q = torch.cat([codes & 15, codes >> 4], dim=-1)  # byte j holds weight j (low nibble) and weight j + 16 (high)
     scales_and_zeros = torch.stack([d.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)], dim=-1)
     return pack_int4(q.reshape(rows, -1)), scales_and_zeros.transpose(0, 1).contiguous()
+
+
+def dequantize_int4(weight: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The (N, K) weights ``int4_grouped``'s stored tensors stand for, in their scales' dtype."""
+    groups, rows, _ = scales_and_zeros.shape
+    q = unpack_int4(weight).view(rows, groups, -1).to(scales_and_zeros.dtype)
+    scales, zeros = scales_and_zeros.transpose(0, 1).unbind(-1)
+    return ((q - 8) * scales[..., None] + zeros[..., None]).view(rows, -1)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -297,10 +311,7 @@ class Int4Linear(QuantizedLinear):
 
     def dequantized_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         # The fallback for shapes no kernel tiles (a 2-class head): rebuild the bf16 weight on each call.
-        q = unpack_int4(self.weight).view(self.out_features, -1, self.group_size).to(KERNEL_DTYPE)
-        scales, zeros = self.scales_and_zeros.transpose(0, 1).unbind(-1)
-        w = ((q - 8) * scales[..., None] + zeros[..., None]).view(self.out_features, self.in_features)
-        return x2d @ w.T
+        return x2d @ dequantize_int4(self.weight, self.scales_and_zeros).T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(rows_of(x, self.in_features))
@@ -413,10 +424,10 @@ def empty_linear(spec: Quantization, linear: nn.Linear) -> QuantizedLinear:
     return (Int8Linear if spec.method == "int8" else Int8DynamicLinear)(*shape, device="meta")
 
 
-def quantize_weight(spec: Quantization, w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The stored tensors of one quantized linear weight, under their buffer names."""
+def quantize_weight(spec: Quantization, w: torch.Tensor, gram: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The stored tensors of one quantized linear weight, under their buffer names (``gram``: ``int4_grouped``'s)."""
     if spec.method == "int4":
-        weight, scales_and_zeros = int4_grouped(w, spec.group_size)
+        weight, scales_and_zeros = int4_grouped(w, spec.group_size, gram)
         return {"weight": weight, "scales_and_zeros": scales_and_zeros}
     weight, scales = int8_per_channel(w)
     return {"weight": weight, "scales": scales if spec.method == "int8" else scales.float()}
@@ -442,12 +453,14 @@ def check_shapes(spec: Quantization, linears: dict[str, nn.Linear]) -> None:
 
 
 def quantize_state(state: dict[str, torch.Tensor], linears: dict[str, nn.Linear], spec: Quantization,
-                   tied: bool, blocks: dict[str, tuple[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+                   tied: bool, blocks: dict[str, tuple[str, torch.Tensor]] | None = None,
+                   grams: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """A float state dict with each linear's weight replaced by its quantized tensors (CPU, computed in
     float32). ``tied``: the output projection shares the embedding table, which the state holds alone.
-    ``blocks`` (a GGUF file's raw Q4_0/Q4_1/Q8_0 weights): int4 with group 32 takes Q4_0/Q4_1 codes as they are."""
+    ``blocks`` (a GGUF file's raw Q4_0/Q4_1/Q8_0 weights): int4 with group 32 takes Q4_0/Q4_1 codes as they are.
+    ``grams``: calibration inputs' Gram matrices, by linear name, for int4's rounding (``int4_grouped``)."""
     check_shapes(spec, linears)
-    blocks = blocks or {}
+    blocks, grams = blocks or {}, grams or {}
     out = {k: v for k, v in state.items() if not (tied and k == "output.weight")}
     mapped, requantized = Counter(), Counter()
     for name in linears:
@@ -462,7 +475,7 @@ def quantize_state(state: dict[str, torch.Tensor], linears: dict[str, nn.Linear]
             tensors = dict(zip(("weight", "scales_and_zeros"), int4_from_gguf(kind, raw)))
             mapped[kind] += 1
         else:
-            tensors = quantize_weight(own, state[key].to("cpu"))
+            tensors = quantize_weight(own, state[key].to("cpu"), grams.get(name))
             if kind is not None:
                 requantized[kind, own] += 1
         for buffer, tensor in tensors.items():
@@ -511,18 +524,20 @@ def prepare_all(model: nn.Module, spec: Quantization) -> str:
 def build_quantized(args: ModelArgs | EncoderArgs, state: dict[str, torch.Tensor], spec: Quantization,
                     quantize: bool, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                     where: str = "the checkpoint", blocks: dict[str, tuple[str, torch.Tensor]] | None = None,
-                    shard: Callable[[nn.Module, dict], dict] | None = None) -> Transformer | Encoder:
+                    shard: Callable[[nn.Module, dict], dict] | None = None,
+                    grams: dict[str, torch.Tensor] | None = None) -> Transformer | Encoder:
     """The model ``args`` describe with quantized linears. ``state`` is a float state dict to quantize now
     (``quantize``, taking ``blocks``, a GGUF file's own, where they fit) or one a quantized export stored; both
     give the same tensors, so quantizing at load and loading a quantized export run identically. ``dtype``
     casts the floating rest (embeddings, norms). ``shard`` (tensor parallelism) swaps the quantized linears
-    for this rank's and returns its slice of the quantized state, before any kernel layout is built."""
+    for this rank's and returns its slice of the quantized state, before any kernel layout is built. ``grams``:
+    ``quantize_state``'s, from calibration."""
     with torch.device("meta"):
         model = Encoder(args) if isinstance(args, EncoderArgs) else Transformer(args)
     linears = linears_of(model)
     tied = getattr(args, "tie_embeddings", False)
     if quantize:
-        state = quantize_state(state, linears, spec, tied, blocks)
+        state = quantize_state(state, linears, spec, tied, blocks, grams)
     state = quantize_embedding(state, tied)
     swap_linears(model, linears, spec)
     # A tied table is looked up in the output projection once that has its kernel layout (prepare may copy it).
