@@ -11,7 +11,9 @@ import scalenlp.infer.awq
 from infer_helpers import SENTENCES, train_tokenizer
 from scalenlp.cli import main
 from scalenlp.infer.awq import awq
+from scalenlp.infer.llm import LLM
 from scalenlp.infer.prune import calibration_batches
+from scalenlp.infer.sampling import SamplingParams
 from scalenlp.models.flavors import build_model, model_args
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.loader import instantiate, load, read
@@ -97,3 +99,19 @@ def test_bad_calibration_is_one_line(tmp_path, export, text, capsys, argv, says)
     argv = [a.replace("{text}", str(text)) for a in argv]
     assert main(["quantize", "--checkpoint", str(export), "--out", str(tmp_path / "q"), *argv]) == 2
     assert capsys.readouterr().err == f"error: {says}\n"
+
+
+@pytest.mark.slow  # two processes
+def test_calibrated_export_serves_under_tp2_as_on_one_process(tmp_path, export, text):
+    """The folded norms and the scaled, rounded weights shard like any int4 export: greedy tokens on two ranks
+    are the single process's."""
+    out = tmp_path / "q"
+    assert main(["quantize", "--checkpoint", str(export), "--method", "int4", "--group-size", "32",
+                 "--calibration", str(text), "--calibration-samples", "4", "--calibration-seq", "32",
+                 "--out", str(out)]) == 0
+    outputs = []
+    for tp in (1, 2):
+        with LLM(out, dtype="float32", tp=tp) as llm:
+            outputs.append(llm.generate(["the quick brown fox", "hello"],
+                                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+    assert outputs[0] == outputs[1]
