@@ -277,9 +277,25 @@ def _in_flight(layout: Layout, stage: int, microbatches: int) -> float:
     return min(microbatches, p - stage)
 
 
+def states_by_stage(shape: ModelShape, work: Workload, layout: Layout) -> list[tuple[int, float, tuple, float]]:
+    """Per pipeline stage's rank: (layers, parameters, (weights, gradients, optimizer) bytes on the device, bytes in
+    host memory). ZeRO shards the states; offload moves the rank's shards to host memory, ZeRO-2 still holding
+    its gathered weights on the device from forward to backward."""
+    out = []
+    for stage, layers in enumerate(layers_per_rank(shape, work.seq, layout.pp, layout.stages_per_rank)):
+        params = stage_params(shape, layout, stage, layers)
+        weights, grads, optimizer = model_state_bytes(params, layout.zero, layout.dp_shard, work.states)
+        if layout.offload:
+            kept = weights if layout.zero == 2 else 0.0
+            out.append((layers, params, (kept, 0.0, 0.0), weights - kept + grads + optimizer))
+        else:
+            out.append((layers, params, (weights, grads, optimizer), 0.0))
+    return out
+
+
 def memory_by_stage(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpec) -> list[dict[str, float]]:
     """Device bytes per pipeline stage by kind; with offload, the states moved to host memory are not among them
-    (``host_bytes_by_stage``)."""
+    (``states_by_stage``)."""
     e = ELEMENT_BYTES[work.precision]
     g_bytes = STATE_BYTES[work.states][1]
     microbatches = work.global_batch // (layout.dp * layout.microbatch)
@@ -289,12 +305,7 @@ def memory_by_stage(shape: ModelShape, work: Workload, layout: Layout, device: D
     full_layer = activation_bytes_per_layer(shape, layout.microbatch, work.seq, layout.tp, layout.sequence_parallel,
                                             "none", work.precision, work.flash_attention)
     out = []
-    counts = layers_per_rank(shape, work.seq, layout.pp, layout.stages_per_rank)
-    for stage, layers in enumerate(counts):
-        params = stage_params(shape, layout, stage, layers)
-        weights, grads, optimizer = model_state_bytes(params, layout.zero, layout.dp_shard, work.states)
-        if layout.offload:  # the shards live in host memory; ZeRO-2 still holds the gathered weights fwd to bwd
-            weights, grads, optimizer = (weights if layout.zero == 2 else 0.0), 0.0, 0.0
+    for stage, (layers, params, (weights, grads, optimizer), _) in enumerate(states_by_stage(shape, work, layout)):
         in_flight = _in_flight(layout, stage, microbatches)
         activations = in_flight * layers * per_layer
         if layout.recompute == "full":
@@ -312,19 +323,6 @@ def memory_by_stage(shape: ModelShape, work: Workload, layout: Layout, device: D
             buffers += gathered * (e + g_bytes)  # this layer and the prefetched next, unsharded
         out.append(dict(params=weights, grads=grads, optimizer=optimizer, activations=activations,
                         buffers=buffers, runtime=device.runtime_bytes))
-    return out
-
-
-def host_bytes_by_stage(shape: ModelShape, work: Workload, layout: Layout) -> list[float]:
-    """Host memory per device that offload fills: the rank's shards of weights (ZeRO-3), gradients and optimizer
-    state, per pipeline stage; 0 without offload."""
-    if not layout.offload:
-        return [0.0] * layout.pp
-    out = []
-    for stage, layers in enumerate(layers_per_rank(shape, work.seq, layout.pp, layout.stages_per_rank)):
-        weights, grads, optimizer = model_state_bytes(stage_params(shape, layout, stage, layers), layout.zero,
-                                                      layout.dp_shard, work.states)
-        out.append((weights if layout.zero == 3 else 0.0) + grads + optimizer)
     return out
 
 
@@ -553,7 +551,7 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
     parts = max(memory_by_stage(shape, work, lay, device), key=lambda m: sum(m.values()))
     prediction = Prediction(
         layout=lay, memory=parts, memory_per_device_bytes=sum(parts.values()),
-        host_memory_per_device_bytes=max(host_bytes_by_stage(shape, work, lay)),
+        host_memory_per_device_bytes=max(host for *_, host in states_by_stage(shape, work, lay)),
         model_flops_per_step=model_flops, hardware_flops_per_step=hardware_flops, step_time_s=step_s,
         tokens_per_sec=work.global_batch * work.seq / step_s,
         tflops_per_device=hardware_flops / step_s / n / 1e12, mfu=model_flops / step_s / n / peak,
