@@ -10,7 +10,7 @@ from pathlib import Path
 from scalenlp.errors import UserError
 from scalenlp.infer.backend import LocalBackend, generation_backend
 from scalenlp.infer.encoder_api import add_encoder_arguments, build_encoder_backend
-from scalenlp.infer.generate import add_engine_arguments, build_engine
+from scalenlp.infer.generate import add_engine_arguments
 from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES, create_app
 
 API_KEY_ENV = "SCALENLP_API_KEY"

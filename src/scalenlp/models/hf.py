@@ -7,7 +7,6 @@ GPT-2's ``Conv1D`` stores weights as (in, out), the transpose of ``nn.Linear``, 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch

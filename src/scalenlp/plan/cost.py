@@ -475,8 +475,6 @@ def predict(shape: ModelShape, work: Workload, layout: Layout, device: DeviceSpe
             units = layers + (stage in (0, lay.pp - 1))  # FSDP: a unit per block, and the root's
             linears = layers * LINEARS_PER_LAYER[shape.swiglu] + first + last  # + embedding, output
             slot["framework"] = units * unit_overhead + (linears * device.tp_linear_overhead_s if lay.tp > 1 else 0.0)
-        compute = slot["matmul"] + slot["elementwise"] + slot["tensor_parallel"] + slot.get("framework", 0.0)
-        backward = compute * 2 / passes
         params = stage_params(shape, lay, stage, layers)
         grads = g_bytes * params
         # The stage's units in forward order: (parameters on this rank, forward compute, backward compute).
