@@ -13,7 +13,10 @@ round's figures:
   token over the same steps; they move much less with the machine's load than tok/s, since time a
   trainer waits for a core is not counted (time it spins, e.g. in a collective, is), but a core
   shared with other work (caches, a virtual machine's host) still runs slower per CPU-second;
-- loss at step N (both deterministic, same seed; the data order is each trainer's own);
+- loss at step 20 and at step N, and its mean over the last LOSS_MEAN steps (both deterministic, same
+  seed; the data order is each trainer's own, so one step's loss is one batch each: the mean is the
+  steadier comparison; the schedules differ after warm-up: torchtitan decays linearly over the last
+  80% of the steps, scalenlp by a cosine, both to 0);
 - peak RSS: the largest resident set of any process of the run (getrusage of a wrapper's children).
 The load average before each run is printed beside it: on a shared machine the ratios are the figure, and
 with ``--rounds`` > 1 each row ends with the median ratios over its rounds.
@@ -41,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT.parent / "shared" / "peers" / "torchtitan"  # where the repo sits beside shared/, as in CI
 SEQ, BATCH = 2048, 8
 SAMPLE_S = 0.5  # CPU-time sampling period; steps here take seconds
+LOSS_MEAN = 10  # steps in the mean loss at the end of a run
 
 # row -> (processes, threads per process, parameter dtype)
 ROWS = {"fp32": (1, 2, "float32"), "bf16": (1, 2, "bfloat16"), "fsdp": (2, 1, "float32")}
@@ -106,6 +110,12 @@ def window(walls: dict[int, float], last: int, samples: list[tuple[float, float]
     return {"tok_s": tokens / (walls[last] - walls[3]), "cpu_step": cpu / (last - 3), "tok_cpu_s": tokens / cpu}
 
 
+def loss_figures(losses: dict[int, float], last: int) -> dict:
+    """Loss at step 20 (where the run has it) and at the last step, and the mean of the last LOSS_MEAN steps."""
+    tail = [losses[s] for s in range(max(1, last - LOSS_MEAN + 1), last + 1)]
+    return {"loss": losses[last], "loss20": losses.get(20), "loss_mean": sum(tail) / len(tail)}
+
+
 def titan_run(peer: Path, work: Path, row: str, steps: int, name: str, compiled: bool) -> dict:
     procs, threads, dtype = ROWS[row]
     log = work / "logs" / f"{name}.log"
@@ -122,7 +132,7 @@ def titan_run(peer: Path, work: Path, row: str, steps: int, name: str, compiled:
             step = int(m.group(2))
             walls[step] = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             losses[step] = float(m.group(3))
-    return {**window(walls, steps, samples), "loss": losses[steps], "rss": rss}
+    return {**window(walls, steps, samples), **loss_figures(losses, steps), "rss": rss}
 
 
 def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: Path, compiled: bool) -> dict:
@@ -148,8 +158,13 @@ def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: 
     rss, samples = run_measured(launch, env, work / f"{name}.log")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     records = {r["step"]: r for r in records if "loss" in r}
-    return {**window({s: r["wall"] for s, r in records.items()}, steps, samples), "loss": records[steps]["loss"],
-            "rss": rss, "mfu": records[steps]["mfu"], "peak_source": records[steps]["peak_source"]}
+    return {**window({s: r["wall"] for s, r in records.items()}, steps, samples),
+            **loss_figures({s: r["loss"] for s, r in records.items()}, steps), "rss": rss,
+            "mfu": records[steps]["mfu"], "peak_source": records[steps]["peak_source"]}
+
+
+def fmt(loss: float | None) -> str:
+    return "-" if loss is None else f"{loss:.3f}"
 
 
 def main() -> int:
@@ -185,7 +200,8 @@ def main() -> int:
     print("\nboth trainers " + ("compiled (per transformer block)" if args.compile else "eager")
           + f"; steps 4..{args.steps}; tt = torchtitan, sn = scalenlp; CPU = user + system seconds of all the run's processes")
     print(f"{'config':<46}{'round':>6}{'tok/s tt':>10}{'sn':>7}{'ratio':>7}{'CPU-s/step tt':>15}{'sn':>7}"
-          f"{'tok/CPU-s tt':>14}{'sn':>6}{'ratio':>7}{f'loss@{args.steps} tt':>13}{'sn':>7}{'peak RSS tt':>13}{'sn':>10}"
+          f"{'tok/CPU-s tt':>14}{'sn':>6}{'ratio':>7}{'loss@20 tt':>11}{'sn':>7}{f'loss@{args.steps} tt':>13}{'sn':>7}"
+          f"{f'mean {LOSS_MEAN} tt':>12}{'sn':>7}{'peak RSS tt':>13}{'sn':>10}"
           f"{'load tt/sn':>12}")
     for row in rows:
         wall_ratios, cpu_ratios = [], []
@@ -196,7 +212,8 @@ def main() -> int:
             cpu_ratios.append(sn["tok_cpu_s"] / tt["tok_cpu_s"])
             print(f"{LABELS[row]:<46}{rnd:>6}{tt['tok_s']:>10,.0f}{sn['tok_s']:>7,.0f}{wall_ratios[-1]:>7.2f}"
                   f"{tt['cpu_step']:>15.2f}{sn['cpu_step']:>7.2f}{tt['tok_cpu_s']:>14,.0f}{sn['tok_cpu_s']:>6,.0f}"
-                  f"{cpu_ratios[-1]:>7.2f}{tt['loss']:>13.3f}{sn['loss']:>7.3f}"
+                  f"{cpu_ratios[-1]:>7.2f}{fmt(tt['loss20']):>11}{fmt(sn['loss20']):>7}{tt['loss']:>13.3f}{sn['loss']:>7.3f}"
+                  f"{tt['loss_mean']:>12.3f}{sn['loss_mean']:>7.3f}"
                   f"{tt['rss'] / 2**30:>9.2f} GiB{sn['rss'] / 2**30:>6.2f} GiB{tt['load']:>7.1f}/{sn['load']:.1f}")
         if args.rounds > 1:
             print(f"{LABELS[row]:<46}{'median':>6}{'':>17}{statistics.median(wall_ratios):>7.2f}{'':>42}"
