@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scalenlp.models import cpu_attention
 from scalenlp.models.loss import compiled_linear_cross_entropy, linear_cross_entropy
 
 
@@ -200,9 +201,10 @@ class Attention(nn.Module):
             k, v = self.cache.update(cache_index, k, v)
             out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=cache_index.mask,
                                                  enable_gqa=gqa)
+        elif cpu_attention.usable(q, k, dropout := self.dropout if self.training else 0.0):
+            out = cpu_attention.causal_attention(q, k, v)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa,
-                                                 dropout_p=self.dropout if self.training else 0.0)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, dropout_p=dropout)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 

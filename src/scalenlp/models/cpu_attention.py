@@ -1,0 +1,105 @@
+"""Causal attention for float32 training on CPUs: scalenlp's own kernel (cpu_attention.cpp), built on first use.
+
+PyTorch's CPU flash attention runs each block of scores through memory between two GEMMs; with head sizes of
+16-64 that round trip, not the arithmetic, sets its pace. The kernel here keeps each tile of scores in
+registers from the scores to the output and the gradients. Measured on one core (``benchmarks/cpu_attention.py``,
+2,048 tokens, causal, against ``F.scaled_dot_product_attention``): head size 16 forward ~1.3x, backward ~2x;
+32 and 64 ~1.15-1.3x; at 128 it was no faster, so it is not used there. Used by the decoder's training and
+scoring forward where it applies (``usable``); everywhere else, and wherever the build fails (no C++ compiler
+or ninja), attention is PyTorch's SDPA.
+
+The build is cached per machine by ``torch.utils.cpp_extension`` (~20 s the first time, -march=native, so the
+cache is keyed by this CPU's model too). ``SCALENLP_CPU_ATTENTION=0`` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+HEAD_SIZES = (16, 32, 64)
+
+
+def _cpu_model() -> str:
+    """This CPU's model and instruction sets (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    return "".join(dict.fromkeys(line for line in lines if line.startswith(("model name", "flags"))))
+
+
+@torch.compiler.assume_constant_result  # torch.compile calls it while tracing, never traces into it
+def available() -> bool:
+    """Builds (or loads the cached build of) the kernel once per process; False, with one log line, where it
+    cannot be built or is turned off."""
+    global _built
+    if _built is None:
+        _built = _build()
+    return _built
+
+
+_built: bool | None = None
+
+
+def _build() -> bool:
+    if os.environ.get("SCALENLP_CPU_ATTENTION", "1") == "0":
+        return False
+    from torch.utils import cpp_extension
+
+    # -march=native code must not be loaded on another CPU from a shared cache: the name carries the CPU.
+    tag = hashlib.sha1((_cpu_model() + torch.__version__).encode()).hexdigest()[:10]
+    try:
+        cpp_extension.load(name=f"scalenlp_cpu_attention_{tag}", sources=[str(SOURCE)], is_python_module=False,
+                           extra_cflags=["-O3", "-march=native", "-fno-math-errno"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, no headers: SDPA serves instead
+        log.warning("scalenlp's CPU attention kernel did not build (%s); using PyTorch's SDPA",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return False
+    _register_autograd()
+    return True
+
+
+def _register_autograd() -> None:
+    @torch.library.register_fake("scalenlp_cpu::causal_attention")
+    def _(q, k, v):
+        B, H, S, D = q.shape
+        out = q.new_empty(B, S, H, D).transpose(1, 2)
+        return out, q.new_empty(B, H, S)
+
+    @torch.library.register_fake("scalenlp_cpu::causal_attention_backward")
+    def _(dout, q, k, v, out, lse):
+        return (q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2),
+                *(t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).transpose(1, 2) for t in (k, v)))
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs, *output)
+
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+        return torch.ops.scalenlp_cpu.causal_attention_backward(dout, q, k, v, out, lse)
+
+    torch.library.register_autograd("scalenlp_cpu::causal_attention", backward, setup_context=setup_context)
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, dropout: float) -> bool:
+    """Where the kernel applies: float32 plain tensors (not DTensors) on a CPU, a head size it has, no dropout,
+    query and key lengths equal (training and prefill without a cache)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k.dtype == torch.float32 and dropout == 0.0
+            and q.shape[-1] in HEAD_SIZES and q.shape[-2] == k.shape[-2] and type(q) is torch.Tensor
+            and type(k) is torch.Tensor and available())
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) + causal mask) v for q (B, H, S, D), k and v (B, H_kv, S, D), H_kv dividing H;
+    the result is (B, H, S, D) laid out as (B, S, H, D)."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return torch.ops.scalenlp_cpu.causal_attention(q, k, v)[0]
