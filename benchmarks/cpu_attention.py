@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_attention.py [--seq 2048] [--batch 2] [--rounds 5]
 
-For each head size the kernel takes (16, 32, 64; model dim 256, so 16, 8 and 4 heads), forward and
+For each head size the kernel takes (16 and 32; model dim 256, so 16 and 8 heads), forward and
 backward times of both, measured interleaved (round by round, best kept), and their ratio. The training
 step's share of attention decides what the ratio is worth: at torchtitan's debug model (head size 16) attention
 is about half of a CPU step.

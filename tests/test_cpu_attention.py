@@ -31,7 +31,7 @@ def reference(q, k, v, dout):
     (1, 2, 2, 1, 16),     # one token
     (1, 4, 2, 130, 32),   # grouped-query attention, 2 query heads per key/value head
     (2, 3, 1, 100, 32),   # multi-query
-    (1, 2, 2, 257, 64),   # crosses the forward's and the backward's block edges
+    (1, 2, 2, 257, 32),   # crosses several block edges
 ])
 def test_forward_and_gradients_match_float64(B, H, H_kv, S, D):
     torch.manual_seed(0)
@@ -70,7 +70,8 @@ def test_applies_only_to_float32_cpu_without_dropout_and_known_head_sizes():
     assert cpu_attention.usable(q, q, 0.0)
     assert not cpu_attention.usable(q.bfloat16(), q.bfloat16(), 0.0)
     assert not cpu_attention.usable(q, q, 0.1)
-    assert not cpu_attention.usable(torch.randn(1, 2, 8, 128), torch.randn(1, 2, 8, 128), 0.0)
+    for head in (64, 128):  # SDPA is as fast there
+        assert not cpu_attention.usable(torch.randn(1, 2, 8, head), torch.randn(1, 2, 8, head), 0.0)
     assert not cpu_attention.usable(q, torch.randn(1, 2, 9, 16), 0.0)  # a KV cache longer than the queries
 
 

@@ -1,4 +1,4 @@
-// Causal attention for float32 on CPUs, forward and backward, for head sizes 16, 32 and 64.
+// Causal attention for float32 on CPUs, forward and backward, for head sizes 16 and 32.
 //
 // Why: PyTorch's CPU flash-attention kernel computes each block of scores with a GEMM, writes it out, runs the
 // softmax over it and reads it back for the next GEMM. With small heads (16-64, common in small models) each
@@ -23,12 +23,10 @@
 namespace {
 
 constexpr int64_t W = 16;       // floats per vector (one AVX-512 register; the compiler splits it elsewhere)
-// Tiles: R query rows x BK keys (C vectors per row) forward; the backward's RB x BKB: more rows per key
-// loaded, since each key's dK/dV row is read and written once per tile. Both keep the tile's scores in
-// registers (R x C <= 16 of the 32 AVX-512 registers).
+// Tiles of R query rows x BK keys (C vectors per row), forward and backward: each key/value row loaded
+// serves R rows, and the tile's scores stay in registers (R x C = 16 of the 32 AVX-512 registers).
 constexpr int64_t R = 8, BK = 32, C = BK / W;
-constexpr int64_t RB = 8, BKB = 32, CB = BKB / W;
-constexpr int64_t PAD = 64;  // key columns are padded to a multiple of both block sizes
+constexpr int64_t PAD = BK;  // key columns are padded to whole blocks
 
 // GCC/Clang vector extensions: portable SIMD without intrinsics (AVX-512, AVX2 pairs, NEON quads).
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
@@ -184,11 +182,10 @@ void forward_head(const float* q, const float* k, const float* v, float* out, fl
 
 // The backward's block: P = exp(S - lse) from the saved log-sum-exp, and dS = P (dP - delta).
 template <bool MASKED>
-inline void probabilities(const vf (&sc)[RB][CB], const vf (&dp)[RB][CB], const float (&rl)[RB],
-                          const float (&delta)[RB], int64_t i0, int64_t j0, float (&p)[RB][BKB],
-                          float (&ds)[RB][BKB]) {
-  for (int64_t r = 0; r < RB; ++r)
-    for (int64_t c = 0; c < CB; ++c) {
+inline void probabilities(const vf (&sc)[R][C], const vf (&dp)[R][C], const float (&rl)[R], const float (&delta)[R],
+                          int64_t i0, int64_t j0, float (&p)[R][BK], float (&ds)[R][BK]) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) {
       const vf pc = visible<MASKED>(exp_nonpos(sc[r][c] - rl[r]), vf{}, i0, r, j0, c);
       store(p[r] + c * W, pc);
       store(ds[r] + c * W, pc * (dp[r][c] - delta[r]));
@@ -203,11 +200,11 @@ void backward_head(const float* q, const float* k, const float* out, const float
                    const float* kt, const float* vt) {
   constexpr int64_t DV = D / W;
   const int64_t S_pad = (S + PAD - 1) / PAD * PAD;
-  for (int64_t i0 = 0; i0 < S; i0 += RB) {
-    const int64_t rows = std::min(RB, S - i0);
-    float qr[RB][D], dor[RB][D], rl[RB], delta[RB], p[RB][BKB], ds[RB][BKB];
-    vf g[RB][DV], sc[RB][CB], dp[RB][CB];
-    for (int64_t r = 0; r < RB; ++r) {
+  for (int64_t i0 = 0; i0 < S; i0 += R) {
+    const int64_t rows = std::min(R, S - i0);
+    float qr[R][D], dor[R][D], rl[R], delta[R], p[R][BK], ds[R][BK];
+    vf g[R][DV], sc[R][C], dp[R][C];
+    for (int64_t r = 0; r < R; ++r) {
       float dot = 0.0f;
       for (int64_t d = 0; d < D; ++d) {
         qr[r][d] = r < rows ? q[(i0 + r) * st.q + d] * scale : 0.0f;
@@ -219,14 +216,14 @@ void backward_head(const float* q, const float* k, const float* out, const float
       rl[r] = r < rows ? lse[i0 + r] : 0.0f;
     }
     const int64_t keys = i0 + rows;
-    for (int64_t j0 = 0; j0 < keys; j0 += BKB) {
+    for (int64_t j0 = 0; j0 < keys; j0 += BK) {
       row_dots<D>(qr, kt, S_pad, j0, sc);   // scores
       row_dots<D>(dor, vt, S_pad, j0, dp);  // dP = dO V^T
-      if (j0 + BKB <= i0 + 1)
+      if (j0 + BK <= i0 + 1)
         probabilities<false>(sc, dp, rl, delta, i0, j0, p, ds);
       else
         probabilities<true>(sc, dp, rl, delta, i0, j0, p, ds);
-      const int64_t nb = std::min(BKB, keys - j0);
+      const int64_t nb = std::min(BK, keys - j0);
       for (int64_t t = 0; t < nb; ++t) {
         float* dvr = dv + (j0 + t) * D;
         float* dkr = dk + (j0 + t) * D;
@@ -235,13 +232,13 @@ void backward_head(const float* q, const float* k, const float* out, const float
           const vf ke = load(kr + e * W);
           // Even and odd rows in separate sums: half the FMA latency chain.
           vf dva{}, dvb{}, dka{}, dkb{};
-          for (int64_t r = 0; r < RB; r += 2) {
+          for (int64_t r = 0; r < R; r += 2) {
             dva += p[r][t] * load(dor[r] + e * W);
             dvb += p[r + 1][t] * load(dor[r + 1] + e * W);
             dka += ds[r][t] * load(qr[r] + e * W);  // qr holds q * scale: dK = dS^T Q scale
             dkb += ds[r + 1][t] * load(qr[r + 1] + e * W);
           }
-          for (int64_t r = 0; r < RB; ++r) g[r][e] += ds[r][t] * ke;
+          for (int64_t r = 0; r < R; ++r) g[r][e] += ds[r][t] * ke;
           store(dvr + e * W, load(dvr + e * W) + (dva + dvb));
           store(dkr + e * W, load(dkr + e * W) + (dka + dkb));
         }
@@ -330,7 +327,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& d
   return {dq, dk, dv};
 }
 
-#define SCALENLP_HEAD_SIZES(X) X(16) X(32) X(64)
+#define SCALENLP_HEAD_SIZES(X) X(16) X(32)
 
 std::tuple<at::Tensor, at::Tensor> causal_attention_fwd(const at::Tensor& q, const at::Tensor& k,
                                                         const at::Tensor& v) {
@@ -342,7 +339,7 @@ std::tuple<at::Tensor, at::Tensor> causal_attention_fwd(const at::Tensor& q, con
     SCALENLP_HEAD_SIZES(CASE)
 #undef CASE
   }
-  TORCH_CHECK(false, "causal_attention: head size must be 16, 32 or 64, got ", q.size(3));
+  TORCH_CHECK(false, "causal_attention: head size must be 16 or 32, got ", q.size(3));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_bwd(const at::Tensor& dout, const at::Tensor& q,
@@ -358,7 +355,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_bwd(const at::Te
     SCALENLP_HEAD_SIZES(CASE)
 #undef CASE
   }
-  TORCH_CHECK(false, "causal_attention: head size must be 16, 32 or 64, got ", q.size(3));
+  TORCH_CHECK(false, "causal_attention: head size must be 16 or 32, got ", q.size(3));
 }
 
 }  // namespace
