@@ -4,12 +4,12 @@
 // softmax over it and reads it back for the next GEMM. With small heads (16-64, common in small models) each
 // score costs only 2*head_size FLOPs per product, so that round trip through memory, not arithmetic, sets the
 // pace (measured here: ~40% of one core's SGEMM rate forward, ~33% backward at head size 16). This kernel keeps
-// a tile of 4 query rows x 64 keys in registers/L1 from the scores to the output (forward) and to all three
+// a tile of 8 query rows x 32 keys in registers from the scores to the output (forward) and to all three
 // gradients (backward), in the usual flash-attention order: online softmax forward (log-sum-exp kept per row),
 // then the backward recomputes the probabilities from it (Dao et al. 2022, "FlashAttention", Algorithms 1-2).
 //
-// Built at run time by scalenlp.models.cpu_attention with -O3 -march=native: the fixed-size loops below are
-// written for the compiler's vectorizer (16 floats = one AVX-512 register, two AVX2 ones).
+// Built at run time by scalenlp.models.cpu_attention with -O3 -march=native, on vectors of 16 floats (GCC/Clang
+// vector extensions: one AVX-512 register, two AVX2 ones, four NEON ones).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -28,7 +28,6 @@ constexpr int64_t W = 16;       // floats per vector (one AVX-512 register; the 
 constexpr int64_t R = 8, BK = 32, C = BK / W;
 constexpr int64_t PAD = BK;  // key columns are padded to whole blocks
 
-// GCC/Clang vector extensions: portable SIMD without intrinsics (AVX-512, AVX2 pairs, NEON quads).
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 
@@ -89,16 +88,16 @@ void transpose_rows(const float* src, int64_t S, int64_t stride, int64_t S_pad, 
 }
 
 // s[r][c] = a[r] . cols[:, j0 + c*W .. j0 + c*W + W): R x BK dot products of head size D.
-template <int64_t D, int64_t RR, int64_t CC>
-inline void row_dots(const float (&a)[RR][D], const float* cols, int64_t S_pad, int64_t j0, vf (&s)[RR][CC]) {
-  for (int64_t r = 0; r < RR; ++r)
-    for (int64_t c = 0; c < CC; ++c) s[r][c] = vf{};
+template <int64_t D>
+inline void row_dots(const float (&a)[R][D], const float* cols, int64_t S_pad, int64_t j0, vf (&s)[R][C]) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) s[r][c] = vf{};
   for (int64_t d = 0; d < D; ++d) {
-    vf col[CC];
-    for (int64_t c = 0; c < CC; ++c) col[c] = load(cols + d * S_pad + j0 + c * W);
-    for (int64_t r = 0; r < RR; ++r) {
+    vf col[C];
+    for (int64_t c = 0; c < C; ++c) col[c] = load(cols + d * S_pad + j0 + c * W);
+    for (int64_t r = 0; r < R; ++r) {
       const float ad = a[r][d];
-      for (int64_t c = 0; c < CC; ++c) s[r][c] += ad * col[c];
+      for (int64_t c = 0; c < C; ++c) s[r][c] += ad * col[c];
     }
   }
 }
