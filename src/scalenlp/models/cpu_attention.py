@@ -56,9 +56,13 @@ def _build() -> bool:
 
     # -march=native code must not be loaded on another CPU from a shared cache: the name carries the CPU.
     tag = hashlib.sha1((_cpu_model() + torch.__version__).encode()).hexdigest()[:10]
+    # ATen's parallel_for is inlined into the kernel: under an OpenMP build of torch it is an `omp parallel`
+    # region, which without -fopenmp compiles to one thread.
+    openmp = ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
     try:
         cpp_extension.load(name=f"scalenlp_cpu_attention_{tag}", sources=[str(SOURCE)], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-fno-math-errno"], verbose=False)
+                           extra_cflags=["-O3", "-march=native", "-fno-math-errno", *openmp],
+                           extra_ldflags=openmp, verbose=False)
     except Exception as exc:  # no compiler, no ninja, no headers: SDPA serves instead
         log.warning("scalenlp's CPU attention kernel did not build (%s); using PyTorch's SDPA",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
