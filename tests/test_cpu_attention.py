@@ -65,10 +65,25 @@ def test_registered_op_passes_torch_opcheck():
     torch.library.opcheck(torch.ops.scalenlp_cpu.causal_attention.default, (q, k, v))
 
 
-def test_applies_only_to_float32_cpu_without_dropout_and_known_head_sizes():
+def test_bfloat16_is_computed_in_float32_and_rounded_back():
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 4, 50, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = cpu_attention.causal_attention(q, k, v)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    wide = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    wide_out = cpu_attention.causal_attention(*wide)
+    wide_grads = torch.autograd.grad(wide_out, wide, dout.float())
+    for got, want in zip((out, *grads), (wide_out, *wide_grads)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want.bfloat16(), atol=0, rtol=0)
+
+
+def test_applies_only_to_cpu_floats_without_dropout_and_known_head_sizes():
     q = torch.randn(1, 2, 8, 16)
     assert cpu_attention.usable(q, q, 0.0)
-    assert not cpu_attention.usable(q.bfloat16(), q.bfloat16(), 0.0)
+    assert cpu_attention.usable(q.bfloat16(), q.bfloat16(), 0.0)
+    assert not cpu_attention.usable(q.double(), q.double(), 0.0)
     assert not cpu_attention.usable(q, q, 0.1)
     for head in (64, 128):  # SDPA is as fast there
         assert not cpu_attention.usable(torch.randn(1, 2, 8, head), torch.randn(1, 2, 8, head), 0.0)

@@ -1,4 +1,4 @@
-"""Causal attention for float32 training on CPUs: scalenlp's own kernel (cpu_attention.cpp), built on first use.
+"""Causal attention for training on CPUs: scalenlp's own float32 kernel (cpu_attention.cpp), built on first use.
 
 PyTorch's CPU flash attention runs each block of scores through memory between two GEMMs; with head sizes of
 16-64 that round trip, not the arithmetic, sets its pace. The kernel here keeps each tile of scores in
@@ -25,6 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 HEAD_SIZES = (16, 32)  # measured faster than SDPA; at 64 and 128 it was not, on this CPU
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _cpu_model() -> str:
@@ -95,15 +96,17 @@ def _register_autograd() -> None:
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, dropout: float) -> bool:
-    """Where the kernel applies: float32 plain tensors (not DTensors) on a CPU, a head size it has, no dropout,
-    query and key lengths equal (training and prefill without a cache)."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k.dtype == torch.float32 and dropout == 0.0
+    """Where the kernel applies: plain tensors (not DTensors) on a CPU, float32 or a 16-bit float (computed in
+    float32), a head size it has, no dropout, query and key lengths equal (training and scoring without a cache)."""
+    return (q.device.type == "cpu" and q.dtype in FLOATS and k.dtype == q.dtype and dropout == 0.0
             and q.shape[-1] in HEAD_SIZES and q.shape[-2] == k.shape[-2] and type(q) is torch.Tensor
             and type(k) is torch.Tensor and available())
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(D) + causal mask) v for q (B, H, S, D), k and v (B, H_kv, S, D), H_kv dividing H;
-    the result is (B, H, S, D) laid out as (B, S, H, D)."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return torch.ops.scalenlp_cpu.causal_attention(q, k, v)[0]
+    the result is (B, H, S, D) laid out as (B, S, H, D), in q's dtype. 16-bit inputs are computed in float32
+    (PyTorch's CPU kernels accumulate them in float32 too), their gradients rounded back by autograd."""
+    dtype = q.dtype
+    q, k, v = (t.float() if t.stride(-1) == 1 else t.float().contiguous() for t in (q, k, v))
+    return torch.ops.scalenlp_cpu.causal_attention(q, k, v)[0].to(dtype)
