@@ -111,9 +111,9 @@ def window(walls: dict[int, float], last: int, samples: list[tuple[float, float]
 
 
 def loss_figures(losses: dict[int, float], last: int) -> dict:
-    """Loss at step 20 (where the run has it) and at the last step, and the mean of the last LOSS_MEAN steps."""
+    """Loss at step 20 (where the run goes past it) and at the last step, and the mean of the last LOSS_MEAN steps."""
     tail = [losses[s] for s in range(max(1, last - LOSS_MEAN + 1), last + 1)]
-    return {"loss": losses[last], "loss20": losses.get(20), "loss_mean": sum(tail) / len(tail)}
+    return {"loss": losses[last], "loss20": losses.get(20) if last > 20 else None, "loss_mean": sum(tail) / len(tail)}
 
 
 def titan_run(peer: Path, work: Path, row: str, steps: int, name: str, compiled: bool) -> dict:
@@ -164,7 +164,7 @@ def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: 
 
 
 def fmt(loss: float | None) -> str:
-    return "-" if loss is None else f"{loss:.3f}"
+    return "-" if loss is None else f"{loss:.3f}"  # "-": the run ends at step 20, its loss is the step-N column
 
 
 def main() -> int:
@@ -212,7 +212,8 @@ def main() -> int:
             cpu_ratios.append(sn["tok_cpu_s"] / tt["tok_cpu_s"])
             print(f"{LABELS[row]:<46}{rnd:>6}{tt['tok_s']:>10,.0f}{sn['tok_s']:>7,.0f}{wall_ratios[-1]:>7.2f}"
                   f"{tt['cpu_step']:>15.2f}{sn['cpu_step']:>7.2f}{tt['tok_cpu_s']:>14,.0f}{sn['tok_cpu_s']:>6,.0f}"
-                  f"{cpu_ratios[-1]:>7.2f}{fmt(tt['loss20']):>11}{fmt(sn['loss20']):>7}{tt['loss']:>13.3f}{sn['loss']:>7.3f}"
+                  f"{cpu_ratios[-1]:>7.2f}{fmt(tt['loss20']):>11}{fmt(sn['loss20']):>7}"
+                  f"{tt['loss']:>13.3f}{sn['loss']:>7.3f}"
                   f"{tt['loss_mean']:>12.3f}{sn['loss_mean']:>7.3f}"
                   f"{tt['rss'] / 2**30:>9.2f} GiB{sn['rss'] / 2**30:>6.2f} GiB{tt['load']:>7.1f}/{sn['load']:.1f}")
         if args.rounds > 1:
