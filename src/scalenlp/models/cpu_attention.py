@@ -72,17 +72,21 @@ def _build() -> bool:
     return True
 
 
+def _bshd_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty (B, H, S, D) tensor laid out as (B, S, H, D), as the kernel returns its outputs."""
+    B, H, S, D = t.shape
+    return t.new_empty(B, S, H, D).transpose(1, 2)
+
+
 def _register_autograd() -> None:
+    # Shapes without computing (torch.compile's tracing) and the backward: what makes the op a graph node.
     @torch.library.register_fake("scalenlp_cpu::causal_attention")
     def _(q, k, v):
-        B, H, S, D = q.shape
-        out = q.new_empty(B, S, H, D).transpose(1, 2)
-        return out, q.new_empty(B, H, S)
+        return _bshd_like(q), q.new_empty(q.shape[:3])
 
     @torch.library.register_fake("scalenlp_cpu::causal_attention_backward")
     def _(dout, q, k, v, out, lse):
-        return (q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2),
-                *(t.new_empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3]).transpose(1, 2) for t in (k, v)))
+        return _bshd_like(q), _bshd_like(k), _bshd_like(v)
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs, *output)
