@@ -26,7 +26,8 @@ constexpr int64_t W = 16;       // floats per vector (one AVX-512 register; the 
 // Tiles of R query rows x BK keys (C vectors per row), forward and backward: each key/value row loaded
 // serves R rows, and the tile's scores stay in registers (R x C = 16 of the 32 AVX-512 registers).
 constexpr int64_t R = 8, BK = 32, C = BK / W;
-constexpr int64_t PAD = BK;  // key columns are padded to whole blocks
+// Key columns (the transposed K and V) are padded with zeros to whole blocks: S_pad of them.
+inline int64_t padded(int64_t S) { return (S + BK - 1) / BK * BK; }
 
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
@@ -141,7 +142,7 @@ template <int64_t D>
 void forward_head(const float* q, const float* k, const float* v, float* out, float* lse, int64_t S,
                   const Strides& st, float scale, float* kt) {
   constexpr int64_t DV = D / W;
-  const int64_t S_pad = (S + PAD - 1) / PAD * PAD;
+  const int64_t S_pad = padded(S);
   transpose_rows<D>(k, S, st.k, S_pad, kt);
   for (int64_t i0 = 0; i0 < S; i0 += R) {
     const int64_t rows = std::min(R, S - i0);
@@ -198,7 +199,7 @@ void backward_head(const float* q, const float* k, const float* out, const float
                    float* dq, int64_t dq_stride, float* dk, float* dv, int64_t S, const Strides& st, float scale,
                    const float* kt, const float* vt) {
   constexpr int64_t DV = D / W;
-  const int64_t S_pad = (S + PAD - 1) / PAD * PAD;
+  const int64_t S_pad = padded(S);
   for (int64_t i0 = 0; i0 < S; i0 += R) {
     const int64_t rows = std::min(R, S - i0);
     float qr[R][D], dor[R][D], rl[R], delta[R], p[R][BK], ds[R][BK];
@@ -267,7 +268,7 @@ at::Tensor empty_bshd(const at::Tensor& like) {
 
 template <int64_t D>
 std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = q.size(2), S_pad = (S + PAD - 1) / PAD * PAD;
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = q.size(2), S_pad = padded(S);
   at::Tensor out = empty_bshd(q);
   at::Tensor lse = at::empty({B, H, S}, q.options());
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -290,7 +291,7 @@ template <int64_t D>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& dout, const at::Tensor& q,
                                                              const at::Tensor& k, const at::Tensor& v,
                                                              const at::Tensor& out, const at::Tensor& lse) {
-  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = q.size(2), S_pad = (S + PAD - 1) / PAD * PAD;
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = q.size(2), S_pad = padded(S);
   const int64_t group = H / Hkv;
   at::Tensor dq = empty_bshd(q), dk = empty_bshd(k), dv = empty_bshd(v);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
