@@ -13,10 +13,17 @@ round's figures:
   token over the same steps; they move much less with the machine's load than tok/s, since time a
   trainer waits for a core is not counted (time it spins, e.g. in a collective, is), but a core
   shared with other work (caches, a virtual machine's host) still runs slower per CPU-second;
-- loss at step 20 and at step N, and its mean over the last LOSS_MEAN steps (both deterministic, same
-  seed; the data order is each trainer's own, so one step's loss is one batch each: the mean is the
-  steadier comparison; the schedules differ after warm-up: torchtitan decays linearly over the last
-  80% of the steps, scalenlp by a cosine, both to 0);
+- loss at step 20 and at step N, and its mean over the last LOSS_MEAN steps, on the same batches: torchtitan's
+  own data loader (run in the peer's venv) writes out the windows its run will read, in its order, as one
+  token file, and scalenlp trains on that file unshuffled (``data.shuffle=false``), so every step's inputs
+  and targets are the same tokens for both. Two differences stay: torchtitan opens each document with BOS
+  and never inputs EOS, scalenlp inputs EOS where torchtitan inputs BOS (its one separator; a relabelling
+  of one input-embedding row, as the output layer is not tied), and torchtitan restarts RoPE positions
+  at each document where scalenlp counts them across the window. Under FSDP torchtitan's two ranks read
+  different halves of the documents: where a window of one rank follows one of the other in the file, the
+  target of the first window's last token is the other rank's token (counted and printed). Both runs are
+  deterministic with seed 42; the schedules differ after warm-up: torchtitan decays linearly over the last
+  80% of the steps, scalenlp by a cosine, both to 0;
 - peak RSS: the largest resident set of any process of the run (getrusage of a wrapper's children).
 The load average before each run is printed beside it: on a shared machine the ratios are the figure, and
 with ``--rounds`` > 1 each row ends with the median ratios over its rounds.
@@ -135,12 +142,49 @@ def titan_run(peer: Path, work: Path, row: str, steps: int, name: str, compiled:
     return {**window(walls, steps, samples), **loss_figures(losses, steps), "rss": rss}
 
 
+# Run by the peer's python: writes the windows torchtitan's loader gives each rank for ``steps`` steps, in the
+# order of scalenlp's global batches (each step, rank 0's local batch, then rank 1's), as one token stream
+# whose windows at stride SEQ (one token of overlap) are those inputs and labels; prints what differs.
+_DUMP_BATCHES = """
+import json, sys
+import numpy as np
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+tokenizer_path, data_path, seq, ranks, local_batch, steps, out = sys.argv[1:]
+seq, ranks, local_batch, steps = int(seq), int(ranks), int(local_batch), int(steps)
+tok = HuggingFaceTokenizer(tokenizer_path=tokenizer_path)
+loaders = [iter(HuggingFaceTextDataset("c4_test", data_path, tok, seq_len=seq, dp_rank=r, dp_world_size=ranks,
+                                       infinite=True)) for r in range(ranks)]
+windows = [next(loader) for _ in range(steps) for loader in loaders for _ in range(local_batch)]
+inputs = np.stack([x["input"].numpy() for x, _ in windows])
+labels = np.stack([y.numpy() for _, y in windows])
+stream = np.append(np.where(inputs == tok.bos_id, tok.eos_id, inputs).ravel(), labels[-1, -1])
+np.save(out, stream.astype(np.uint16))
+targets = np.lib.stride_tricks.sliding_window_view(stream[1:], seq)[::seq]
+print(json.dumps({"windows": len(windows), "targets_differing": int((targets != labels).sum()),
+                  "eos_inputs": int((inputs == tok.eos_id).sum())}))
+"""
+
+
+def titan_batches(peer: Path, work: Path, row: str, steps: int) -> Path:
+    """torchtitan's batches of ``row`` for ``steps`` steps as a token file for scalenlp (see _DUMP_BATCHES)."""
+    procs = ROWS[row][0]
+    out = work / "scalenlp-batches" / f"titan-{procs}ranks-{steps}steps.npy"
+    out.parent.mkdir(exist_ok=True)
+    report = subprocess.run([str(work / "venv" / "bin" / "python"), "-c", _DUMP_BATCHES,
+                             str(peer / "assets" / "tokenizer"), str(work / "pydoc_text"), str(SEQ), str(procs),
+                             str(BATCH // procs), str(steps), str(out)], check=True, capture_output=True, text=True)
+    print(f"torchtitan's batches for {row}: {report.stdout.strip()}", file=sys.stderr, flush=True)
+    return out
+
+
 def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: Path, compiled: bool) -> dict:
     procs, threads, dtype = ROWS[row]
     run_dir = work / "scalenlp-runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = ["model.flavor=titan-debug", "model.vocab_size=2048", f"tokenizer.path={peer / 'assets' / 'tokenizer'}",
-            f"data.path={data}", f"data.cache_dir={work / 'scalenlp-token-cache'}",
+            f"data.path={data}", "data.shuffle=false", "data.val_fraction=0",
+            f"data.cache_dir={work / 'scalenlp-token-cache'}",
             f"training.seq_len={SEQ}", f"training.global_batch_size={BATCH}", f"training.steps={steps}",
             # torchtitan's debug-model recipe: AdamW 8e-4, 2 warm-up steps, decay to 0, clip 1, seed 42.
             "training.lr=8e-4", "training.warmup_steps=2", "training.min_lr_ratio=0", "training.seed=42",
@@ -182,11 +226,8 @@ def main() -> int:
         print(f"error: {work}/venv has no torchtitan; set it up as {args.peer}/README.md says", file=sys.stderr)
         return 2
     (work / "logs").mkdir(exist_ok=True)
-    # scalenlp reads .jsonl; the peer's substitute data is JSON lines named data.json.
-    data = work / "pydoc_text" / "data.jsonl"
-    if not data.exists():
-        data.symlink_to("data.json")
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    batches = {row: titan_batches(args.peer, work, row, args.steps) for row in rows}
     results = []
     for rnd in range(args.rounds):
         for row in rows:
@@ -194,7 +235,7 @@ def main() -> int:
                 load = os.getloadavg()[0]
                 name = f"{trainer}-{row}-{rnd}"
                 out = (titan_run(args.peer, work, row, args.steps, name, args.compile) if trainer == "torchtitan"
-                       else scalenlp_run(args.peer, work, row, args.steps, name, data, args.compile))
+                       else scalenlp_run(args.peer, work, row, args.steps, name, batches[row], args.compile))
                 results.append({"round": rnd, "row": row, "trainer": trainer, "load": load, **out})
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     print("\nboth trainers " + ("compiled (per transformer block)" if args.compile else "eager")

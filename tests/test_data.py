@@ -316,6 +316,49 @@ def test_prepare_data_with_a_given_tokenizer_folder(tmp_path):
     assert len(np.load(files.val_tokens)) == 0
 
 
+def test_prepare_data_takes_token_files_as_they_are(tmp_path):
+    tok_path = tmp_path / "tokenizer.json"
+    tok = train_bpe(synthetic_docs(100, seed=5), vocab_size=290)
+    tok.save(str(tok_path))
+    eos = tok.token_to_id(EOS)
+    docs = [tok.encode(d).ids + [eos] for d in synthetic_docs(30, seed=1)]
+    (tmp_path / "shards").mkdir()
+    np.save(tmp_path / "shards" / "a.npy", np.array(sum(docs[:10], []), dtype=np.int64))  # any integer dtype
+    np.save(tmp_path / "shards" / "b.npy", np.array(sum(docs[10:], []), dtype=np.uint16))
+    cfg = make_cfg(tmp_path, tmp_path / "shards", val_fraction=0.0)
+    cfg.tokenizer.path = str(tok_path)
+    logs: list[str] = []
+    files = prepare_data(cfg, tmp_path / "run", log=logs.append)
+    train = np.load(files.train_tokens)
+    assert train.dtype == np.uint16 and train.tolist() == sum(docs, [])
+    assert any("read 30 documents already tokenized" in line for line in logs)
+    assert open_data(cfg, tmp_path / "run") == files
+
+
+@pytest.mark.parametrize("array, message", [
+    (np.array([[1, 2], [3, 4]]), r"holds a 2-D int64 array; it must be a 1-D integer array"),
+    (np.array([1.0, 2.0]), r"holds a 1-D float64 array"),
+    (np.array([5, 290]), r"has ids from 5 to 290, outside the tokenizer's 0\.\.289"),
+])
+def test_bad_token_files_are_user_errors(tmp_path, array, message):
+    train_bpe(synthetic_docs(100, seed=5), vocab_size=290).save(str(tmp_path / "tokenizer.json"))
+    np.save(tmp_path / "t.npy", array)
+    cfg = make_cfg(tmp_path, tmp_path / "t.npy")
+    cfg.tokenizer.path = str(tmp_path / "tokenizer.json")
+    with pytest.raises(UserError, match=message):
+        prepare_data(cfg, tmp_path / "run", log=lambda _: None)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # nothing half-written is left
+
+
+def test_token_files_need_their_tokenizer_and_no_text_beside_them(tmp_path):
+    np.save(tmp_path / "t.npy", np.arange(10))
+    with pytest.raises(UserError, match=r"holds token files \(\.npy\).*name it with tokenizer\.path"):
+        prepare_data(make_cfg(tmp_path, tmp_path / "t.npy"), tmp_path / "run", log=lambda _: None)
+    (tmp_path / "notes.txt").write_text("some text")
+    with pytest.raises(UserError, match=r"mixes token files \(t\.npy, \.\.\.\) with text files \(notes\.txt"):
+        open_corpus(str(tmp_path), "text")
+
+
 # ---------------------------------------------------------------- TokenDataset / DataLoader
 
 def token_file(tmp_path: Path, n: int) -> Path:
@@ -376,6 +419,16 @@ def test_epochs_reshuffle_and_seed_fixes_the_order(tmp_path):
     assert loaders[0].state_dict()["epoch"] == 1 and loaders[0].state_dict()["batch"] == 5
     loaders[0].set_epoch(0)
     assert loaders[0].next_batch()[0][:, 0].div(4).tolist() == epoch0[0]
+
+
+def test_unshuffled_loader_reads_windows_in_file_order_every_epoch(tmp_path):
+    ds = TokenDataset(token_file(tmp_path, 4 * 43 + 1), seq_len=4)  # 43 windows, 5 batches of 8, 3 dropped
+    for dp in (1, 2):
+        loaders = [DataLoader(ds, 8, r, dp, seed=1, shuffle=False) for r in range(dp)]
+        ids = [torch.cat([loader.next_batch()[0][:, 0] // 4 for loader in loaders]).tolist() for _ in range(7)]
+        assert ids == [list(range(8 * b, 8 * b + 8)) for b in range(5)] + [list(range(8)), list(range(8, 16))]
+    with pytest.raises(UserError, match="checkpoint has shuffle=False but this run has True"):
+        DataLoader(ds, 8, 0, 1, seed=1).load_state_dict(loaders[0].state_dict())
 
 
 @pytest.mark.parametrize("dp_before, dp_after", [(2, 2), (2, 1), (1, 4)])

@@ -250,6 +250,13 @@ def test_batches_are_shuffled_and_deterministic_from_seed_and_epoch(sst2_head):
     assert not (np.all(np.diff(widths) >= 0) or np.all(np.diff(widths) <= 0))
 
 
+def test_unshuffled_batches_are_the_rows_in_file_order(sst2_head):
+    loader = LabeledLoader(sst2_head, 32, 0, 1, seed=3, shuffle=False)
+    n = loader.batches_per_epoch * 32
+    assert loader.batch_order(0).ravel().tolist() == list(range(n))
+    assert np.array_equal(loader.batch_order(1), loader.batch_order(0))
+
+
 def test_two_ranks_see_the_global_batch_of_one(sst2_head):
     one = LabeledLoader(sst2_head, 8, 0, 1, seed=0)
     ranks = [LabeledLoader(sst2_head, 8, r, 2, seed=0) for r in range(2)]

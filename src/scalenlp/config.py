@@ -54,8 +54,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = opt("", "file, folder or glob of .txt/.jsonl/.parquet/.tsv; empty uses the built-in corpus "
-                        "(docstrings of the Python standard library)")
+    path: str = opt("", "file, folder or glob of .txt/.jsonl/.parquet/.tsv, or of .npy token ids (already "
+                        "tokenized by tokenizer.path's tokenizer, EOS between documents); empty uses the built-in "
+                        "corpus (docstrings of the Python standard library)")
     text_field: str = opt("text", "field holding the text in .jsonl and .parquet records (for classification, "
                                   "also .tsv/.csv columns; failing it, sentence/content/text are tried)")
     label_field: str = opt("label", "classification: field or column holding the label")
@@ -64,6 +65,9 @@ class DataConfig:
     eval_path: str = opt("", "classification: labelled .tsv/.csv/.jsonl/.parquet file scored every "
                              "training.eval_every steps and at the end (accuracy, macro-F1)")
     val_fraction: float = opt(0.05, "fraction of the token stream held out for evaluation")
+    shuffle: bool = opt(True, "a new random order of training windows (classification: rows) each epoch; false "
+                              "reads them in file order, e.g. data shuffled beforehand or batches replayed from "
+                              "another trainer")
     cache_dir: str = opt("", "where tokenized token files are cached; empty: <run_dir>/../.token_cache")
 
 

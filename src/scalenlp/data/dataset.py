@@ -6,7 +6,7 @@ their ``seq_len`` next-token targets, and every token of the stream is a target 
 Windows cross document boundaries; the EOS between documents tells the model where one ends.
 
 Sharding is over global batches, like ``DistributedSampler`` but one level up: the order of windows
-depends only on (seed, epoch), each global batch is a contiguous slice of that order, and each data-parallel
+depends only on (seed, epoch) (or is the file's order, with ``data.shuffle=false``), each global batch is a contiguous slice of that order, and each data-parallel
 rank takes its contiguous share of the batch. The global batch, and so the loss of every step, is therefore
 the same whatever the number of ranks, and a position saved with one rank count resumes with another.
 """
@@ -74,7 +74,8 @@ class GlobalBatchLoader:
     # The name under which the number of items (windows, rows) is saved with the position.
     size_key = "num_items"
 
-    def __init__(self, num_items: int, global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
+    def __init__(self, num_items: int, global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
+                 shuffle: bool = True):
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is not a rank of dp_size={dp_size}")
         if seed < 0:
@@ -85,7 +86,7 @@ class GlobalBatchLoader:
         self.num_items = num_items
         self.global_batch_size = global_batch_size
         self.local_batch_size = global_batch_size // dp_size
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
         self.batches_per_epoch = num_items // global_batch_size  # the incomplete last batch is dropped
         self.epoch, self.batch = 0, 0
 
@@ -102,15 +103,16 @@ class GlobalBatchLoader:
 
     def state_dict(self) -> dict:
         """The global position (independent of dp_size) plus what must match for it to mean the same batches."""
-        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed,
+        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed, "shuffle": self.shuffle,
                 "global_batch_size": self.global_batch_size, self.size_key: self.num_items}
 
     def load_state_dict(self, state: dict) -> None:
         for key, mine in ((self.size_key, self.num_items), ("global_batch_size", self.global_batch_size),
-                          ("seed", self.seed)):
+                          ("seed", self.seed), ("shuffle", self.shuffle)):
             if key in state and state[key] != mine:
                 raise UserError(f"cannot resume the data position: the checkpoint has {key}={state[key]} but this "
-                                f"run has {mine}; resume with the same data, seq_len, global_batch_size and seed")
+                                f"run has {mine}; resume with the same data, seq_len, global_batch_size, seed and "
+                                f"data.shuffle")
         self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
 
 
@@ -121,18 +123,21 @@ class DataLoader(GlobalBatchLoader):
 
     size_key = "num_windows"
 
-    def __init__(self, dataset, global_batch_size: int, dp_rank: int, dp_size: int, seed: int):
-        super().__init__(len(dataset), global_batch_size, dp_rank, dp_size, seed)
+    def __init__(self, dataset, global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
+                 shuffle: bool = True):
+        super().__init__(len(dataset), global_batch_size, dp_rank, dp_size, seed, shuffle)
         if len(dataset) < global_batch_size:
             raise UserError(dataset.shortfall(global_batch_size))
         self.dataset = dataset
         self._order: tuple[int, np.ndarray] | None = None
 
     def window_order(self, epoch: int) -> np.ndarray:
-        """The permutation of window indices for ``epoch``: a function of (seed, epoch) only."""
+        """The permutation of window indices for ``epoch``: a function of (seed, epoch) only; file order
+        in every epoch without shuffling."""
         if self._order is None or self._order[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._order = (epoch, rng.permutation(len(self.dataset)))
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset)) if self.shuffle \
+                else np.arange(len(self.dataset))
+            self._order = (epoch, order)
         return self._order[1]
 
     def global_batch_indices(self, epoch: int, batch: int) -> np.ndarray:

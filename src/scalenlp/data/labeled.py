@@ -307,8 +307,8 @@ class LabeledLoader(GlobalBatchLoader):
     size_key = "num_rows"
 
     def __init__(self, dataset: LabeledDataset, global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                 bucket_batches: int = BUCKET_BATCHES):
-        super().__init__(len(dataset), global_batch_size, dp_rank, dp_size, seed)
+                 shuffle: bool = True, bucket_batches: int = BUCKET_BATCHES):
+        super().__init__(len(dataset), global_batch_size, dp_rank, dp_size, seed, shuffle)
         if len(dataset) < global_batch_size:
             raise UserError(f"the training data has {len(dataset)} usable rows, fewer than one global batch of "
                             f"{global_batch_size}; use more data or a smaller training.global_batch_size")
@@ -318,10 +318,13 @@ class LabeledLoader(GlobalBatchLoader):
 
     def batch_order(self, epoch: int) -> np.ndarray:
         """Row indices of every global batch of ``epoch``, shape (batches, global_batch_size), each batch sorted
-        by length: a function of (seed, epoch) only."""
+        by length: a function of (seed, epoch) only. Without shuffling, the rows in file order, unsorted."""
         if self._order is None or self._order[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
             g = self.global_batch_size
+            if not self.shuffle:
+                self._order = (epoch, np.arange(self.batches_per_epoch * g).reshape(self.batches_per_epoch, g))
+                return self._order[1]
+            rng = np.random.default_rng([self.seed, epoch])
             # The rows that do not fill a last batch are dropped before bucketing: random rows, new each epoch.
             rows = rng.permutation(len(self.dataset))[:self.batches_per_epoch * g]
             lengths = self.dataset.lengths

@@ -91,6 +91,9 @@ def _plan(cfg: Config, run_dir: Path, pretrained: Any) -> _Plan:
         return _Plan(cache_dir, corpus, cache_dir / f"tokenizer-{key}" / "tokenizer.json", False, 0, pretrained)
     if cfg.tokenizer.path:
         return _Plan(cache_dir, corpus, tokenizer_file(cfg.tokenizer.path), False, 0)
+    if corpus.tokenized:
+        raise UserError(f"data.path={cfg.data.path} holds token files (.npy), whose ids mean something only to the "
+                        f"tokenizer that made them: name it with tokenizer.path (or model.init)")
     key = _key({"format": CACHE_FORMAT, "corpus": corpus.fingerprint(), "vocab_size": cfg.tokenizer.vocab_size})
     return _Plan(cache_dir, corpus, cache_dir / f"tokenizer-{key}" / "tokenizer.json", True,
                  cfg.tokenizer.vocab_size)
@@ -151,6 +154,9 @@ def prepare_data(cfg: Config, run_dir: Path, log: Callable[[str], None] = print,
             f"{_count(files.val_tokens):,} val {'conversations' if cfg.training.task == 'sft' else 'tokens'})")
         return files
     if cfg.training.task == "sft":
+        if plan.corpus.tokenized:
+            raise UserError(f"training.task=sft renders conversations with the chat template, so it needs text; "
+                            f"data.path={cfg.data.path} holds token files (.npy)")
         _build_entry(tokens_dir, lambda tmp: write_chat_rows(plan.corpus, pretrained, cfg, tmp, log))
     else:
         _tokenize(plan, cfg.data.val_fraction, tokens_dir, log)
@@ -238,6 +244,29 @@ def _write_stream(corpus: Corpus, tokenizer, eos: int, dtype, path: Path) -> _Te
     return counter
 
 
+def _copy_tokens(corpus: Corpus, vocab_size: int, eos: int, dtype, path: Path) -> int:
+    """Concatenate the corpus' .npy token files into one flat file, each checked to be ids of this tokenizer;
+    returns the number of documents (EOS tokens)."""
+    documents = 0
+    with open(path, "wb") as out:
+        for f in corpus.files:
+            try:
+                ids = np.load(f, mmap_mode="r")
+            except (OSError, ValueError) as e:
+                raise UserError(f"cannot read token file {f} ({e}); save token ids with numpy.save") from None
+            if ids.ndim != 1 or ids.dtype.kind not in "iu":
+                raise UserError(f"token file {f} holds a {ids.ndim}-D {ids.dtype} array; it must be a 1-D integer "
+                                f"array of token ids (documents separated by EOS)")
+            if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
+                raise UserError(f"token file {f} has ids from {int(ids.min())} to {int(ids.max())}, outside the "
+                                f"tokenizer's 0..{vocab_size - 1}: it was made with another tokenizer; set "
+                                f"tokenizer.path to that one")
+            documents += int(np.count_nonzero(ids == eos))
+            for start in range(0, len(ids), 1 << 24):  # in slices: the files may be larger than memory
+                np.asarray(ids[start:start + (1 << 24)], dtype=dtype).tofile(out)
+    return documents
+
+
 def _build_entry(final: Path, fill: Callable[[Path], T]) -> T:
     """Let ``fill`` write a temporary folder, then publish it as ``final`` (nothing half-written is ever
     seen); returns what ``fill`` returns."""
@@ -265,8 +294,13 @@ def _tokenize(plan: _Plan, val_fraction: float, tokens_dir: Path, log: Callable[
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab_size < 1 << 16 else np.uint32)
 
-    def fill(tmp: Path) -> tuple[_TextCounter, int, int]:
-        counter = _write_stream(plan.corpus, tokenizer, eos, dtype, tmp / "stream.bin")
+    def fill(tmp: Path) -> tuple[str, int, int]:
+        if plan.corpus.tokenized:
+            documents, chars = _copy_tokens(plan.corpus, vocab_size, eos, dtype, tmp / "stream.bin"), None
+            read = f"{documents:,} documents already tokenized"
+        else:
+            counter = _write_stream(plan.corpus, tokenizer, eos, dtype, tmp / "stream.bin")
+            documents, chars, read = counter.documents, counter.chars, counter.summary(plan.corpus)
         total = (tmp / "stream.bin").stat().st_size // dtype.itemsize
         if total == 0:
             raise _no_text(plan.corpus)
@@ -278,11 +312,11 @@ def _tokenize(plan: _Plan, val_fraction: float, tokens_dir: Path, log: Callable[
         (tmp / "stream.bin").unlink()
         (tmp / "meta.json").write_text(json.dumps({
             "eos_id": eos, "vocab_size": vocab_size, "dtype": dtype.name, "train_tokens": total - n_val,
-            "val_tokens": n_val, "documents": counter.documents, "characters": counter.chars,
+            "val_tokens": n_val, "documents": documents, "characters": chars,
             "sources": plan.corpus.description, "tokenizer": str(plan.tokenizer_json),
         }, indent=2))
-        return counter, total, n_val
+        return read, total, n_val
 
-    counter, total, n_val = _build_entry(tokens_dir, fill)
-    log(f"tokens: read {counter.summary(plan.corpus)}; tokenized {total:,} tokens ({total - n_val:,} train, "
+    read, total, n_val = _build_entry(tokens_dir, fill)
+    log(f"tokens: read {read}; {total:,} tokens ({total - n_val:,} train, "
         f"{n_val:,} val) in {time.perf_counter() - start:.1f}s (cached at {tokens_dir})")

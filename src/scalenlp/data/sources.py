@@ -9,6 +9,9 @@ A source is read as a stream of documents (strings); the tokenizer appends EOS a
 - ``.parquet``: the ``text_field`` column, read in record batches with pyarrow; nulls are skipped.
 - ``.tsv``: a header row, then one document per row, the text in the column named ``text_field`` or,
   failing that, ``sentence``/``content``/``text`` (GLUE style). Any mix of LF, CRLF and CR line endings.
+- ``.npy``: text already tokenized, a 1-D array of token ids with the tokenizer's EOS between documents,
+  trained on as it stands (tokenizer.path or model.init must name the tokenizer that made it). A corpus is
+  either text or token files, not a mix.
 
 The built-in corpus (used when no path is given) is the docstrings of the Python standard library this
 interpreter runs on: free of licence questions, always present, several MB of English prose about code.
@@ -27,7 +30,9 @@ from typing import Callable, Iterator
 
 from scalenlp.errors import UserError
 
-SUPPORTED = (".txt", ".jsonl", ".parquet", ".tsv")
+TEXT_TYPES = (".txt", ".jsonl", ".parquet", ".tsv")
+TOKENS_TYPE = ".npy"
+SUPPORTED = (*TEXT_TYPES, TOKENS_TYPE)
 TXT_PIECE_CHARS = 1 << 20
 TSV_TEXT_COLUMNS = ("sentence", "content", "text")
 BUILTIN = "builtin:stdlib-docstrings"
@@ -244,6 +249,7 @@ class Corpus:
     files: list[Path]
     text_field: str
     builtin: bool
+    tokenized: bool = False  # .npy token files, read by the token cache as they are (no text, no tokenizer run)
     _builtin_docs: list[str] | None = field(default=None, repr=False)
 
     def pieces(self) -> Iterator[Piece]:
@@ -269,7 +275,13 @@ def open_corpus(path: str, text_field: str) -> Corpus:
         return Corpus(f"built-in corpus: docstrings of the Python standard library ({len(files)} modules)",
                       files, text_field, builtin=True)
     files = resolve_sources(path)
-    return Corpus(f"{len(files)} file(s) from {path}", files, text_field, builtin=False)
+    tokens = [f for f in files if f.suffix.lower() == TOKENS_TYPE]
+    if tokens and len(tokens) < len(files):
+        raise UserError(f"data.path {path!r} mixes token files ({tokens[0].name}, ...) with text files "
+                        f"({next(f for f in files if f not in tokens).name}, ...); a corpus is one or the other: "
+                        f"point data.path at either kind")
+    kind = "token file(s)" if tokens else "file(s)"
+    return Corpus(f"{len(files)} {kind} from {path}", files, text_field, builtin=False, tokenized=bool(tokens))
 
 
 def source_fingerprint(files: list[Path]) -> list[tuple[str, int, int]]:

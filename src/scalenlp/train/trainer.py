@@ -227,7 +227,7 @@ class Trainer:
             self.task_data = load_classification_data(cfg, pretrained.tokenizer, self.log)
             self.tokenizer = pretrained.tokenizer
             self.loader = LabeledLoader(self.task_data.train, t.global_batch_size, dp_rank(self.mesh), self.dims.dp,
-                                        t.seed)
+                                        t.seed, cfg.data.shuffle)
             self.val = None
             self.model_args = classifier_args(cfg, pretrained, self.task_data.labels)
             model = build_classifier(self.model_args, pretrained, self.device, where=cfg.model.init)
@@ -241,7 +241,7 @@ class Trainer:
             self.tokenizer = self.data.tokenizer_json
             dataset = ChatDataset if t.task == "sft" else TokenDataset
             self.loader = DataLoader(dataset(self.data.train_tokens, t.seq_len), t.global_batch_size,
-                                     dp_rank(self.mesh), self.dims.dp, t.seed)
+                                     dp_rank(self.mesh), self.dims.dp, t.seed, cfg.data.shuffle)
             self.val = dataset(self.data.val_tokens, t.seq_len) if t.eval_every else None
 
             # Model: the checkpoint's weights, or the same seed everywhere, so every layout starts from the
