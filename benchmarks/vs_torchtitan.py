@@ -15,15 +15,16 @@ round's figures:
   shared with other work (caches, a virtual machine's host) still runs slower per CPU-second;
 - loss at step 20 and at step N, and its mean over the last LOSS_MEAN steps, on the same batches: torchtitan's
   own data loader (run in the peer's venv) writes out the windows its run will read, in its order, as one
-  token file, and scalenlp trains on that file unshuffled (``data.shuffle=false``), so every step's inputs
-  and targets are the same tokens for both. Two differences stay: torchtitan opens each document with BOS
-  and never inputs EOS, scalenlp inputs EOS where torchtitan inputs BOS (its one separator; a relabelling
-  of one input-embedding row, as the output layer is not tied), and torchtitan restarts RoPE positions
-  at each document where scalenlp counts them across the window. Under FSDP torchtitan's two ranks read
-  different halves of the documents: where a window of one rank follows one of the other in the file, the
-  target of the first window's last token is the other rank's token (counted and printed). Both runs are
-  deterministic with seed 42; the schedules differ after warm-up: torchtitan decays linearly over the last
-  80% of the steps, scalenlp by a cosine, both to 0;
+  token file, and scalenlp trains on that file unshuffled (``data.shuffle=false``) with RoPE positions
+  restarting at each document as torchtitan's loader has them (``data.reset_positions``), so every step's
+  inputs, positions and targets are the same for both, but for one relabelling: torchtitan shifts within a
+  document, so its last token's target is EOS where scalenlp's (one stream) is the next document's BOS, and
+  EOS is never an input, BOS never a target (both counted: 0), so scalenlp's output row for BOS plays
+  torchtitan's for EOS (the output layer is not tied to the embedding). Under FSDP torchtitan's two ranks
+  read different halves of the documents: where a window of one rank follows one of the other in the file,
+  the target of the first window's last token is the other rank's token (counted and printed). Both runs
+  are deterministic with seed 42; the schedules differ after warm-up: torchtitan decays linearly over the
+  last 80% of the steps, scalenlp by a cosine, both to 0;
 - peak RSS: the largest resident set of any process of the run (getrusage of a wrapper's children).
 The load average before each run is printed beside it: on a shared machine the ratios are the figure, and
 with ``--rounds`` > 1 each row ends with the median ratios over its rounds.
@@ -144,7 +145,8 @@ def titan_run(peer: Path, work: Path, row: str, steps: int, name: str, compiled:
 
 # Run by the peer's python: writes the windows torchtitan's loader gives each rank for ``steps`` steps, in the
 # order of scalenlp's global batches (each step, rank 0's local batch, then rank 1's), as one token stream
-# whose windows at stride SEQ (one token of overlap) are those inputs and labels; prints what differs.
+# whose windows at stride SEQ (one token of overlap) are those inputs and, but for EOS written as BOS, labels;
+# prints what else differs.
 _DUMP_BATCHES = """
 import json, sys
 import numpy as np
@@ -158,11 +160,12 @@ loaders = [iter(HuggingFaceTextDataset("c4_test", data_path, tok, seq_len=seq, d
 windows = [next(loader) for _ in range(steps) for loader in loaders for _ in range(local_batch)]
 inputs = np.stack([x["input"].numpy() for x, _ in windows])
 labels = np.stack([y.numpy() for _, y in windows])
-stream = np.append(np.where(inputs == tok.bos_id, tok.eos_id, inputs).ravel(), labels[-1, -1])
+relabelled = np.where(labels == tok.eos_id, tok.bos_id, labels)
+stream = np.append(inputs.ravel(), relabelled[-1, -1])
 np.save(out, stream.astype(np.uint16))
 targets = np.lib.stride_tricks.sliding_window_view(stream[1:], seq)[::seq]
-print(json.dumps({"windows": len(windows), "targets_differing": int((targets != labels).sum()),
-                  "eos_inputs": int((inputs == tok.eos_id).sum())}))
+print(json.dumps({"windows": len(windows), "targets_differing": int((targets != relabelled).sum()),
+                  "eos_inputs": int((inputs == tok.eos_id).sum()), "bos_targets": int((labels == tok.bos_id).sum())}))
 """
 
 
@@ -183,7 +186,7 @@ def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: 
     run_dir = work / "scalenlp-runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = ["model.flavor=titan-debug", "model.vocab_size=2048", f"tokenizer.path={peer / 'assets' / 'tokenizer'}",
-            f"data.path={data}", "data.shuffle=false", "data.val_fraction=0",
+            f"data.path={data}", "data.shuffle=false", "data.reset_positions=true", "data.val_fraction=0",
             f"data.cache_dir={work / 'scalenlp-token-cache'}",
             f"training.seq_len={SEQ}", f"training.global_batch_size={BATCH}", f"training.steps={steps}",
             # torchtitan's debug-model recipe: AdamW 8e-4, 2 warm-up steps, decay to 0, clip 1, seed 42.

@@ -18,6 +18,8 @@ from scalenlp.config import Config
 from scalenlp.data import (EOS, DataLoader, TokenDataset, eos_token_id, load_tokenizer, open_data, prepare_data,
                            train_bpe)
 from scalenlp.data import sources
+from scalenlp.data.dataset import document_positions
+from scalenlp.data.tokenizer import find_bos_token_id
 from scalenlp.data.sources import open_corpus, read_pieces, resolve_sources, stdlib_docstrings, stdlib_files
 from scalenlp.errors import UserError
 
@@ -214,8 +216,10 @@ def test_load_tokenizer_finds_eos_in_file_or_folder_config(tmp_path):
     loaded = load_tokenizer(folder)
     with pytest.raises(UserError, match="no end-of-document token"):
         eos_token_id(loaded, folder)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<eos>"}}))
+    assert find_bos_token_id(loaded, folder) is None
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<eos>"}, "bos_token": "a"}))
     assert eos_token_id(loaded, folder) == loaded.token_to_id("<eos>")
+    assert find_bos_token_id(loaded, folder) == loaded.token_to_id("a")  # BOS is looked up the same way
     plain = tmp_path / "plain.json"
     tok.save(str(plain))
     assert eos_token_id(load_tokenizer(plain), plain) == tok.token_to_id(EOS)
@@ -419,6 +423,18 @@ def test_epochs_reshuffle_and_seed_fixes_the_order(tmp_path):
     assert loaders[0].state_dict()["epoch"] == 1 and loaders[0].state_dict()["batch"] == 5
     loaders[0].set_epoch(0)
     assert loaders[0].next_batch()[0][:, 0].div(4).tolist() == epoch0[0]
+
+
+@pytest.mark.parametrize("bos, eos, tokens, positions", [
+    (1, 2, [7, 2, 1, 5, 6, 2, 1, 9], [0, 1, 0, 1, 2, 3, 0, 1]),  # BOS doc EOS: the BOS is position 0
+    (None, 2, [7, 2, 5, 6, 2, 9], [0, 1, 0, 1, 2, 0]),           # doc EOS: the token after EOS is
+    (2, 2, [7, 2, 5, 6, 2, 9], [0, 1, 0, 1, 2, 0]),              # GPT-2, whose BOS is its EOS
+    (1, 2, [7, 8, 1, 5, 6, 1, 9], [0, 1, 0, 1, 2, 0, 1]),        # BOS only (torchtitan's inputs)
+])
+def test_document_positions_restart_where_documents_start(bos, eos, tokens, positions):
+    got = document_positions(torch.tensor([tokens, tokens[::-1]]), bos, eos)
+    assert got[0].tolist() == positions
+    assert got[1].tolist() == document_positions(torch.tensor([tokens[::-1]]), bos, eos)[0].tolist()  # per row
 
 
 def test_unshuffled_loader_reads_windows_in_file_order_every_epoch(tmp_path):

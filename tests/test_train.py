@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -105,6 +106,20 @@ def test_run_writes_metrics_checkpoints_and_a_loadable_export(tmp_path, corpus):
     assert logits.shape == (1, 3, model.args.vocab_size) and torch.isfinite(logits).all()
 
 
+def test_reset_positions_restart_each_document_under_any_layout(tmp_path):
+    docs = tmp_path / "docs.jsonl"  # documents of 3-12 words: several start inside each 32-token window
+    words = "the of and to a in is it you that he was for on are with as his they be at one have this".split()
+    docs.write_text("".join(json.dumps({"text": " ".join(words[(i * 5 + j) % len(words)] for j in range(3 + i % 10))})
+                            + "\n" for i in range(2000)))
+    sets = [*TINY, f"data.path={docs}", "training.steps=3", "checkpoint.export=false"]
+    run_train(tmp_path / "plain", *sets)
+    run_train(tmp_path / "reset", *sets, "data.reset_positions=true")
+    run_train(tmp_path / "reset_tp", *sets, "data.reset_positions=true", "parallel.tp=2", nproc=2)
+    plain, reset, tp = (losses(tmp_path / run) for run in ("plain", "reset", "reset_tp"))
+    assert all(a != b for a, b in zip(plain, reset))  # the positions reach the model from the first step
+    assert tp == pytest.approx(reset, rel=1e-5)
+
+
 @pytest.mark.parametrize("sets, nproc, expected", [
     (["training.stepz=3"], 1, "unknown config key 'training.stepz'"),
     (["training.steps=many"], 1, "training.steps: expected int"),
@@ -114,6 +129,7 @@ def test_run_writes_metrics_checkpoints_and_a_loadable_export(tmp_path, corpus):
     (["training.seq_len=1000"], 1, "over the model's max_seq_len 256"),
     (["model.flavor=huge"], 1, "model.flavor='huge' is unknown"),
     (["data.path=/nonexistent/corpus.txt"], 1, "/nonexistent/corpus.txt"),
+    (["data.reset_positions=true", "parallel.pp=2"], 2, "data.reset_positions does not work with pipeline"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path, corpus, sets, nproc, expected):
     proc = run_train(tmp_path / "run", *TINY, f"data.path={corpus}", *sets, nproc=nproc, check=False)

@@ -69,6 +69,10 @@ class DataConfig:
                               "reads them in file order, e.g. data shuffled beforehand or batches replayed from "
                               "another trainer")
     cache_dir: str = opt("", "where tokenized token files are cached; empty: <run_dir>/../.token_cache")
+    reset_positions: bool = opt(False, "training.task=lm: positions restart at 0 at each document of a packed "
+                                       "window (at a BOS, or after an EOS), where inference puts a prompt "
+                                       "(Megatron's --reset-position-ids; torchtitan's loader); attention "
+                                       "still spans the window")
 
 
 @dataclass
@@ -371,6 +375,12 @@ def _validate_task(cfg: Config) -> None:
             raise ConfigError("checkpoint.keep_best needs data.eval_path: the best checkpoint is judged on it")
     elif cfg.checkpoint.keep_best:
         raise ConfigError("checkpoint.keep_best applies to training.task=\"classification\"; remove it")
+    if cfg.data.reset_positions and cfg.training.task != "lm":
+        raise ConfigError(f"data.reset_positions applies to packed text (training.task=\"lm\"); "
+                          f"training.task={cfg.training.task!r} starts every row at position 0 already: remove it")
+    if cfg.data.reset_positions and cfg.parallel.pp > 1:
+        raise ConfigError("data.reset_positions does not work with pipeline parallelism yet (stages after the "
+                          "first do not see the tokens); use parallel.pp=1 or leave positions unreset")
     _choice(cfg.checkpoint.keep_best, ("",) + KEEP_BEST, "checkpoint.keep_best")
     if cfg.training.task == "sft":
         if not cfg.model.init:

@@ -67,6 +67,18 @@ class TokenDataset:
                 f"training.global_batch_size / training.seq_len")
 
 
+def document_positions(tokens: torch.Tensor, bos_id: int | None, eos_id: int) -> torch.Tensor:
+    """(B, T) positions of packed windows that restart at 0 where a document starts: at a BOS token, or at the
+    token after an EOS (so ``BOS doc EOS BOS ...`` and ``doc EOS doc ...`` streams both put a document's first
+    token where a prompt's is at inference). A window that opens inside a document counts from its first token."""
+    index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[:, 1:] = tokens[:, :-1] == eos_id
+    if bos_id is not None and bos_id != eos_id:  # GPT-2's BOS is its EOS: the token after it starts a document
+        starts |= tokens == bos_id
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
 class GlobalBatchLoader:
     """The position of a loader of global batches, epoch after epoch: which batch comes next, and what a saved
     position must match to mean the same batches. The position is global, so it resumes with any dp_size."""

@@ -17,8 +17,9 @@ from scalenlp.errors import UserError
 
 EOS = "<|endoftext|>"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # BOS, EOS and the chat template, in Hugging Face's field names
-# Document-end tokens of common tokenizer families, tried before the tokenizer's own config files.
+# Document-end and -start tokens of common tokenizer families, tried before the tokenizer's own config files.
 EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>")
+BOS_CANDIDATES = ("<s>", "<|begin_of_text|>")
 MIN_VOCAB = 257  # the 256 byte symbols plus EOS
 
 
@@ -63,10 +64,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise UserError(f"cannot load tokenizer {p}: {e}") from None
 
 
-def find_eos_token_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int | None:
-    """The id of the document-end token: a known EOS name, else the eos_token in the folder's config
-    files; None when the tokenizer has none."""
-    for name in EOS_CANDIDATES:
+def _find_special_token_id(tokenizer: Tokenizer, path: str | Path | None, key: str,
+                           candidates: tuple[str, ...]) -> int | None:
+    """The id of a known token name, else of the ``key`` token in the folder's config files; None if neither."""
+    for name in candidates:
         token_id = tokenizer.token_to_id(name)
         if token_id is not None:
             return token_id
@@ -75,14 +76,25 @@ def find_eos_token_id(tokenizer: Tokenizer, path: str | Path | None = None) -> i
         if folder is None or not (folder / config_name).is_file():
             continue
         try:
-            eos = json.loads((folder / config_name).read_text()).get("eos_token")
+            token = json.loads((folder / config_name).read_text()).get(key)
         except (json.JSONDecodeError, AttributeError):
             continue
-        if isinstance(eos, dict):  # written as an AddedToken: {"content": "...", ...}
-            eos = eos.get("content")
-        if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
-            return tokenizer.token_to_id(eos)
+        if isinstance(token, dict):  # written as an AddedToken: {"content": "...", ...}
+            token = token.get("content")
+        if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
+            return tokenizer.token_to_id(token)
     return None
+
+
+def find_eos_token_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int | None:
+    """The id of the document-end token: a known EOS name, else the eos_token in the folder's config
+    files; None when the tokenizer has none."""
+    return _find_special_token_id(tokenizer, path, "eos_token", EOS_CANDIDATES)
+
+
+def find_bos_token_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int | None:
+    """The id of the document-start token, found as ``find_eos_token_id`` finds EOS; None when there is none."""
+    return _find_special_token_id(tokenizer, path, "bos_token", BOS_CANDIDATES)
 
 
 def eos_token_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int:

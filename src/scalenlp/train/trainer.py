@@ -24,9 +24,11 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from scalenlp.config import Config, ConfigError, profile_steps, save_config, validate
-from scalenlp.data import DataLoader, TokenDataset, open_data, prepare_data
+from scalenlp.data import DataLoader, TokenDataset, load_tokenizer, open_data, prepare_data
+from scalenlp.data.dataset import document_positions
 from scalenlp.data.sft import IGNORE_INDEX, ChatDataset
 from scalenlp.data.labeled import LabeledLoader
+from scalenlp.data.tokenizer import find_bos_token_id
 from scalenlp.errors import UserError
 from scalenlp.layout import Layout
 from scalenlp.models.decoder import ModelArgs, Transformer
@@ -149,12 +151,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-def lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+def lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, dims: ParallelDims,
+            input_pos: torch.Tensor | None = None) -> torch.Tensor:
     """Summed next-token loss of a whole model (not a pipeline stage): computed by the model chunk by chunk
-    (no full logits), unless tensor parallelism shards them (run under ``loss_context`` then)."""
+    (no full logits), unless tensor parallelism shards them (run under ``loss_context`` then). ``input_pos``:
+    (B, T) positions (data.reset_positions), else 0..T-1."""
     if dims.tp == 1:
-        return model(inputs, targets=targets)
-    return cross_entropy(model(inputs), targets, reduction="sum")
+        return model(inputs, input_pos=input_pos, targets=targets)
+    return cross_entropy(model(inputs, input_pos=input_pos), targets, reduction="sum")
 
 
 def _sum_over(value: torch.Tensor, group) -> torch.Tensor:
@@ -243,6 +247,10 @@ class Trainer:
             self.loader = DataLoader(dataset(self.data.train_tokens, t.seq_len), t.global_batch_size,
                                      dp_rank(self.mesh), self.dims.dp, t.seed, cfg.data.shuffle)
             self.val = dataset(self.data.val_tokens, t.seq_len) if t.eval_every else None
+            # (BOS, EOS) ids where documents start and end, for data.reset_positions.
+            self.document_marks = (find_bos_token_id(load_tokenizer(self.data.tokenizer_json),
+                                                     self.data.tokenizer_json), self.data.eos_id) \
+                if cfg.data.reset_positions else None
 
             # Model: the checkpoint's weights, or the same seed everywhere, so every layout starts from the
             # weights of the single-process run. Either way the full model is built on every rank and then
@@ -393,7 +401,12 @@ class Trainer:
         next-token (inputs, targets), or classification (input_ids, attention_mask, token_type_ids, labels)."""
         if self.classify:
             return classification_loss(self.model_parts[0], micro)
-        return lm_loss(self.model_parts[0], *micro, self.dims)
+        inputs, targets = micro
+        return lm_loss(self.model_parts[0], inputs, targets, self.dims, self.positions(inputs))
+
+    def positions(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The positions of packed windows under data.reset_positions (else None: 0..T-1)."""
+        return None if self.document_marks is None else document_positions(inputs, *self.document_marks)
 
     def evaluate_classifier(self) -> dict[str, float]:
         """eval_loss, accuracy and macro_f1 on the whole eval file."""
@@ -428,7 +441,7 @@ class Trainer:
                     total += self.pipeline.eval(inputs, targets)
                 else:
                     with loss_context(self.dims, self.cfg):
-                        total += lm_loss(self.model_parts[0], inputs, targets, self.dims)
+                        total += lm_loss(self.model_parts[0], inputs, targets, self.dims, self.positions(inputs))
         for part in self.model_parts:
             part.train()
         total, counted = _sum_over(torch.stack([total, counted]), self.dp_group)
