@@ -1,6 +1,6 @@
 """scalenlp against torchtitan on one machine: tokens/s, loss and peak memory per process, side by side.
 
-    python benchmarks/vs_torchtitan.py --work /tmp/titan-work [--steps 20] [--rounds 1] [--rows fp32,bf16,fsdp] [--compile]
+    python benchmarks/vs_torchtitan.py --work /tmp/titan-work [--steps 20] [--rounds 1] [--rows fp32,bf16,fsdp] [--compile] [--cosine]
 
 Drives the shared peer (../shared/peers/torchtitan: torchtitan 0.3.0's llama3 debug model, 6.16M
 parameters, sequence 2048, batch 8, its test tokenizer, the substitute text): ``--work`` holds the
@@ -23,8 +23,9 @@ round's figures:
   torchtitan's for EOS (the output layer is not tied to the embedding). Under FSDP torchtitan's two ranks
   read different halves of the documents: where a window of one rank follows one of the other in the file,
   the target of the first window's last token is the other rank's token (counted and printed). Both runs
-  are deterministic with seed 42; the schedules differ after warm-up: torchtitan decays linearly over the
-  last 80% of the steps, scalenlp by a cosine, both to 0;
+  are deterministic with seed 42 and follow torchtitan's debug recipe: AdamW at 8e-4, 2 warm-up steps,
+  then the peak until a linear decay over the last 80% of the steps (scalenlp's training.lr_decay=linear,
+  training.decay_ratio=0.8); ``--cosine`` gives scalenlp its default cosine decay from the warm-up's end;
 - peak RSS: the largest resident set of any process of the run (getrusage of a wrapper's children).
 The load average before each run is printed beside it: on a shared machine the ratios are the figure, and
 with ``--rounds`` > 1 each row ends with the median ratios over its rounds.
@@ -181,7 +182,8 @@ def titan_batches(peer: Path, work: Path, row: str, steps: int) -> Path:
     return out
 
 
-def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: Path, compiled: bool) -> dict:
+def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: Path, compiled: bool,
+                 cosine: bool) -> dict:
     procs, threads, dtype = ROWS[row]
     run_dir = work / "scalenlp-runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -189,8 +191,10 @@ def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: 
             f"data.path={data}", "data.shuffle=false", "data.reset_positions=true", "data.val_fraction=0",
             f"data.cache_dir={work / 'scalenlp-token-cache'}",
             f"training.seq_len={SEQ}", f"training.global_batch_size={BATCH}", f"training.steps={steps}",
-            # torchtitan's debug-model recipe: AdamW 8e-4, 2 warm-up steps, decay to 0, clip 1, seed 42.
+            # torchtitan's debug-model recipe: AdamW 8e-4, 2 warm-up steps, linear decay to 0 over the last 80% of
+            # the steps (or scalenlp's default cosine decay), clip 1, seed 42.
             "training.lr=8e-4", "training.warmup_steps=2", "training.min_lr_ratio=0", "training.seed=42",
+            *(() if cosine else ("training.lr_decay=linear", "training.decay_ratio=0.8")),
             "training.log_every=1", "training.eval_every=0", "checkpoint.every=0", "checkpoint.export=false",
             f"training.param_dtype={dtype}", f"training.compile={str(compiled).lower()}"]
     if procs > 1:
@@ -223,6 +227,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--compile", action="store_true", help="both trainers compile each transformer block")
+    parser.add_argument("--cosine", action="store_true", help="scalenlp decays the LR by its default cosine "
+                                                              "instead of torchtitan's warmup-stable-linear-decay")
     args = parser.parse_args()
     work = args.work.resolve()
     if not (work / "venv" / "bin" / "torchrun").exists():
@@ -238,10 +244,12 @@ def main() -> int:
                 load = os.getloadavg()[0]
                 name = f"{trainer}-{row}-{rnd}"
                 out = (titan_run(args.peer, work, row, args.steps, name, args.compile) if trainer == "torchtitan"
-                       else scalenlp_run(args.peer, work, row, args.steps, name, batches[row], args.compile))
+                       else scalenlp_run(args.peer, work, row, args.steps, name, batches[row], args.compile,
+                                         args.cosine))
                 results.append({"round": rnd, "row": row, "trainer": trainer, "load": load, **out})
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     print("\nboth trainers " + ("compiled (per transformer block)" if args.compile else "eager")
+          + "; the same batches; scalenlp's LR " + ("cosine" if args.cosine else "schedule is torchtitan's")
           + f"; steps 4..{args.steps}; tt = torchtitan, sn = scalenlp; CPU = user + system seconds of all the run's processes")
     print(f"{'config':<46}{'round':>6}{'tok/s tt':>10}{'sn':>7}{'ratio':>7}{'CPU-s/step tt':>15}{'sn':>7}"
           f"{'tok/CPU-s tt':>14}{'sn':>6}{'ratio':>7}{'loss@20 tt':>11}{'sn':>7}{f'loss@{args.steps} tt':>13}{'sn':>7}"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -13,7 +15,9 @@ import time
 import pytest
 import torch
 
+from scalenlp.config import TrainingConfig
 from scalenlp.models.io import load_pretrained
+from scalenlp.train.optim import lr_factor
 from train_helpers import TINY, HANG_GUARD_S, cli_env, error_lines, read_metrics, run_train, write_corpus
 
 
@@ -24,6 +28,16 @@ def corpus(tmp_path_factory):
 
 def losses(run_dir):
     return [r["loss"] for r in read_metrics(run_dir)]
+
+
+def test_lr_schedules():
+    cosine = TrainingConfig(steps=10, warmup_steps=2, min_lr_ratio=0.1)  # the default: decay from the warm-up's end
+    assert [lr_factor(s, cosine) for s in range(3)] == [0.5, 1.0, 1.0]
+    assert lr_factor(6, cosine) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 8)))
+    # torchtitan's debug recipe (warmup 2, decay_ratio 0.8, linear to 0): its LambdaLR factors, step by step.
+    wsd = TrainingConfig(steps=20, warmup_steps=2, min_lr_ratio=0.0, lr_decay="linear", decay_ratio=0.8)
+    assert [lr_factor(s, wsd) for s in range(20)] == pytest.approx([0.5, 1, 1, 1, 1] + [1 - k / 16 for k in range(1, 16)])
+    assert lr_factor(9, dataclasses.replace(wsd, decay_ratio=0.95)) == pytest.approx(1 - 7 / 18)  # at most the steps after warm-up
 
 
 @pytest.mark.slow  # a multi-process run: `make test` runs it, `make test-fast` leaves it out

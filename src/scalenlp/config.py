@@ -88,8 +88,12 @@ class TrainingConfig:
     micro_batch_size: int = opt(0, "sequences per forward/backward on one rank; 0 = global / dp (no accumulation)")
     seq_len: int = opt(128, "tokens per training sequence")
     lr: float = opt(1e-3, "peak learning rate")
-    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak (cosine decay)")
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak")
     warmup_steps: int = opt(20, "linear warm-up steps")
+    lr_decay: str = opt("cosine", "cosine | linear: the shape of the decay to min_lr_ratio")
+    decay_ratio: float = opt(1.0, "fraction of training.steps, at the end, over which the LR decays; before it the "
+                                  "LR holds at the peak (warmup-stable-decay, as torchtitan's decay_ratio); 1: the "
+                                  "decay starts when warm-up ends")
     weight_decay: float = opt(0.1, "AdamW weight decay, applied to matrices only (not norms, biases)")
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.95, "AdamW beta2")
@@ -288,7 +292,7 @@ RANGES = {
     "tokenizer.vocab_size": POSITIVE,
     "training.steps": POSITIVE, "training.global_batch_size": POSITIVE, "training.micro_batch_size": COUNT,
     "training.seq_len": POSITIVE, "training.lr": Range(0, 1, low_open=True, high_open=True),
-    "training.min_lr_ratio": Range(0, 1), "training.warmup_steps": COUNT, "training.weight_decay": Range(0, math.inf),
+    "training.min_lr_ratio": Range(0, 1), "training.warmup_steps": COUNT, "training.decay_ratio": Range(0, 1, low_open=True), "training.weight_decay": Range(0, math.inf),
     "training.beta1": FRACTION, "training.beta2": FRACTION, "training.grad_clip": Range(0, math.inf),
     # seed + 1 + rank seeds torch, which takes up to 2**64 - 1.
     "training.seed": COUNT, "training.log_every": POSITIVE, "training.eval_every": COUNT,
@@ -334,6 +338,7 @@ def validate(cfg: Config) -> None:
     t, p = cfg.training, cfg.parallel
     _choice(t.on_nonfinite, ("stop", "skip", "rollback"), "training.on_nonfinite")
     _choice(t.mixed_precision, ("fp32", "bf16"), "training.mixed_precision")
+    _choice(t.lr_decay, ("cosine", "linear"), "training.lr_decay")
     _choice(t.param_dtype, ("float32", "bfloat16"), "training.param_dtype")
     _choice(t.device, ("auto", "cpu", "cuda"), "training.device")
     _choice(p.data_parallel, DATA_PARALLEL, "parallel.data_parallel")

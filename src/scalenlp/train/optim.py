@@ -1,4 +1,4 @@
-"""AdamW with weight-decay groups and a warm-up + cosine learning-rate schedule."""
+"""AdamW with weight-decay groups and a warm-up, (stable,) decay learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -41,13 +41,17 @@ def build_optimizer(model: nn.Module, t: TrainingConfig, dims: ParallelDims | No
 
 
 def lr_factor(step: int, t: TrainingConfig) -> float:
-    """Multiplier of the peak LR at optimizer step ``step`` (0-based): linear warm-up, then cosine
-    decay to ``min_lr_ratio`` at the last step."""
+    """Multiplier of the peak LR at optimizer step ``step`` (0-based): linear warm-up, the peak until the last
+    ``decay_ratio`` of the steps (none of them by default), then a cosine or linear decay towards
+    ``min_lr_ratio``, which it would reach one step after the last (so the last step still learns). With
+    ``decay_ratio`` < 1 and a linear decay this is torchtitan's warmup-stable-decay, step for step."""
     if step < t.warmup_steps:
         return (step + 1) / t.warmup_steps
-    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine
+    decay_steps = min(t.steps - t.warmup_steps, round(t.steps * t.decay_ratio)) if t.decay_ratio < 1 \
+        else t.steps - t.warmup_steps
+    progress = min(1.0, max(0, step - (t.steps - decay_steps)) / max(1, decay_steps))
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if t.lr_decay == "cosine" else 1.0 - progress
+    return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * shape
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainingConfig) -> torch.optim.lr_scheduler.LambdaLR:
