@@ -110,6 +110,7 @@ def test_run_writes_metrics_checkpoints_and_a_loadable_export(tmp_path, corpus):
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "peak_mem_bytes"):
         assert key in records[-1]
     assert records[-1]["tokens_per_sec"] > 0 and 0 < records[-1]["mfu"] < 1
+    assert [r["lr"] for r in records[:2]] == pytest.approx([1.5e-3, 3e-3])  # what each step ran with: warm-up 2
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4", "step-6"]  # keep=2
     assert "val_loss" in (run / "metrics.jsonl").read_text()
     assert (run / "config.toml").is_file() and (run / "export" / "config.toml").is_file()

@@ -49,7 +49,7 @@ from scalenlp.train.classify import (build_classifier, classification_loss, clas
 from scalenlp.train.metrics import MetricsWriter, peak_memory_bytes
 from scalenlp.train.monitor import Monitor
 from scalenlp.train.peak import peak_flops
-from scalenlp.train.optim import build_optimizer, build_scheduler
+from scalenlp.train.optim import build_optimizer, build_scheduler, lr_factor
 from scalenlp.train.profile import StepProfiler
 
 
@@ -547,7 +547,7 @@ class Trainer:
                 record = {
                     "step": self.step,
                     "loss": _mean_over(window.loss / window.steps, self.dp_group),
-                    "lr": self.scheduler.get_last_lr()[0],
+                    "lr": t.lr * lr_factor(self.step - 1, t),  # what this step ran with (the scheduler is one on)
                     "grad_norm": grad_norm.item(),
                     "tokens_per_sec": tokens_per_sec,
                     "mfu": mfu,
