@@ -122,7 +122,7 @@ def test_tsv_with_mixed_line_endings_and_glue_headers(tmp_path):
     (lambda d: d / "missing.txt", "does not exist"),
     (lambda d: d / "nothing-*.jsonl", "matches no files"),
     (lambda d: d / "data.csv", "unsupported file type '.csv'"),
-    (lambda d: d / "folder", "holds no .txt/.jsonl/.parquet/.tsv files"),
+    (lambda d: d / "folder", "holds no .txt/.jsonl/.parquet/.tsv/.npy files"),
 ])
 def test_bad_sources_are_user_errors(tmp_path, make_path, message):
     (tmp_path / "data.csv").write_text("a,b\n")
@@ -258,13 +258,13 @@ def test_cache_hit_then_invalidation_on_source_or_vocab_change(tmp_path):
     logs.clear()
     again = prepare_data(cfg, tmp_path / "run", log=logs.append)
     assert again == first and first.train_tokens.stat().st_mtime_ns == mtime
-    assert sum("cache hit" in line for line in logs) == 2 and not any("tokenized" in line for line in logs)
+    assert sum("cache hit" in line for line in logs) == 2 and not any("tokens: read" in line for line in logs)
 
     write_jsonl(src, synthetic_docs(81))  # edited source: new tokenizer and new tokens
     logs.clear()
     edited = prepare_data(cfg, tmp_path / "run", log=logs.append)
     assert edited.train_tokens != first.train_tokens and edited.tokenizer_json != first.tokenizer_json
-    assert any("tokenized" in line for line in logs)
+    assert any("tokens: read" in line for line in logs)
 
     cfg.tokenizer.vocab_size = 310
     bigger = prepare_data(cfg, tmp_path / "run", log=lambda _: None)
