@@ -292,7 +292,8 @@ RANGES = {
     "tokenizer.vocab_size": POSITIVE,
     "training.steps": POSITIVE, "training.global_batch_size": POSITIVE, "training.micro_batch_size": COUNT,
     "training.seq_len": POSITIVE, "training.lr": Range(0, 1, low_open=True, high_open=True),
-    "training.min_lr_ratio": Range(0, 1), "training.warmup_steps": COUNT, "training.decay_ratio": Range(0, 1, low_open=True), "training.weight_decay": Range(0, math.inf),
+    "training.min_lr_ratio": Range(0, 1), "training.warmup_steps": COUNT,
+    "training.decay_ratio": Range(0, 1, low_open=True), "training.weight_decay": Range(0, math.inf),
     "training.beta1": FRACTION, "training.beta2": FRACTION, "training.grad_clip": Range(0, math.inf),
     # seed + 1 + rank seeds torch, which takes up to 2**64 - 1.
     "training.seed": COUNT, "training.log_every": POSITIVE, "training.eval_every": COUNT,

@@ -6,9 +6,10 @@ their ``seq_len`` next-token targets, and every token of the stream is a target 
 Windows cross document boundaries; the EOS between documents tells the model where one ends.
 
 Sharding is over global batches, like ``DistributedSampler`` but one level up: the order of windows
-depends only on (seed, epoch) (or is the file's order, with ``data.shuffle=false``), each global batch is a contiguous slice of that order, and each data-parallel
-rank takes its contiguous share of the batch. The global batch, and so the loss of every step, is therefore
-the same whatever the number of ranks, and a position saved with one rank count resumes with another.
+depends only on (seed, epoch) (or is the file's order, with ``data.shuffle=false``), each global batch is
+a contiguous slice of that order, and each data-parallel rank takes its contiguous share of the batch. The
+global batch, and so the loss of every step, is therefore the same whatever the number of ranks, and a
+position saved with one rank count resumes with another.
 """
 
 from __future__ import annotations

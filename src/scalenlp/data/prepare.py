@@ -257,13 +257,17 @@ def _copy_tokens(corpus: Corpus, vocab_size: int, eos: int, dtype, path: Path) -
             if ids.ndim != 1 or ids.dtype.kind not in "iu":
                 raise UserError(f"token file {f} holds a {ids.ndim}-D {ids.dtype} array; it must be a 1-D integer "
                                 f"array of token ids (documents separated by EOS)")
-            if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
-                raise UserError(f"token file {f} has ids from {int(ids.min())} to {int(ids.max())}, outside the "
-                                f"tokenizer's 0..{vocab_size - 1}: it was made with another tokenizer; set "
-                                f"tokenizer.path to that one")
-            documents += int(np.count_nonzero(ids == eos))
-            for start in range(0, len(ids), 1 << 24):  # in slices: the files may be larger than memory
-                np.asarray(ids[start:start + (1 << 24)], dtype=dtype).tofile(out)
+            # One pass, in slices: the files may be larger than memory. A bad id found after some slices were
+            # written leaves only the temporary folder, which _build_entry removes.
+            for start in range(0, len(ids), 1 << 24):
+                part = np.asarray(ids[start:start + (1 << 24)])
+                low, high = int(part.min()), int(part.max())
+                if not 0 <= low <= high < vocab_size:
+                    raise UserError(f"token file {f} has ids from {low} to {high} (at least), outside the "
+                                    f"tokenizer's 0..{vocab_size - 1}: it was made with another tokenizer; set "
+                                    f"tokenizer.path to that one")
+                documents += int(np.count_nonzero(part == eos))
+                part.astype(dtype, copy=False).tofile(out)
     return documents
 
 

@@ -47,8 +47,7 @@ def lr_factor(step: int, t: TrainingConfig) -> float:
     ``decay_ratio`` < 1 and a linear decay this is torchtitan's warmup-stable-decay, step for step."""
     if step < t.warmup_steps:
         return (step + 1) / t.warmup_steps
-    decay_steps = min(t.steps - t.warmup_steps, round(t.steps * t.decay_ratio)) if t.decay_ratio < 1 \
-        else t.steps - t.warmup_steps
+    decay_steps = min(t.steps - t.warmup_steps, round(t.steps * t.decay_ratio))  # all after warm-up at ratio 1
     progress = min(1.0, max(0, step - (t.steps - decay_steps)) / max(1, decay_steps))
     shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if t.lr_decay == "cosine" else 1.0 - progress
     return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * shape
