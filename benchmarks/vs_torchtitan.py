@@ -170,15 +170,14 @@ print(json.dumps({"windows": len(windows), "targets_differing": int((targets != 
 """
 
 
-def titan_batches(peer: Path, work: Path, row: str, steps: int) -> Path:
-    """torchtitan's batches of ``row`` for ``steps`` steps as a token file for scalenlp (see _DUMP_BATCHES)."""
-    procs = ROWS[row][0]
+def titan_batches(peer: Path, work: Path, procs: int, steps: int) -> Path:
+    """torchtitan's batches on ``procs`` ranks for ``steps`` steps as a token file for scalenlp (see _DUMP_BATCHES)."""
     out = work / "scalenlp-batches" / f"titan-{procs}ranks-{steps}steps.npy"
     out.parent.mkdir(exist_ok=True)
     report = subprocess.run([str(work / "venv" / "bin" / "python"), "-c", _DUMP_BATCHES,
                              str(peer / "assets" / "tokenizer"), str(work / "pydoc_text"), str(SEQ), str(procs),
                              str(BATCH // procs), str(steps), str(out)], check=True, capture_output=True, text=True)
-    print(f"torchtitan's batches for {row}: {report.stdout.strip()}", file=sys.stderr, flush=True)
+    print(f"torchtitan's batches on {procs} rank(s): {report.stdout.strip()}", file=sys.stderr, flush=True)
     return out
 
 
@@ -236,7 +235,9 @@ def main() -> int:
         return 2
     (work / "logs").mkdir(exist_ok=True)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    batches = {row: titan_batches(args.peer, work, row, args.steps) for row in rows}
+    # The fp32 and bf16 rows read the same batches (one process): each rank count's are written once.
+    dumps = {procs: titan_batches(args.peer, work, procs, args.steps) for procs in {ROWS[row][0] for row in rows}}
+    batches = {row: dumps[ROWS[row][0]] for row in rows}
     results = []
     for rnd in range(args.rounds):
         for row in rows:
