@@ -5,8 +5,8 @@
 Drives the shared peer (../shared/peers/torchtitan: torchtitan 0.3.0's llama3 debug model, 6.16M
 parameters, sequence 2048, batch 8, its test tokenizer, the substitute text): ``--work`` holds the
 peer's venv and data as its README sets them up. Each round runs every row for both trainers, one
-after the other (interleaved, so the machine's load falls on both alike), and the table shows each
-round's figures:
+after the other (interleaved, so the machine's load falls on both alike), both with the round's seed (42,
+43, ...: the initial weights change, the batches do not), and the table shows each round's figures:
 - tok/s: wall-clock tokens per second over steps 4..N (both trainers' first steps warm up);
 - CPU-s/step and tok/CPU-s: user + system CPU time of every process of the run (the process tree,
   sampled from /proc every SAMPLE_S and interpolated at the ends of steps 3 and N), per step and per
@@ -23,12 +23,14 @@ round's figures:
   torchtitan's for EOS (the output layer is not tied to the embedding). Under FSDP torchtitan's two ranks
   read different halves of the documents: where a window of one rank follows one of the other in the file,
   the target of the first window's last token is the other rank's token (counted and printed). Both runs
-  are deterministic with seed 42 and follow torchtitan's debug recipe: AdamW at 8e-4, 2 warm-up steps,
+  are deterministic for a seed and follow torchtitan's debug recipe: AdamW at 8e-4, 2 warm-up steps,
   then the peak until a linear decay over the last 80% of the steps (scalenlp's training.lr_decay=linear,
   training.decay_ratio=0.8); ``--cosine`` gives scalenlp its default cosine decay from the warm-up's end;
 - peak RSS: the largest resident set of any process of the run (getrusage of a wrapper's children).
 The load average before each run is printed beside it: on a shared machine the ratios are the figure, and
-with ``--rounds`` > 1 each row ends with the median ratios over its rounds.
+with ``--rounds`` > 1 each row ends with a line ("all") of the median ratios and the mean losses over its rounds: one seed's loss
+at step 200 moves by more than the two trainers differ (a loss spike at the peak learning rate comes or not
+with the initial weights), so the mean over seeds is the figure to compare.
 Both trainers run eager (torchtitan's configs leave compile off), or with ``--compile`` both compile each
 transformer block (scalenlp's training.compile, torchtitan's --compile.enable, which also compiles its loss);
 the table's title says which.
@@ -125,12 +127,13 @@ def loss_figures(losses: dict[int, float], last: int) -> dict:
     return {"loss": losses[last], "loss20": losses.get(20) if last > 20 else None, "loss_mean": sum(tail) / len(tail)}
 
 
-def titan_run(peer: Path, work: Path, row: str, steps: int, name: str, compiled: bool) -> dict:
+def titan_run(peer: Path, work: Path, row: str, steps: int, name: str, compiled: bool, seed: int) -> dict:
     procs, threads, dtype = ROWS[row]
     log = work / "logs" / f"{name}.log"
     env = dict(os.environ, WORK=str(work))
     cmd = ["bash", str(peer / "run_bench.sh"), name, str(procs), str(BATCH // procs), str(threads),
            "--training.steps", str(steps), "--training.mixed-precision-param", dtype,
+           "--debug.seed", str(seed),  # after run_bench.sh's own --debug.seed 42, so it wins
            *(["--compile.enable"] if compiled else []), "activation-checkpoint:none"]  # the subcommand comes last
     rss, samples = run_measured(cmd, env, work / f"{name}.wrapper.log")
     pattern = re.compile(r"\[titan\] (\S+ \S+) - root - INFO - step:\s+(\d+)\s+loss:\s+([\d.]+)")
@@ -182,7 +185,7 @@ def titan_batches(peer: Path, work: Path, procs: int, steps: int) -> Path:
 
 
 def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: Path, compiled: bool,
-                 cosine: bool) -> dict:
+                 cosine: bool, seed: int) -> dict:
     procs, threads, dtype = ROWS[row]
     run_dir = work / "scalenlp-runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -191,8 +194,8 @@ def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: 
             f"data.cache_dir={work / 'scalenlp-token-cache'}",
             f"training.seq_len={SEQ}", f"training.global_batch_size={BATCH}", f"training.steps={steps}",
             # torchtitan's debug-model recipe: AdamW 8e-4, 2 warm-up steps, linear decay to 0 over the last 80% of
-            # the steps (or scalenlp's default cosine decay), clip 1, seed 42.
-            "training.lr=8e-4", "training.warmup_steps=2", "training.min_lr_ratio=0", "training.seed=42",
+            # the steps (or scalenlp's default cosine decay), clip 1.
+            "training.lr=8e-4", "training.warmup_steps=2", "training.min_lr_ratio=0", f"training.seed={seed}",
             *(() if cosine else ("training.lr_decay=linear", "training.decay_ratio=0.8")),
             "training.log_every=1", "training.eval_every=0", "checkpoint.every=0", "checkpoint.export=false",
             f"training.param_dtype={dtype}", f"training.compile={str(compiled).lower()}"]
@@ -223,7 +226,7 @@ def main() -> int:
                         help="the peer's WORK folder (venv/, pydoc_text/data.json)")
     parser.add_argument("--peer", type=Path, default=PEER, help="the shared peer's folder")
     parser.add_argument("--steps", type=int, default=20, help="steps per run; 200 for the longer loss comparison")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1, help="round r runs with seed 42 + r")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--compile", action="store_true", help="both trainers compile each transformer block")
     parser.add_argument("--cosine", action="store_true", help="scalenlp decays the LR by its default cosine "
@@ -244,34 +247,40 @@ def main() -> int:
             for trainer in ("torchtitan", "scalenlp"):
                 load = os.getloadavg()[0]
                 name = f"{trainer}-{row}-{rnd}"
-                out = (titan_run(args.peer, work, row, args.steps, name, args.compile) if trainer == "torchtitan"
-                       else scalenlp_run(args.peer, work, row, args.steps, name, batches[row], args.compile,
-                                         args.cosine))
+                out = (titan_run(args.peer, work, row, args.steps, name, args.compile, 42 + rnd)
+                       if trainer == "torchtitan" else
+                       scalenlp_run(args.peer, work, row, args.steps, name, batches[row], args.compile, args.cosine,
+                                    42 + rnd))
                 results.append({"round": rnd, "row": row, "trainer": trainer, "load": load, **out})
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     print("\nboth trainers " + ("compiled (per transformer block)" if args.compile else "eager")
           + "; the same batches; scalenlp's LR " + ("cosine" if args.cosine else "schedule is torchtitan's")
           + f"; steps 4..{args.steps}; tt = torchtitan, sn = scalenlp; CPU = user + system seconds of all the run's processes")
-    print(f"{'config':<46}{'round':>6}{'tok/s tt':>10}{'sn':>7}{'ratio':>7}{'CPU-s/step tt':>15}{'sn':>7}"
+    print(f"{'config':<46}{'seed':>6}{'tok/s tt':>10}{'sn':>7}{'ratio':>7}{'CPU-s/step tt':>15}{'sn':>7}"
           f"{'tok/CPU-s tt':>14}{'sn':>6}{'ratio':>7}{'loss@20 tt':>11}{'sn':>7}{f'loss@{args.steps} tt':>13}{'sn':>7}"
           f"{f'mean {LOSS_MEAN} tt':>12}{'sn':>7}{'peak RSS tt':>13}{'sn':>10}"
           f"{'load tt/sn':>12}")
     for row in rows:
-        wall_ratios, cpu_ratios = [], []
+        wall_ratios, cpu_ratios, pairs = [], [], []
         for rnd in range(args.rounds):
             tt, sn = (next(r for r in results if (r["round"], r["row"], r["trainer"]) == (rnd, row, t))
                       for t in ("torchtitan", "scalenlp"))
+            pairs.append((tt, sn))
             wall_ratios.append(sn["tok_s"] / tt["tok_s"])
             cpu_ratios.append(sn["tok_cpu_s"] / tt["tok_cpu_s"])
-            print(f"{LABELS[row]:<46}{rnd:>6}{tt['tok_s']:>10,.0f}{sn['tok_s']:>7,.0f}{wall_ratios[-1]:>7.2f}"
+            print(f"{LABELS[row]:<46}{42 + rnd:>6}{tt['tok_s']:>10,.0f}{sn['tok_s']:>7,.0f}{wall_ratios[-1]:>7.2f}"
                   f"{tt['cpu_step']:>15.2f}{sn['cpu_step']:>7.2f}{tt['tok_cpu_s']:>14,.0f}{sn['tok_cpu_s']:>6,.0f}"
                   f"{cpu_ratios[-1]:>7.2f}{fmt(tt['loss20']):>11}{fmt(sn['loss20']):>7}"
                   f"{tt['loss']:>13.3f}{sn['loss']:>7.3f}"
                   f"{tt['loss_mean']:>12.3f}{sn['loss_mean']:>7.3f}"
                   f"{tt['rss'] / 2**30:>9.2f} GiB{sn['rss'] / 2**30:>6.2f} GiB{tt['load']:>7.1f}/{sn['load']:.1f}")
         if args.rounds > 1:
-            print(f"{LABELS[row]:<46}{'median':>6}{'':>17}{statistics.median(wall_ratios):>7.2f}{'':>42}"
-                  f"{statistics.median(cpu_ratios):>7.2f}")
+            mean = {key: [statistics.mean(run[key] for run in side) for side in zip(*pairs)]
+                    for key in ("loss20", "loss", "loss_mean") if pairs[0][0][key] is not None}
+            losses = "".join(f"{fmt(m[0]):>{w}}{fmt(m[1]):>7}" if key in mean else f"{'':>{w + 7}}"
+                             for key, w in (("loss20", 11), ("loss", 13), ("loss_mean", 12)) for m in [mean.get(key)])
+            print(f"{LABELS[row]:<46}{'all':>6}{'':>17}{statistics.median(wall_ratios):>7.2f}{'':>42}"
+                  f"{statistics.median(cpu_ratios):>7.2f}{losses}")
     print(f"\nscalenlp's MFU peak: {results[-1]['peak_source']}")
     return 0
 
