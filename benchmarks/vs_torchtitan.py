@@ -28,9 +28,9 @@ after the other (interleaved, so the machine's load falls on both alike), both w
   training.decay_ratio=0.8); ``--cosine`` gives scalenlp its default cosine decay from the warm-up's end;
 - peak RSS: the largest resident set of any process of the run (getrusage of a wrapper's children).
 The load average before each run is printed beside it: on a shared machine the ratios are the figure, and
-with ``--rounds`` > 1 each row ends with a line ("all") of the median ratios and the mean losses over its rounds: one seed's loss
-at step 200 moves by more than the two trainers differ (a loss spike at the peak learning rate comes or not
-with the initial weights), so the mean over seeds is the figure to compare.
+with ``--rounds`` > 1 each row ends with a line ("all") of the median ratios and the mean losses over its
+rounds: one seed's loss at step 200 moves by more than the two trainers differ (a loss spike at the peak
+learning rate comes or not with the initial weights), so the mean over seeds is the figure to compare.
 Both trainers run eager (torchtitan's configs leave compile off), or with ``--compile`` both compile each
 transformer block (scalenlp's training.compile, torchtitan's --compile.enable, which also compiles its loss);
 the table's title says which.
@@ -56,6 +56,7 @@ PEER = ROOT.parent / "shared" / "peers" / "torchtitan"  # where the repo sits be
 SEQ, BATCH = 2048, 8
 SAMPLE_S = 0.5  # CPU-time sampling period; steps here take seconds
 LOSS_MEAN = 10  # steps in the mean loss at the end of a run
+FIRST_SEED = 42  # round r runs with FIRST_SEED + r (42: torchtitan's run_bench.sh seed)
 
 # row -> (processes, threads per process, parameter dtype)
 ROWS = {"fp32": (1, 2, "float32"), "bf16": (1, 2, "bfloat16"), "fsdp": (2, 1, "float32")}
@@ -226,7 +227,7 @@ def main() -> int:
                         help="the peer's WORK folder (venv/, pydoc_text/data.json)")
     parser.add_argument("--peer", type=Path, default=PEER, help="the shared peer's folder")
     parser.add_argument("--steps", type=int, default=20, help="steps per run; 200 for the longer loss comparison")
-    parser.add_argument("--rounds", type=int, default=1, help="round r runs with seed 42 + r")
+    parser.add_argument("--rounds", type=int, default=1, help=f"round r runs with seed {FIRST_SEED} + r")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--compile", action="store_true", help="both trainers compile each transformer block")
     parser.add_argument("--cosine", action="store_true", help="scalenlp decays the LR by its default cosine "
@@ -247,10 +248,11 @@ def main() -> int:
             for trainer in ("torchtitan", "scalenlp"):
                 load = os.getloadavg()[0]
                 name = f"{trainer}-{row}-{rnd}"
-                out = (titan_run(args.peer, work, row, args.steps, name, args.compile, 42 + rnd)
+                seed = FIRST_SEED + rnd
+                out = (titan_run(args.peer, work, row, args.steps, name, args.compile, seed)
                        if trainer == "torchtitan" else
                        scalenlp_run(args.peer, work, row, args.steps, name, batches[row], args.compile, args.cosine,
-                                    42 + rnd))
+                                    seed))
                 results.append({"round": rnd, "row": row, "trainer": trainer, "load": load, **out})
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     print("\nboth trainers " + ("compiled (per transformer block)" if args.compile else "eager")
@@ -268,17 +270,19 @@ def main() -> int:
             pairs.append((tt, sn))
             wall_ratios.append(sn["tok_s"] / tt["tok_s"])
             cpu_ratios.append(sn["tok_cpu_s"] / tt["tok_cpu_s"])
-            print(f"{LABELS[row]:<46}{42 + rnd:>6}{tt['tok_s']:>10,.0f}{sn['tok_s']:>7,.0f}{wall_ratios[-1]:>7.2f}"
+            print(f"{LABELS[row]:<46}{FIRST_SEED + rnd:>6}{tt['tok_s']:>10,.0f}{sn['tok_s']:>7,.0f}{wall_ratios[-1]:>7.2f}"
                   f"{tt['cpu_step']:>15.2f}{sn['cpu_step']:>7.2f}{tt['tok_cpu_s']:>14,.0f}{sn['tok_cpu_s']:>6,.0f}"
                   f"{cpu_ratios[-1]:>7.2f}{fmt(tt['loss20']):>11}{fmt(sn['loss20']):>7}"
                   f"{tt['loss']:>13.3f}{sn['loss']:>7.3f}"
                   f"{tt['loss_mean']:>12.3f}{sn['loss_mean']:>7.3f}"
                   f"{tt['rss'] / 2**30:>9.2f} GiB{sn['rss'] / 2**30:>6.2f} GiB{tt['load']:>7.1f}/{sn['load']:.1f}")
         if args.rounds > 1:
-            mean = {key: [statistics.mean(run[key] for run in side) for side in zip(*pairs)]
-                    for key in ("loss20", "loss", "loss_mean") if pairs[0][0][key] is not None}
-            losses = "".join(f"{fmt(m[0]):>{w}}{fmt(m[1]):>7}" if key in mean else f"{'':>{w + 7}}"
-                             for key, w in (("loss20", 11), ("loss", 13), ("loss_mean", 12)) for m in [mean.get(key)])
+            def mean(key: str, side: int) -> float | None:  # None (printed "-") where the runs have no such loss
+                values = [pair[side][key] for pair in pairs]
+                return None if values[0] is None else statistics.mean(values)
+
+            losses = "".join(f"{fmt(mean(key, 0)):>{w}}{fmt(mean(key, 1)):>7}"
+                             for key, w in (("loss20", 11), ("loss", 13), ("loss_mean", 12)))
             print(f"{LABELS[row]:<46}{'all':>6}{'':>17}{statistics.median(wall_ratios):>7.2f}{'':>42}"
                   f"{statistics.median(cpu_ratios):>7.2f}{losses}")
     print(f"\nscalenlp's MFU peak: {results[-1]['peak_source']}")
