@@ -199,31 +199,47 @@ def test_body_limit_is_413_before_reading(served):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_health_answers_while_a_long_prompt_is_tokenized(served):
-    """Tokenizing a long prompt takes seconds here; it must not hold up the event loop. Health is
-    polled throughout; the longest wait between two answers must be a small part of the long request."""
-    server, _ = served
+class _WatchedTokenizer:
+    """The engine's tokenizer, with a flag raised while ``encode_batch`` runs."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.inside = threading.Event()
+
+    def encode_batch(self, *args, **kwargs):
+        self.inside.set()
+        try:
+            return self._tokenizer.encode_batch(*args, **kwargs)
+        finally:
+            self.inside.clear()
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(served, monkeypatch):
+    """Tokenizing a long prompt takes a second or more; it must not hold up the event loop (it runs in a
+    worker thread) nor the GIL (the Rust tokenizer lets go of it). Health is polled throughout, and several
+    polls must be sent and answered while the tokenizer is inside that one call: a tokenizer that held the
+    event loop or the GIL would let at most one through. Counted, not timed, so a loaded machine cannot
+    fail it (a time ratio here once did)."""
+    server, engine = served
+    watched = _WatchedTokenizer(engine.tokenizer)
+    monkeypatch.setattr(engine, "tokenizer", watched)
     words = "the quick brown fox jumps over the lazy dog "
     body = json.dumps({"model": "tiny", "prompt": words * (MAX_BODY // len(words) - 10)})
     result = {}
-
-    def long_request():
-        result["start"] = time.perf_counter()
-        result["response"] = post(server, body)
-        result["end"] = time.perf_counter()
-
-    heavy = threading.Thread(target=long_request)
+    heavy = threading.Thread(target=lambda: result.update(response=post(server, body)))
     heavy.start()
-    answered = []
+    answered_inside = 0
     with httpx.Client() as client:
         while heavy.is_alive():
+            sent_inside = watched.inside.is_set()
             assert client.get(server.url + "/health", timeout=None).status_code == 200
-            answered.append(time.perf_counter())
+            answered_inside += sent_inside and watched.inside.is_set()
     heavy.join()
     assert_error(result["response"], 400, "prompt")  # longer than the context
-    during = [result["start"]] + [t for t in answered if result["start"] < t < result["end"]] + [result["end"]]
-    longest_gap = max(b - a for a, b in zip(during, during[1:]))
-    assert longest_gap < 0.5 * (result["end"] - result["start"]), (longest_gap, result["end"] - result["start"])
+    assert answered_inside >= 5, answered_inside
 
 
 def test_client_disconnect_logs_no_traceback(served, monkeypatch, capfd):
