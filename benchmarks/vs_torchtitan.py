@@ -1,12 +1,13 @@
 """scalenlp against torchtitan on one machine: tokens/s, loss and peak memory per process, side by side.
 
-    python benchmarks/vs_torchtitan.py --work /tmp/titan-work [--steps 20] [--rounds 1] [--rows fp32,bf16,fsdp] [--compile] [--cosine]
+    python benchmarks/vs_torchtitan.py --work /tmp/titan-work [--steps 20] [--seed 42] [--rounds 1] [--rows fp32,bf16,fsdp] [--compile] [--cosine]
 
 Drives the shared peer (../shared/peers/torchtitan: torchtitan 0.3.0's llama3 debug model, 6.16M
 parameters, sequence 2048, batch 8, its test tokenizer, the substitute text): ``--work`` holds the
 peer's venv and data as its README sets them up. Each round runs every row for both trainers, one
-after the other (interleaved, so the machine's load falls on both alike), both with the round's seed (42,
-43, ...: the initial weights change, the batches do not), and the table shows each round's figures:
+after the other (interleaved, so the machine's load falls on both alike), both with the round's seed
+(``--seed``, 42 by default, then one more each round: the initial weights change, the batches do not), and
+the table shows each round's figures:
 - tok/s: wall-clock tokens per second over steps 4..N (both trainers' first steps warm up);
 - CPU-s/step and tok/CPU-s: user + system CPU time of every process of the run (the process tree,
   sampled from /proc every SAMPLE_S and interpolated at the ends of steps 3 and N), per step and per
@@ -56,7 +57,6 @@ PEER = ROOT.parent / "shared" / "peers" / "torchtitan"  # where the repo sits be
 SEQ, BATCH = 2048, 8
 SAMPLE_S = 0.5  # CPU-time sampling period; steps here take seconds
 LOSS_MEAN = 10  # steps in the mean loss at the end of a run
-FIRST_SEED = 42  # round r runs with FIRST_SEED + r (42: torchtitan's run_bench.sh seed)
 
 # row -> (processes, threads per process, parameter dtype)
 ROWS = {"fp32": (1, 2, "float32"), "bf16": (1, 2, "bfloat16"), "fsdp": (2, 1, "float32")}
@@ -227,7 +227,9 @@ def main() -> int:
                         help="the peer's WORK folder (venv/, pydoc_text/data.json)")
     parser.add_argument("--peer", type=Path, default=PEER, help="the shared peer's folder")
     parser.add_argument("--steps", type=int, default=20, help="steps per run; 200 for the longer loss comparison")
-    parser.add_argument("--rounds", type=int, default=1, help=f"round r runs with seed {FIRST_SEED} + r")
+    parser.add_argument("--seed", type=int, default=42,
+                        help="the first round's seed (42: torchtitan's run_bench.sh seed)")
+    parser.add_argument("--rounds", type=int, default=1, help="round r runs with seed --seed + r")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--compile", action="store_true", help="both trainers compile each transformer block")
     parser.add_argument("--cosine", action="store_true", help="scalenlp decays the LR by its default cosine "
@@ -248,7 +250,7 @@ def main() -> int:
             for trainer in ("torchtitan", "scalenlp"):
                 load = os.getloadavg()[0]
                 name = f"{trainer}-{row}-{rnd}"
-                seed = FIRST_SEED + rnd
+                seed = args.seed + rnd
                 out = (titan_run(args.peer, work, row, args.steps, name, args.compile, seed)
                        if trainer == "torchtitan" else
                        scalenlp_run(args.peer, work, row, args.steps, name, batches[row], args.compile, args.cosine,
@@ -270,7 +272,7 @@ def main() -> int:
             pairs.append((tt, sn))
             wall_ratios.append(sn["tok_s"] / tt["tok_s"])
             cpu_ratios.append(sn["tok_cpu_s"] / tt["tok_cpu_s"])
-            print(f"{LABELS[row]:<46}{FIRST_SEED + rnd:>6}{tt['tok_s']:>10,.0f}{sn['tok_s']:>7,.0f}{wall_ratios[-1]:>7.2f}"
+            print(f"{LABELS[row]:<46}{args.seed + rnd:>6}{tt['tok_s']:>10,.0f}{sn['tok_s']:>7,.0f}{wall_ratios[-1]:>7.2f}"
                   f"{tt['cpu_step']:>15.2f}{sn['cpu_step']:>7.2f}{tt['tok_cpu_s']:>14,.0f}{sn['tok_cpu_s']:>6,.0f}"
                   f"{cpu_ratios[-1]:>7.2f}{fmt(tt['loss20']):>11}{fmt(sn['loss20']):>7}"
                   f"{tt['loss']:>13.3f}{sn['loss']:>7.3f}"
