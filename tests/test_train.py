@@ -30,6 +30,11 @@ def losses(run_dir):
     return [r["loss"] for r in read_metrics(run_dir)]
 
 
+def val_losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["val_loss"] for r in map(json.loads, lines) if "val_loss" in r]
+
+
 def test_lr_schedules():
     cosine = TrainingConfig(steps=10, warmup_steps=2, min_lr_ratio=0.1)  # the default: decay from the warm-up's end
     assert [lr_factor(s, cosine) for s in range(3)] == [0.5, 1.0, 1.0]
@@ -126,13 +131,20 @@ def test_reset_positions_restart_each_document_under_any_layout(tmp_path):
     words = "the of and to a in is it you that he was for on are with as his they be at one have this".split()
     docs.write_text("".join(json.dumps({"text": " ".join(words[(i * 5 + j) % len(words)] for j in range(3 + i % 10))})
                             + "\n" for i in range(2000)))
-    sets = [*TINY, f"data.path={docs}", "training.steps=3", "checkpoint.export=false"]
+    sets = [*TINY, f"data.path={docs}", "training.steps=8", "training.eval_every=8", "checkpoint.export=false"]
     run_train(tmp_path / "plain", *sets)
     run_train(tmp_path / "reset", *sets, "data.reset_positions=true")
     run_train(tmp_path / "reset_tp", *sets, "data.reset_positions=true", "parallel.tp=2", nproc=2)
-    plain, reset, tp = (losses(tmp_path / run) for run in ("plain", "reset", "reset_tp"))
-    assert all(a != b for a, b in zip(plain, reset))  # the positions reach the model from the first step
-    assert tp == pytest.approx(reset, rel=1e-5)
+    # Four microbatches of one row: each stage must get its own microbatch's positions.
+    run_train(tmp_path / "reset_pp", *sets, "data.reset_positions=true", "parallel.pp=2", "parallel.pp_microbatches=4",
+              nproc=2)
+    plain, reset, tp, pp = (losses(tmp_path / run) for run in ("plain", "reset", "reset_tp", "reset_pp"))
+    (val_plain,), (val_reset,), (val_pp,) = (val_losses(tmp_path / run) for run in ("plain", "reset", "reset_pp"))
+    # The layouts agree to ~5e-7 here; by step 8 the positions move the loss by up to 3e-4 (evaluation's too).
+    tol = 2e-5
+    assert max(abs(a - b) for a, b in zip(plain, reset)) > 5 * tol and abs(val_plain - val_reset) > 5 * tol
+    assert tp == pytest.approx(reset, abs=tol)
+    assert pp == pytest.approx(reset, abs=tol) and val_pp == pytest.approx(val_reset, abs=tol)
 
 
 @pytest.mark.parametrize("sets, nproc, expected", [
@@ -144,7 +156,6 @@ def test_reset_positions_restart_each_document_under_any_layout(tmp_path):
     (["training.seq_len=1000"], 1, "over the model's max_seq_len 256"),
     (["model.flavor=huge"], 1, "model.flavor='huge' is unknown"),
     (["data.path=/nonexistent/corpus.txt"], 1, "/nonexistent/corpus.txt"),
-    (["data.reset_positions=true", "parallel.pp=2"], 2, "data.reset_positions does not work with pipeline"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path, corpus, sets, nproc, expected):
     proc = run_train(tmp_path / "run", *TINY, f"data.path={corpus}", *sets, nproc=nproc, check=False)

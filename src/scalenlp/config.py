@@ -384,9 +384,6 @@ def _validate_task(cfg: Config) -> None:
     if cfg.data.reset_positions and cfg.training.task != "lm":
         raise ConfigError(f"data.reset_positions applies to packed text (training.task=\"lm\"); "
                           f"training.task={cfg.training.task!r} starts every row at position 0 already: remove it")
-    if cfg.data.reset_positions and cfg.parallel.pp > 1:
-        raise ConfigError("data.reset_positions does not work with pipeline parallelism yet (stages after the "
-                          "first do not see the tokens); use parallel.pp=1 or leave positions unreset")
     _choice(cfg.checkpoint.keep_best, ("",) + KEEP_BEST, "checkpoint.keep_best")
     if cfg.training.task == "sft":
         if not cfg.model.init:

@@ -150,11 +150,13 @@ class PipelineRunner:
         on another rank: the last stage's copy of a tied embedding (the first stage's counts)."""
         return [self.tied_copy()] if self.tied_group is not None and not self.has_first else []
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, input_pos: torch.Tensor | None = None
+             ) -> torch.Tensor:
         """Forward + backward of the local batch as the configured microbatches; gradients are left
         in the stage parameters (averaged over microbatches, reduced over data-parallel ranks, and
-        summed over a tied embedding's two copies). Returns the mean loss on every pp rank."""
-        loss = self._run(self.schedule.step, inputs, targets)
+        summed over a tied embedding's two copies). ``input_pos``: (B, T) positions (data.reset_positions),
+        else 0..T-1. Returns the mean loss on every pp rank."""
+        loss = self._run(self.schedule.step, inputs, targets, input_pos)
         if self.tied_group is not None:
             self._sum_tied_grads()
         return loss
@@ -176,15 +178,21 @@ class PipelineRunner:
         dist.all_reduce(grad, group=self.tied_group)
 
     @torch.no_grad()
-    def eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def eval(self, inputs: torch.Tensor, targets: torch.Tensor, input_pos: torch.Tensor | None = None
+             ) -> torch.Tensor:
         """Forward only; the mean loss on every pp rank."""
-        return self._run(self.schedule.eval, inputs, targets)
+        return self._run(self.schedule.eval, inputs, targets, input_pos)
 
-    def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor, input_pos: torch.Tensor | None
+             ) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         # Stages check received tensors against the layout inferred at the first step, strides
         # included, so sliced batches (tokens[:, :-1]) are made contiguous.
         kwargs = {"target": targets.contiguous(), "losses": losses} if self.has_last else {}
+        if input_pos is not None:
+            # Every stage rotates its queries and keys by the positions, and only the first sees the tokens they
+            # come from: the schedule splits keyword arguments into microbatches and hands them to all stages.
+            kwargs["input_pos"] = input_pos.contiguous()
         # The schedule runs the last stage's loss and its backward inside step(), so the whole step
         # runs in the loss context (vocabulary-parallel cross-entropy under TP).
         with self.loss_context():

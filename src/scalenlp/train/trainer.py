@@ -374,7 +374,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         if self.pipeline is not None:  # the schedule runs the micro-batches (pp_microbatches) itself
             with autocast(self.device, self.cfg.training.mixed_precision):
-                loss_sum += self.pipeline.step(*batch)
+                loss_sum += self.pipeline.step(*batch, self.positions(batch[0]))
         else:
             for i, micro in enumerate(zip(*(x.split(self.micro_batch) for x in batch))):
                 # Gradients are reduced across data-parallel ranks only after the last micro-batch.
@@ -438,7 +438,7 @@ class Trainer:
             counted += (targets != IGNORE_INDEX).sum()
             with autocast(self.device, t.mixed_precision):
                 if self.pipeline is not None:
-                    total += self.pipeline.eval(inputs, targets)
+                    total += self.pipeline.eval(inputs, targets, self.positions(inputs))
                 else:
                     with loss_context(self.dims, self.cfg):
                         total += lm_loss(self.model_parts[0], inputs, targets, self.dims, self.positions(inputs))
