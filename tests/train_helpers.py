@@ -50,7 +50,8 @@ def run_train(run_dir: Path, *sets: str, nproc: int = 1, extra: list[str] | None
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """Training records (one per logged step), without the evaluation records."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    # Only whole lines: a run under way may be in the middle of writing the last one.
+    lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]
     return [r for r in map(json.loads, lines) if "loss" in r]
 
 
