@@ -15,6 +15,7 @@ from scalenlp.config import load_config
 from scalenlp.parallel.mesh import ParallelDims
 from scalenlp.train import checkpoint, faults, recovery, watchdog
 from scalenlp.train.checkpoint import Checkpointer, read_train_state
+from scalenlp.train.metrics import MetricsWriter
 from scalenlp.train.trainer import train
 from train_helpers import TINY, read_metrics, run_train, write_corpus
 
@@ -192,3 +193,19 @@ def test_faults_are_injected_only_where_and_when_asked(monkeypatch):
     faults.inject(("raise", 3), 2, None)  # not yet
     with pytest.raises(RuntimeError, match="injected failure at step 3"):
         faults.inject(("raise", 3), 3, None)
+
+
+@pytest.mark.parametrize("before, kept", [
+    (b"", b""),
+    (b'{"step": 1}\n', b'{"step": 1}\n'),
+    (b'{"step": 1}\n{"step": 2, "lo', b'{"step": 1}\n'),
+    (b'{"step": 1, "lo', b""),
+    (b'{"step": 1}\n' + b"x" * 70_000, b'{"step": 1}\n'),  # a tail longer than one block read back
+])
+def test_a_record_torn_by_a_killed_process_is_cut_before_the_resumed_run_appends(tmp_path, before, kept):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(before)
+    writer = MetricsWriter(tmp_path, enabled=True)
+    writer.write({"step": 3})
+    writer.close()
+    assert path.read_bytes() == kept + b'{"step": 3}\n'

@@ -8,6 +8,7 @@ learns from (assistant turns, no prompts, markup or padding)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -22,6 +23,30 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resident_bytes(peak=True)
 
 
+def drop_torn_line(path: Path) -> None:
+    """Cut a last line without its newline: a process killed while writing it (a lost node, a restart) left
+    a part of a record, and the resumed run's first record would be appended to it, making one line that no
+    JSON reader parses. The records before it are kept."""
+    if not path.is_file():
+        return
+    with open(path, "rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        if end == 0:
+            return
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            return
+        while end > 0:  # back from the end a block at a time: the file holds the whole run's records
+            start = max(0, end - (1 << 16))
+            f.seek(start)
+            cut = f.read(end - start).rfind(b"\n")
+            if cut >= 0:
+                f.truncate(start + cut + 1)
+                return
+            end = start
+        f.truncate(0)
+
+
 class MetricsWriter:
     """One JSON object per line in <run_dir>/metrics.jsonl, and TensorBoard when it is installed."""
 
@@ -31,7 +56,9 @@ class MetricsWriter:
         self.tb = None
         if not enabled:
             return
-        self.file = open(run_dir / "metrics.jsonl", "a")
+        path = run_dir / "metrics.jsonl"
+        drop_torn_line(path)
+        self.file = open(path, "a")
         try:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
