@@ -18,7 +18,8 @@ import torch
 from scalenlp.config import TrainingConfig
 from scalenlp.models.io import load_pretrained
 from scalenlp.train.optim import lr_factor
-from train_helpers import TINY, HANG_GUARD_S, cli_env, error_lines, read_metrics, run_train, write_corpus
+from train_helpers import (TINY, HANG_GUARD_S, cli_env, error_lines, read_evaluations, read_metrics, run_train,
+                           write_corpus)
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +29,6 @@ def corpus(tmp_path_factory):
 
 def losses(run_dir):
     return [r["loss"] for r in read_metrics(run_dir)]
-
-
-def val_losses(run_dir):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r["val_loss"] for r in map(json.loads, lines) if "val_loss" in r]
 
 
 def test_lr_schedules():
@@ -139,7 +135,8 @@ def test_reset_positions_restart_each_document_under_any_layout(tmp_path):
     run_train(tmp_path / "reset_pp", *sets, "data.reset_positions=true", "parallel.pp=2", "parallel.pp_microbatches=4",
               nproc=2)
     plain, reset, tp, pp = (losses(tmp_path / run) for run in ("plain", "reset", "reset_tp", "reset_pp"))
-    (val_plain,), (val_reset,), (val_pp,) = (val_losses(tmp_path / run) for run in ("plain", "reset", "reset_pp"))
+    (val_plain,), (val_reset,), (val_pp,) = ([r["val_loss"] for r in read_evaluations(tmp_path / run)]
+                                             for run in ("plain", "reset", "reset_pp"))
     # The layouts agree to ~5e-7 here; by step 8 the positions move the loss by up to 3e-4 (evaluation's too).
     tol = 2e-5
     assert max(abs(a - b) for a, b in zip(plain, reset)) > 5 * tol and abs(val_plain - val_reset) > 5 * tol

@@ -48,11 +48,19 @@ def run_train(run_dir: Path, *sets: str, nproc: int = 1, extra: list[str] | None
     return proc
 
 
+def _records(run_dir: Path) -> list[dict]:
+    # Only whole lines: a run under way may be in the middle of writing the last one.
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]]
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """Training records (one per logged step), without the evaluation records."""
-    # Only whole lines: a run under way may be in the middle of writing the last one.
-    lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]
-    return [r for r in map(json.loads, lines) if "loss" in r]
+    return [r for r in _records(run_dir) if "loss" in r]
+
+
+def read_evaluations(run_dir: Path) -> list[dict]:
+    """The evaluation records (val_loss, val_ppl), one per training.eval_every steps."""
+    return [r for r in _records(run_dir) if "val_loss" in r]
 
 
 def error_lines(stderr: str) -> list[str]:
