@@ -1,5 +1,6 @@
 """Hugging Face interop: the same logits on both sides, and lossless round trips (in memory and on disk)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -65,6 +66,32 @@ def test_hf_folder_in_and_export_out(tmp_path, flavor):
     assert exported_config["chat_template"] == "{{ messages }}"
 
 
+def test_llama3_rope_scaling_in_and_out(tmp_path):
+    """Llama 3.1-style RoPE scaling (HF rope_type "llama3"): the same logits as transformers' at positions past the
+    original context, kept through a saved folder, our loader and `scalenlp export --format hf`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    scaled = dataclasses.replace(model_args("debug", vocab_size=300, max_seq_len=128), rope_scaling=(8.0, 1.0, 4.0, 32))
+    model = build_model(scaled).eval()
+    plain = build_model(dataclasses.replace(scaled, rope_scaling=())).eval()
+    plain.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 300, (2, 100))
+    export = make_export(tmp_path / "src")  # for its tokenizer
+    to_hf(model).save_pretrained(tmp_path / "hf", safe_serialization=True)
+    (tmp_path / "hf" / "tokenizer.json").write_bytes((export / "tokenizer.json").read_bytes())
+    ours, _ = load(tmp_path / "hf")
+    assert ours.args.rope_scaling == (8.0, 1.0, 4.0, 32)
+    assert main(["export", "--checkpoint", str(tmp_path / "hf"), "--format", "hf", "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        torch.testing.assert_close(model(tokens), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours(tokens), expected, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(plain(tokens), expected, atol=1e-4, rtol=1e-4)  # without the scaling: another function
+
+
 def test_export_refuses_an_existing_target(tmp_path, capsys):
     export = make_export(tmp_path / "src")
     (tmp_path / "out").mkdir()
@@ -83,6 +110,10 @@ def test_unsupported_shape_is_a_user_error():
     (lambda d: d.mkdir(), "is not a model"),
     (lambda d: (d.mkdir(), (d / "config.json").write_text('{"model_type": "t5"}')), "supported: gpt2"),
     (lambda d: (d.mkdir(), (d / "config.json").write_text("{oops")), "not valid JSON"),
+    (lambda d: (d.mkdir(), (d / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+         "vocab_size": 10, "intermediate_size": 8, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))),
+     "'yarn' is not supported"),
 ])
 def test_a_folder_that_is_not_a_model_is_one_error_line(tmp_path, make, match):
     make(tmp_path / "m")

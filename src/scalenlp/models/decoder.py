@@ -38,6 +38,9 @@ class ModelArgs:
     tie_embeddings: bool = False
     bias: bool = False
     rope_theta: float = 10000.0
+    # Llama 3.1's RoPE frequency scaling, as (factor, low_freq_factor, high_freq_factor, original_max_seq_len);
+    # () keeps plain RoPE. A tuple, not a dict, so that ModelArgs stays hashable (the planner caches by it).
+    rope_scaling: tuple = ()
     norm_eps: float = 1e-5
     dropout: float = 0.0
     fixed_head_dim: int = 0  # 0 = dim // n_heads; set where heads were pruned (or a Llama gives head_dim)
@@ -45,6 +48,7 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if self.n_kv_heads == 0:
             self.n_kv_heads = self.n_heads
+        self.rope_scaling = tuple(self.rope_scaling)  # model_args.json gives back a list
 
     @property
     def head_dim(self) -> int:
@@ -58,6 +62,14 @@ class ModelArgs:
             raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dim, got {self.head_dim}")
+        if self.rope_scaling:
+            if len(self.rope_scaling) != 4:
+                raise ValueError(f"rope_scaling must be (factor, low_freq_factor, high_freq_factor, "
+                                 f"original_max_seq_len), got {self.rope_scaling}")
+            factor, low, high, original = self.rope_scaling
+            if factor < 1 or not 0 < low < high or original <= 0:
+                raise ValueError(f"rope_scaling {self.rope_scaling} needs factor >= 1, 0 < low_freq_factor < "
+                                 f"high_freq_factor and a positive original_max_seq_len")
         for name, value, allowed in (("norm", self.norm, ("rmsnorm", "layernorm")),
                                      ("activation", self.activation, ("swiglu", "gelu")),
                                      ("position", self.position, ("rope", "learned"))):
@@ -73,11 +85,29 @@ def make_norm(args: ModelArgs) -> nn.Module:
 
 def rope_tables(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape (max_seq_len, head_dim), in the rotate-half layout that HF Llama uses."""
-    half = args.head_dim // 2
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
+    inv_freq = rope_inv_freq(args, device)
+    if args.rope_scaling:
+        inv_freq = llama3_scaled(inv_freq, *args.rope_scaling)
     angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
+
+
+def rope_inv_freq(args: ModelArgs, device=None) -> torch.Tensor:
+    """Plain RoPE's speed, in radians per position, of each of the head_dim / 2 rotated pairs."""
+    half = args.head_dim // 2
+    return 1.0 / (args.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
+
+
+def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                  original_max_seq_len: int) -> torch.Tensor:
+    """Llama 3.1's longer context (Meta's reference code, HF rope_type "llama3"): rotations slower than one turn per
+    ``original_max_seq_len / low_freq_factor`` tokens turn ``factor`` times slower, those faster than one turn per
+    ``original_max_seq_len / high_freq_factor`` tokens keep their speed, and in between the divisor moves from
+    ``factor`` to 1 linearly in turns per original context."""
+    turns = original_max_seq_len * inv_freq / (2 * math.pi)  # turns over the original context
+    keep = ((turns - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0, 1)
+    return inv_freq * (keep + (1 - keep) / factor)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

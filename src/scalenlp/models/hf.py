@@ -19,6 +19,8 @@ from scalenlp.models.pretrained import Pretrained, read_tokenizer_config
 
 GPT2_SHAPE = dict(norm="layernorm", activation="gelu", position="learned", bias=True)
 LLAMA_SHAPE = dict(norm="rmsnorm", activation="swiglu", position="rope")
+# ModelArgs.rope_scaling's order, as HF names the "llama3" RoPE parameters.
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def family(args: ModelArgs) -> str:
@@ -47,7 +49,9 @@ def hf_config(args: ModelArgs):
                        num_key_value_heads=args.n_kv_heads, max_position_embeddings=args.max_seq_len,
                        rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta, attention_bias=args.bias,
                        mlp_bias=args.bias, tie_word_embeddings=args.tie_embeddings, head_dim=args.head_dim,
-                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                       rope_scaling=dict(rope_type="llama3", **dict(zip(LLAMA3_ROPE_KEYS, args.rope_scaling)))
+                       if args.rope_scaling else None)
 
 
 def args_from_hf(config) -> ModelArgs:
@@ -65,9 +69,14 @@ def args_from_hf(config) -> ModelArgs:
         heads, dim = c["num_attention_heads"], c["hidden_size"]
         head_dim = c.get("head_dim") or dim // heads
         rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise UserError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; "
-                            f"only plain RoPE")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", None, "llama3"):
+            raise UserError(f"RoPE scaling {kind!r} is not supported; only plain RoPE and Llama 3.1's (llama3)")
+        missing = [k for k in LLAMA3_ROPE_KEYS if k not in rope] if kind == "llama3" else []
+        if missing:
+            raise UserError(f"config.json's llama3 RoPE scaling lacks {', '.join(missing)}; it is not a complete "
+                            f"Llama 3.1-style config")
+        scaling = () if kind != "llama3" else tuple(rope[k] for k in LLAMA3_ROPE_KEYS)
         if c.get("hidden_act", "silu") != "silu":
             raise UserError(f"Llama activation {c['hidden_act']!r} is not supported; only silu (SwiGLU)")
         if c.get("attention_bias", False) != c.get("mlp_bias", False):
@@ -75,7 +84,7 @@ def args_from_hf(config) -> ModelArgs:
         return ModelArgs(vocab_size=c["vocab_size"], dim=dim, n_layers=c["num_hidden_layers"], n_heads=heads,
                          n_kv_heads=c.get("num_key_value_heads") or heads, ffn_dim=c["intermediate_size"],
                          max_seq_len=c.get("max_position_embeddings", 2048), norm_eps=c.get("rms_norm_eps", 1e-6),
-                         rope_theta=c.get("rope_theta") or rope.get("rope_theta", 10000.0),
+                         rope_theta=c.get("rope_theta") or rope.get("rope_theta", 10000.0), rope_scaling=scaling,
                          bias=c.get("attention_bias", False), tie_embeddings=c.get("tie_word_embeddings", False),
                          fixed_head_dim=head_dim if head_dim != dim // heads else 0, **LLAMA_SHAPE)
     raise UserError(f"cannot load a Hugging Face {model_type!r} model; supported: gpt2 (GPT2LMHeadModel), "
