@@ -1,6 +1,7 @@
 """GGUF in and out: the real SmolLM2 file gives transformers' logits and token ids, our files read back with
 the same weights and tokenizer, and llama.cpp runs what we write."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -11,7 +12,7 @@ from tokenizers import Tokenizer, processors
 
 from scalenlp.data.tokenizer import EOS, train_bpe
 from scalenlp.errors import UserError
-from scalenlp.models.decoder import ModelArgs, Transformer
+from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
 from scalenlp.models.gguf import read_gguf, write_gguf
 from scalenlp.models.loader import instantiate, load
 from scalenlp.models.packaged import packaged_model
@@ -212,6 +213,60 @@ def test_llama_cpp_logits_equal_ours(smol, tmp_path, bias):
     llm.eval(ids)
     theirs = torch.from_numpy(np.array(llm.scores[:len(ids)]))
     torch.testing.assert_close(theirs, ours, atol=2e-4, rtol=0)
+
+
+def _rope_scaled(tokenizer: Tokenizer, path: Path, rope_theta: float, rope_scaling: tuple) -> tuple[Transformer, Path]:
+    """A random Llama with 16-wide heads (8 rotated pairs) and Llama 3.1 RoPE scaling, written as f32."""
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=tokenizer.get_vocab_size(), dim=32, n_heads=2, ffn_dim=64, max_seq_len=128,
+                     rope_theta=rope_theta, rope_scaling=rope_scaling)
+    model = Transformer(args).eval()
+    return model, write_gguf(model, tokenizer, {}, path, "f32")
+
+
+def _rope_freqs(reader: gguf.GGUFReader):
+    return next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+
+
+# Over 32 original positions the 8 pairs turn 5.1, 1.6, 0.51, ... times at theta 10000 (one pair between Llama 3.1's
+# low and high bands: its own edges 1 and 4 must fit) and 5.1, 2.9, 1.6, 0.91, 0.51, ... at theta 100 (four pairs
+# between 0.5 and 3: the edges are solved from their divisors).
+@pytest.mark.parametrize("rope_theta, rope_scaling", [(10000.0, (8.0, 1.0, 4.0, 32)), (100.0, (4.0, 0.5, 3.0, 32))])
+def test_llama31_rope_scaling_round_trip(own, tmp_path, rope_theta, rope_scaling):
+    model, path = _rope_scaled(own[0], tmp_path / "llama31.gguf", rope_theta, rope_scaling)
+    reader = gguf.GGUFReader(path)
+    assert reader.get_field("llama.rope.scaling.original_context_length").contents() == 32
+    divisors = _rope_freqs(reader).data
+    factor = rope_scaling[0]
+    assert divisors.dtype == np.float32 and divisors.shape == (8,)
+    assert (divisors == 1).any() and (divisors == factor).any() and ((divisors > 1) & (divisors < factor)).any()
+    back = read_gguf(path)
+    assert back.args == model.args and set(back.state) == set(model.state_dict())  # rope_freqs is no weight
+    tokens = torch.randint(0, model.args.vocab_size, (1, 100))
+    with torch.no_grad():
+        torch.testing.assert_close(instantiate(back)(tokens), model(tokens), atol=1e-5, rtol=0)
+
+
+def test_rope_freqs_give_scaling_relative_to_the_original_context(own, tmp_path):
+    """Divisors fix the band edges only as ratios to the original context: a file that claims 8192 (as Llama 3.1
+    files without the key are read) gets edges 256 times larger, and the same rotations."""
+    model, path = _rope_scaled(own[0], tmp_path / "llama31.gguf", 100.0, (4.0, 0.5, 3.0, 32))
+    gguf.GGUFReader(path, "r+").get_field("llama.rope.scaling.original_context_length").parts[-1][0] = 8192
+    back = read_gguf(path)
+    assert back.args.rope_scaling == (4.0, 128.0, 768.0, 8192)
+    torch.testing.assert_close(rope_tables(back.args), rope_tables(model.args), atol=1e-5, rtol=0)
+
+
+def test_rope_freqs_that_are_not_llama31_are_a_user_error(own, tmp_path):
+    model, path = _rope_scaled(own[0], tmp_path / "odd.gguf", 10000.0, (8.0, 1.0, 4.0, 32))
+    freqs = _rope_freqs(gguf.GGUFReader(path, "r+"))
+    freqs.data[:] = np.random.default_rng(0).uniform(1, 8, 8)
+    with pytest.raises(UserError, match="rope_freqs.weight holds RoPE frequency divisors that no Llama 3.1 scaling "
+                                        r"\(factor, low/high frequency factors\) gives; only Llama 3.1-style") as e:
+        read_gguf(path)
+    assert "\n" not in str(e.value)
+    freqs.data[:] = 1  # no pair scaled: plain RoPE
+    assert read_gguf(path).args == replace(model.args, rope_scaling=())
 
 
 def test_truncated_file_is_a_user_error(tmp_path):

@@ -6,12 +6,18 @@ so only the names change, through gguf's own map from Hugging Face names to GGUF
 applies RoPE to interleaved pairs (x0, x1), (x2, x3), ... while we (like Hugging Face) rotate the two
 halves of each head, so its converter reorders the rows of attn_q and attn_k within each head; reading
 undoes that and writing redoes it.
+
+Llama 3.1's RoPE scaling has no metadata of its own: llama.cpp's converter stores it as the tensor
+rope_freqs.weight, one divisor per rotated pair (llama.cpp turns pair i by pos * inv_freq_i / divisor_i).
+Writing computes those divisors; reading solves them back for our (factor, low, high, original) tuple.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -21,7 +27,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from torch import nn
 
 from scalenlp.errors import UserError
-from scalenlp.models.decoder import ModelArgs
+from scalenlp.models.decoder import ModelArgs, llama3_scaled, rope_inv_freq
 from scalenlp.models.hf import LLAMA_SHAPE, _llama_pairs
 from scalenlp.models.pretrained import Pretrained
 
@@ -32,6 +38,10 @@ READ_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2
 WRITE_TYPES = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32), "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
                "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
 BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # kept raw too (Pretrained.blocks), for models.quantized to map
+ROPE_FREQS = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+# Llama 3.1's and 3.2's original context: the divisors fix only ratios to it, and llama.cpp's converter does not
+# store it, so a file without rope.scaling.original_context_length is read as one of those models.
+LLAMA31_ORIGINAL_CONTEXT = 8192
 # tokenizer.ggml.pre names llama.cpp gives a byte-level BPE's pre-tokenization, and the same split in
 # the tokenizers library: GPT-2's regex, and SmolLM's, which first cuts every digit apart.
 _GPT2_SPLIT = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -127,17 +137,64 @@ def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
     scaling = meta("rope.scaling.type", "none")
     if scaling != "none":
         raise UserError(f"{path}: RoPE scaling {scaling!r} is not supported; only plain RoPE")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise UserError(f"{path} carries rope_freqs.weight (Llama 3.1-style RoPE scaling), which is not supported; "
-                        f"only plain RoPE")
     tokens = reader.get_field("tokenizer.ggml.tokens")
     vocab = meta("vocab_size", len(tokens.data) if tokens is not None else 0)
-    return ModelArgs(vocab_size=vocab, dim=dim, n_layers=meta("block_count"), n_heads=heads,
+    args = ModelArgs(vocab_size=vocab, dim=dim, n_layers=meta("block_count"), n_heads=heads,
                      n_kv_heads=meta("attention.head_count_kv", heads), ffn_dim=meta("feed_forward_length"),
                      max_seq_len=meta("context_length"), norm_eps=_decimal(meta("attention.layer_norm_rms_epsilon")),
                      rope_theta=_decimal(meta("rope.freq_base", 10000.0)),
                      bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
                      fixed_head_dim=head_dim if head_dim != dim // heads else 0, **LLAMA_SHAPE)
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        original = meta("rope.scaling.original_context_length", LLAMA31_ORIGINAL_CONTEXT)
+        args.rope_scaling = _rope_scaling(_tensor(freqs, path), args, original, path)
+    return args
+
+
+def _rope_divisors(args: ModelArgs) -> torch.Tensor:
+    """rope_freqs.weight's values for ``args.rope_scaling``: plain RoPE's speed over the scaled one, per pair
+    (in float64, so that only the file's float32 rounds them)."""
+    plain = rope_inv_freq(args).double()
+    return plain / llama3_scaled(plain, *args.rope_scaling)
+
+
+def _rope_scaling(divisors: torch.Tensor, args: ModelArgs, original: int, path: Path) -> tuple:
+    """Llama 3.1's (factor, low_freq_factor, high_freq_factor, original) that gives these divisors, or ()
+    for all ones. Pairs slower than ``low`` turns per original context divide by ``factor``, so the largest
+    divisor is it; between ``low`` and ``high`` turns, 1/divisor = keep + (1 - keep) / factor with keep linear
+    in turns, so two or more such pairs give ``low`` and ``high`` (as ratios to ``original``). Whatever the
+    solution, it must reproduce every divisor."""
+    half = args.head_dim // 2
+    if divisors.shape != (half,):
+        raise UserError(f"{path}: {ROPE_FREQS} has shape {tuple(divisors.shape)}, not ({half},), one divisor per "
+                        f"rotated pair of the {args.head_dim}-wide heads; the file is not a valid Llama model")
+    d = divisors.double()
+    if (d == 1).all():
+        return ()
+    wrong = UserError(f"{path}: {ROPE_FREQS} holds RoPE frequency divisors that no Llama 3.1 scaling (factor, "
+                      f"low/high frequency factors) gives; only Llama 3.1-style divisors are supported")
+    if not (d.isfinite().all() and (d >= 1).all()):
+        raise wrong
+    factor = _round(d.max().item())
+    candidates = [(1.0, 4.0)]  # Llama 3.1's own, exact where they fit
+    turns = original * rope_inv_freq(args).double() / (2 * math.pi)
+    band = (d > 1 + 1e-6) & (d < factor * (1 - 1e-6))
+    if band.sum() >= 2:
+        keep = (1 / d[band] - 1 / factor) / (1 - 1 / factor)  # = (turns - low) / (high - low)
+        slope, intercept = np.polyfit(turns[band].numpy(), keep.numpy(), 1)
+        candidates.append((_round(-intercept / slope), _round((1 - intercept) / slope)))
+    for low, high in candidates:
+        scaling = (factor, low, high, original)
+        if 0 < low < high and torch.allclose(_rope_divisors(replace(args, rope_scaling=scaling)), d, rtol=1e-4,
+                                             atol=0):
+            return scaling
+    raise wrong
+
+
+def _round(x: float) -> float:
+    """A value solved from float32 divisors, to 6 significant digits: 8.0 rather than 7.9999995."""
+    return float(f"{x:.6g}")
 
 
 def _decimal(x: float) -> float:
@@ -220,6 +277,9 @@ def write_gguf(model: nn.Module, tokenizer: Tokenizer, tokenizer_config: dict, o
     writer.add_key_length(args.head_dim)
     writer.add_value_length(args.head_dim)
     writer.add_rope_freq_base(args.rope_theta)
+    if args.rope_scaling:
+        writer.add_rope_scaling_orig_ctx_len(int(args.rope_scaling[3]))
+        writer.add_tensor(ROPE_FREQS, _rope_divisors(args).float().numpy())
     writer.add_layer_norm_rms_eps(args.norm_eps)
     writer.add_vocab_size(args.vocab_size)
     writer.add_file_type(file_type)
