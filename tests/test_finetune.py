@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from train_helpers import TINY, error_lines, read_metrics, run_train, write_corpus
+from train_helpers import TINY, error_lines, read_evaluations, read_metrics, run_train, write_corpus
 
 from scalenlp.config import load_config
 from scalenlp.data import DataLoader, TokenDataset, open_data, train_bpe
@@ -220,7 +220,7 @@ def test_sft_starts_at_the_pretrained_loss_on_assistant_tokens(tmp_path, chats, 
     assert got[0]["loss"] == pytest.approx(loss, rel=1e-5)
     # tokens_per_sec (and MFU) count the padded rows the model computes on; the assistant's tokens are fewer
     assert got[0]["assistant_tokens_per_sec"] / got[0]["tokens_per_sec"] == pytest.approx(learnt, rel=1e-6)
-    evals = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "val_loss" in l]
+    evals = read_evaluations(tmp_path / "run")
     assert len(evals) == 1 and math.isfinite(evals[0]["val_loss"])
 
 

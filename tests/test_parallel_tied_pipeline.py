@@ -8,7 +8,6 @@ reshard between a pipelined run and one process in both directions.
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scalenlp.models.io import load_pretrained
-from train_helpers import TINY, read_metrics, run_train, write_corpus
+from train_helpers import TINY, read_evaluations, read_metrics, run_train, write_corpus
 
 pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
 
@@ -100,8 +99,7 @@ def test_tied_copies_stay_identical_on_their_ranks(runs, layout, tmp_path):
 
 def test_pipelined_tied_model_evaluates_and_exports_like_one_process(runs):
     """Held-out loss under pp2 follows one process, and the exported model is tied again."""
-    evals = {name: [r for r in map(json.loads, (runs(name) / "metrics.jsonl").read_text().splitlines())
-                    if "val_loss" in r] for name in ("single", "pp2 1f1b")}
+    evals = {name: read_evaluations(runs(name)) for name in ("single", "pp2 1f1b")}
     assert [r["step"] for r in evals["pp2 1f1b"]] == [5, 10]
     for r, ref in zip(evals["pp2 1f1b"], evals["single"]):
         assert r["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-4)

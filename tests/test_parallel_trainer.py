@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from train_helpers import TINY, error_lines, read_metrics, run_train, write_corpus
+from train_helpers import TINY, error_lines, read_evaluations, read_metrics, run_train, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,7 @@ def test_pipeline_and_2d_layouts_train_like_one_process(tmp_path, corpus):
         for a, b in zip(single, got):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), name
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), name
-        evals = [l for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines() if "val_loss" in l]
-        assert len(evals) == 2, name
+        assert len(read_evaluations(tmp_path / name)) == 2, name
 
 
 @pytest.mark.slow  # a multi-process run: `make test` runs it, `make test-fast` leaves it out
