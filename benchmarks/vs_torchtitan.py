@@ -1,6 +1,6 @@
 """scalenlp against torchtitan on one machine: tokens/s, loss and peak memory per process, side by side.
 
-    python benchmarks/vs_torchtitan.py --work /tmp/titan-work [--steps 20] [--seed 42] [--rounds 1] [--rows fp32,bf16,fsdp] [--compile] [--cosine]
+    python benchmarks/vs_torchtitan.py --work /tmp/titan-work [--steps 20] [--seed 42] [--rounds 1] [--rows fp32,bf16,fsdp] [--compile] [--cosine] [--same-init]
 
 Drives the shared peer (../shared/peers/torchtitan: torchtitan 0.3.0's llama3 debug model, 6.16M
 parameters, sequence 2048, batch 8, its test tokenizer, the substitute text): ``--work`` holds the
@@ -32,6 +32,11 @@ The load average before each run is printed beside it: on a shared machine the r
 with ``--rounds`` > 1 each row ends with a line ("all") of the median ratios and the mean losses over its
 rounds: one seed's loss at step 200 moves by more than the two trainers differ (a loss spike at the peak
 learning rate comes or not with the initial weights), so the mean over seeds is the figure to compare.
+With ``--same-init`` both trainers start from torchtitan's initial weights for the round's seed (its seed
+checkpoint, written in Hugging Face layout by its own adapter; torchtitan reads it back, scalenlp starts from it as a
+Hugging Face folder through model.init, the BOS and EOS output rows traded as above): the loss columns then compare
+the two training loops alone, without the draw of the initial weights. They differ in one documented choice:
+torchtitan decays every parameter, scalenlp matrices only (not the norms' gains).
 Both trainers run eager (torchtitan's configs leave compile off), or with ``--compile`` both compile each
 transformer block (scalenlp's training.compile, torchtitan's --compile.enable, which also compiles its loss);
 the table's title says which.
@@ -52,6 +57,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from scalenlp.models.hf import LLAMA3_ROPE_KEYS
+
 ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT.parent / "shared" / "peers" / "torchtitan"  # where the repo sits beside shared/, as in CI
 SEQ, BATCH = 2048, 8
@@ -62,6 +69,20 @@ LOSS_MEAN = 10  # steps in the mean loss at the end of a run
 ROWS = {"fp32": (1, 2, "float32"), "bf16": (1, 2, "bfloat16"), "fsdp": (2, 1, "float32")}
 LABELS = {"fp32": "1 process x 2 threads, fp32", "bf16": "1 process x 2 threads, bf16",
           "fsdp": "2 processes x 1 thread, FSDP / ZeRO-3, fp32"}
+
+# torchtitan's debug model turns RoPE as Llama 3.1 does (its ComplexRoPE scaling="llama" defaults), in
+# ModelArgs.rope_scaling's order.
+TITAN_ROPE_SCALING = (8.0, 1.0, 4.0, 8192)
+
+# scalenlp's side of every run: the peer's driver (argv[1]; it registers the debug model's shape as the titan-debug
+# flavor and stamps each metrics record with the wall time) with the flavor given torchtitan's RoPE scaling (argv[2]),
+# which the driver predates.
+_DRIVER = """import ast, dataclasses, runpy, sys
+driver = runpy.run_path(sys.argv[1])
+from scalenlp.models import flavors
+flavors.FLAVORS["titan-debug"] = dataclasses.replace(flavors.FLAVORS["titan-debug"], rope_scaling=ast.literal_eval(sys.argv[2]))
+sys.exit(driver["main"](["train"] + sys.argv[3:]))
+"""
 
 # Runs a command and prints the largest peak RSS (KiB) of its descendants as the last line.
 _RSS_WRAPPER = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
@@ -128,14 +149,67 @@ def loss_figures(losses: dict[int, float], last: int) -> dict:
     return {"loss": losses[last], "loss20": losses.get(20) if last > 20 else None, "loss_mean": sum(tail) / len(tail)}
 
 
-def titan_run(peer: Path, work: Path, row: str, steps: int, name: str, compiled: bool, seed: int) -> dict:
+def titan_command(peer: Path, name: str, procs: int, threads: int, seed: int, *args: str) -> list[str]:
+    """run_bench.sh (torchtitan's debug model, its data) for one run; ``args`` go after the script's own, so they win
+    (e.g. --checkpoint.enable over its --checkpoint.no-enable)."""
+    return ["bash", str(peer / "run_bench.sh"), name, str(procs), str(BATCH // procs), str(threads),
+            "--debug.seed", str(seed), *args, "activation-checkpoint:none"]  # the subcommand comes last
+
+
+def titan_seed_checkpoint(peer: Path, work: Path, seed: int) -> Path:
+    """torchtitan's initial weights for ``seed`` (its seed checkpoint: one process, the weights initialised as its
+    training run initialises them, nothing trained), saved in Hugging Face layout (q/k rows permuted from its complex
+    RoPE pairs to HF's rotate-half halves by its own state-dict adapter)."""
+    name = f"seed-{seed}"
+    shutil.rmtree(work / "outputs" / name, ignore_errors=True)
+    subprocess.run(titan_command(peer, name, 1, 1, seed, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                                 "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only",
+                                 "--checkpoint.folder", "seed"),
+                   env=dict(os.environ, WORK=str(work)), check=True)
+    return work / "outputs" / name / "seed" / "step-0"
+
+
+def scalenlp_init_folder(peer: Path, work: Path, checkpoint: Path, seed: int) -> Path:
+    """torchtitan's initial weights as a Hugging Face model folder scalenlp starts from (model.init): the seed
+    checkpoint's tensors, a config.json of the debug model (Llama 3.1 RoPE scaling as torchtitan's, the window as
+    max_position_embeddings) and the peer's tokenizer. The output rows of BOS and EOS trade places: torchtitan's
+    EOS targets are scalenlp's BOS targets (see the module docstring), so with the rows traded both trainers compute
+    the same logits up to that relabelling, the same loss and the same gradients."""
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer
+
+    out = work / "scalenlp-init" / f"seed-{seed}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    tokenizer = peer / "assets" / "tokenizer"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, out / name)
+    special = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    vocab = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    bos, eos = (vocab.token_to_id(special[key]) for key in ("bos_token", "eos_token"))
+    state = {k: v for f in checkpoint.glob("*.safetensors") for k, v in load_file(f).items()}
+    head = state["lm_head.weight"].clone()
+    head[[bos, eos]] = head[[eos, bos]]
+    save_file({**state, "lm_head.weight": head}, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "intermediate_size": 768, "vocab_size": 2048, "max_position_embeddings": SEQ,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", **dict(zip(LLAMA3_ROPE_KEYS, TITAN_ROPE_SCALING))}}, indent=2))
+    return out
+
+
+def titan_run(peer: Path, work: Path, row: str, steps: int, name: str, compiled: bool, seed: int,
+              init: Path | None) -> dict:
     procs, threads, dtype = ROWS[row]
     log = work / "logs" / f"{name}.log"
     env = dict(os.environ, WORK=str(work))
-    cmd = ["bash", str(peer / "run_bench.sh"), name, str(procs), str(BATCH // procs), str(threads),
-           "--training.steps", str(steps), "--training.mixed-precision-param", dtype,
-           "--debug.seed", str(seed),  # after run_bench.sh's own --debug.seed 42, so it wins
-           *(["--compile.enable"] if compiled else []), "activation-checkpoint:none"]  # the subcommand comes last
+    # load_only: read the initial weights, write no checkpoint.
+    start = () if init is None else ("--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.initial_load_path",
+                                     str(init), "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_model_only")
+    cmd = titan_command(peer, name, procs, threads, seed, "--training.steps", str(steps),
+                        "--training.mixed-precision-param", dtype, *start,
+                        *(["--compile.enable"] if compiled else []))
     rss, samples = run_measured(cmd, env, work / f"{name}.wrapper.log")
     pattern = re.compile(r"\[titan\] (\S+ \S+) - root - INFO - step:\s+(\d+)\s+loss:\s+([\d.]+)")
     walls, losses = {}, {}
@@ -186,12 +260,13 @@ def titan_batches(peer: Path, work: Path, procs: int, steps: int) -> Path:
 
 
 def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: Path, compiled: bool,
-                 cosine: bool, seed: int) -> dict:
+                 cosine: bool, seed: int, init: Path | None) -> dict:
     procs, threads, dtype = ROWS[row]
     run_dir = work / "scalenlp-runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    sets = ["model.flavor=titan-debug", "model.vocab_size=2048", f"tokenizer.path={peer / 'assets' / 'tokenizer'}",
-            f"data.path={data}", "data.shuffle=false", "data.reset_positions=true", "data.val_fraction=0",
+    model = ([f"model.init={init}"] if init else
+             ["model.flavor=titan-debug", "model.vocab_size=2048", f"tokenizer.path={peer / 'assets' / 'tokenizer'}"])
+    sets = [*model, f"data.path={data}", "data.shuffle=false", "data.reset_positions=true", "data.val_fraction=0",
             f"data.cache_dir={work / 'scalenlp-token-cache'}",
             f"training.seq_len={SEQ}", f"training.global_batch_size={BATCH}", f"training.steps={steps}",
             # torchtitan's debug-model recipe: AdamW 8e-4, 2 warm-up steps, linear decay to 0 over the last 80% of
@@ -203,7 +278,10 @@ def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: 
     if procs > 1:
         sets.append("parallel.data_parallel=zero3")
     args = [a for s in sets for a in ("--set", s)]
-    driver = [str(peer / "scalenlp_titan_flavor.py"), "--run-dir", str(run_dir), *args]
+    script = work / "scalenlp_driver.py"
+    script.write_text(_DRIVER)
+    driver = [str(script), str(peer / "scalenlp_titan_flavor.py"), repr(TITAN_ROPE_SCALING), "--run-dir", str(run_dir),
+              *args]
     launch = [sys.executable, *driver] if procs == 1 else [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", "--rdzv_backend=c10d",
         "--rdzv_endpoint=localhost:0", *driver]
@@ -218,7 +296,7 @@ def scalenlp_run(peer: Path, work: Path, row: str, steps: int, name: str, data: 
 
 
 def fmt(loss: float | None) -> str:
-    return "-" if loss is None else f"{loss:.3f}"  # "-": the run ends at step 20, its loss is the step-N column
+    return "-" if loss is None else f"{loss:.4f}"  # "-": the run ends at step 20, its loss is the step-N column
 
 
 def main() -> int:
@@ -232,6 +310,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="round r runs with seed --seed + r")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--compile", action="store_true", help="both trainers compile each transformer block")
+    parser.add_argument("--same-init", action="store_true",
+                        help="both trainers start from torchtitan's initial weights for the round's seed")
     parser.add_argument("--cosine", action="store_true", help="scalenlp decays the LR by its default cosine "
                                                               "instead of torchtitan's warmup-stable-linear-decay")
     args = parser.parse_args()
@@ -244,6 +324,10 @@ def main() -> int:
     # The fp32 and bf16 rows read the same batches (one process): each rank count's are written once.
     dumps = {procs: titan_batches(args.peer, work, procs, args.steps) for procs in {ROWS[row][0] for row in rows}}
     batches = {row: dumps[ROWS[row][0]] for row in rows}
+    inits = {}  # seed -> (torchtitan's seed checkpoint, the same weights as scalenlp's model.init folder)
+    for seed in range(args.seed, args.seed + args.rounds) if args.same_init else ():
+        checkpoint = titan_seed_checkpoint(args.peer, work, seed)
+        inits[seed] = checkpoint, scalenlp_init_folder(args.peer, work, checkpoint, seed)
     results = []
     for rnd in range(args.rounds):
         for row in rows:
@@ -251,13 +335,15 @@ def main() -> int:
                 load = os.getloadavg()[0]
                 name = f"{trainer}-{row}-{rnd}"
                 seed = args.seed + rnd
-                out = (titan_run(args.peer, work, row, args.steps, name, args.compile, seed)
+                init = inits.get(seed)
+                out = (titan_run(args.peer, work, row, args.steps, name, args.compile, seed, init and init[0])
                        if trainer == "torchtitan" else
                        scalenlp_run(args.peer, work, row, args.steps, name, batches[row], args.compile, args.cosine,
-                                    seed))
+                                    seed, init and init[1]))
                 results.append({"round": rnd, "row": row, "trainer": trainer, "load": load, **out})
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     print("\nboth trainers " + ("compiled (per transformer block)" if args.compile else "eager")
+          + ("; both from torchtitan's initial weights" if args.same_init else "")
           + "; the same batches; scalenlp's LR " + ("cosine" if args.cosine else "schedule is torchtitan's")
           + f"; steps 4..{args.steps}; tt = torchtitan, sn = scalenlp; CPU = user + system seconds of all the run's processes")
     print(f"{'config':<46}{'seed':>6}{'tok/s tt':>10}{'sn':>7}{'ratio':>7}{'CPU-s/step tt':>15}{'sn':>7}"
@@ -275,8 +361,8 @@ def main() -> int:
             print(f"{LABELS[row]:<46}{args.seed + rnd:>6}{tt['tok_s']:>10,.0f}{sn['tok_s']:>7,.0f}{wall_ratios[-1]:>7.2f}"
                   f"{tt['cpu_step']:>15.2f}{sn['cpu_step']:>7.2f}{tt['tok_cpu_s']:>14,.0f}{sn['tok_cpu_s']:>6,.0f}"
                   f"{cpu_ratios[-1]:>7.2f}{fmt(tt['loss20']):>11}{fmt(sn['loss20']):>7}"
-                  f"{tt['loss']:>13.3f}{sn['loss']:>7.3f}"
-                  f"{tt['loss_mean']:>12.3f}{sn['loss_mean']:>7.3f}"
+                  f"{tt['loss']:>13.4f}{sn['loss']:>7.4f}"
+                  f"{tt['loss_mean']:>12.4f}{sn['loss_mean']:>7.4f}"
                   f"{tt['rss'] / 2**30:>9.2f} GiB{sn['rss'] / 2**30:>6.2f} GiB{tt['load']:>7.1f}/{sn['load']:.1f}")
         if args.rounds > 1:
             def mean(key: str, side: int) -> float | None:  # None (printed "-") where the runs have no such loss
