@@ -99,13 +99,18 @@ def rope_inv_freq(args: ModelArgs, device=None) -> torch.Tensor:
     return 1.0 / (args.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
 
 
+def rope_turns(inv_freq: torch.Tensor, original_max_seq_len: int) -> torch.Tensor:
+    """Whole turns each rotated pair makes over the original context: what Llama 3.1's scaling bands are cut by."""
+    return original_max_seq_len * inv_freq / (2 * math.pi)
+
+
 def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
                   original_max_seq_len: int) -> torch.Tensor:
     """Llama 3.1's longer context (Meta's reference code, HF rope_type "llama3"): rotations slower than one turn per
     ``original_max_seq_len / low_freq_factor`` tokens turn ``factor`` times slower, those faster than one turn per
     ``original_max_seq_len / high_freq_factor`` tokens keep their speed, and in between the divisor moves from
     ``factor`` to 1 linearly in turns per original context."""
-    turns = original_max_seq_len * inv_freq / (2 * math.pi)  # turns over the original context
+    turns = rope_turns(inv_freq, original_max_seq_len)
     keep = ((turns - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0, 1)
     return inv_freq * (keep + (1 - keep) / factor)
 

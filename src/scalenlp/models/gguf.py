@@ -15,7 +15,6 @@ Writing computes those divisors; reading solves them back for our (factor, low, 
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +26,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from torch import nn
 
 from scalenlp.errors import UserError
-from scalenlp.models.decoder import ModelArgs, llama3_scaled, rope_inv_freq
+from scalenlp.models.decoder import ModelArgs, llama3_scaled, rope_inv_freq, rope_turns
 from scalenlp.models.hf import LLAMA_SHAPE, _llama_pairs
 from scalenlp.models.pretrained import Pretrained
 
@@ -178,7 +177,7 @@ def _rope_scaling(divisors: torch.Tensor, args: ModelArgs, original: int, path: 
         raise wrong
     factor = _round(d.max().item())
     candidates = [(1.0, 4.0)]  # Llama 3.1's own, exact where they fit
-    turns = original * rope_inv_freq(args).double() / (2 * math.pi)
+    turns = rope_turns(rope_inv_freq(args).double(), original)
     band = (d > 1 + 1e-6) & (d < factor * (1 - 1e-6))
     if band.sum() >= 2:
         keep = (1 / d[band] - 1 / factor) / (1 - 1 / factor)  # = (turns - low) / (high - low)
