@@ -169,31 +169,40 @@ def test_queue_full_is_429_and_others_still_served(served, client, monkeypatch):
 def test_client_disconnect_frees_slot(served, monkeypatch):
     server, engine = served
     fast = engine._decode
+    seen = []  # every request the engine decoded for
+    left = threading.Event()  # set once the streaming client has gone
 
-    def slow_decode(*args, **kwargs):  # so that a request is surely still running when its client leaves
+    def held_decode(*args, **kwargs):
+        # Once the stream has text out, hold the engine until the client leaves: a loaded machine cannot
+        # let the request run to its end first. Afterwards each step is slow, so that only a cancel frees
+        # the slot before the request's 120 tokens are done.
+        seen.extend(r for r in engine._running.values() if r not in seen)
+        if not left.is_set() and any(r.sent for r in engine._running.values()):
+            left.wait(30)
         time.sleep(0.02)
         return fast(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "_decode", slow_decode)
+    def freed(request) -> None:
+        for _ in range(200):  # the engine notices at its next step; poll instead of sleeping a fixed time
+            if engine.num_running == 0:
+                break
+            time.sleep(0.05)
+        assert engine.num_running == 0
+        assert request.cancelled and len(request.output_ids) < 120
+
+    monkeypatch.setattr(engine, "_decode", held_decode)
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
         next(r.iter_lines())
         assert engine.num_running == 1
-    # The engine notices at its next step; poll instead of sleeping a fixed time.
-    for _ in range(200):
-        if engine.num_running == 0:
-            break
-        time.sleep(0.05)
-    assert engine.num_running == 0
+    left.set()
+    freed(seen[0])
     body["stream"] = False
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3)
-    for _ in range(200):
-        if engine.num_running == 0:
-            break
-        time.sleep(0.05)
-    assert engine.num_running == 0
+    freed(seen[-1])
+    assert len(seen) == 2
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine dies on purpose
