@@ -77,9 +77,40 @@ class ModelArgs:
                 raise ValueError(f"model {name}={value!r} is not one of {allowed}")
 
 
+class _RMSNorm(torch.autograd.Function):
+    """torch's RMSNorm over the last dimension (the same operations in float32, the result in x's dtype), keeping
+    x and its 1/rms for backward. On a CPU torch composes it from primitives, and autograd then keeps the
+    normalised x too, the size of x; backward here computes it again from the two it kept."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd * weight).type_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        normed, grad = x.float() * rstd, grad.float()
+        grad_weight = (grad * normed).sum(dim=tuple(range(grad.dim() - 1))).to(weight.dtype)
+        grad_normed = grad * weight
+        grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (same parameter, same state dict) that keeps less for backward where autograd records it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNorm.apply(x, self.weight, self.eps)
+        return super().forward(x)
+
+
 def make_norm(args: ModelArgs) -> nn.Module:
     if args.norm == "rmsnorm":
-        return nn.RMSNorm(args.dim, eps=args.norm_eps)
+        return RMSNorm(args.dim, eps=args.norm_eps)
     return nn.LayerNorm(args.dim, eps=args.norm_eps, bias=args.bias)
 
 
@@ -227,6 +258,10 @@ class Attention(nn.Module):
         else:
             qkv = stacked_linear(x, (self.wq, self.wk, self.wv)) if self.stacked else None
             q, k, v = qkv or (self.wq(x), self.wk(x), self.wv(x))
+            if qkv is not None:
+                # Attention keeps v for backward; a view would keep the whole stacked product alive with it,
+                # q and k too (two thirds more per layer at equal heads), though only their RoPE'd copies are used.
+                v = v.contiguous()
             q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -260,8 +295,31 @@ class FeedForward(nn.Module):
         if self.swiglu:
             gate_up = stacked_linear(x, (self.w1, self.w3)) if self.stacked else None
             gate, up = gate_up or (self.w1(x), self.w3(x))
-            return self.w2(F.silu(gate) * up)
+            return self.w2(swiglu(gate, up))
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up, keeping only gate and up for backward. Autograd would keep silu(gate) as well, the
+    size of each of them: a third more of the MLP's saved activations, the largest of a layer. Backward
+    computes silu(gate) again, one pass over it, against the reads and writes of the tensor it would have kept."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Llama's MLP activation; through _SwiGLU where autograd records it."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SwiGLU.apply(gate, up)
+    return F.silu(gate) * up
 
 
 class Block(nn.Module):
