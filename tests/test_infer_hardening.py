@@ -5,7 +5,6 @@ request's failure, and a server whose engine dies exits non-zero."""
 import argparse
 import json
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from scalenlp.infer.backend import LocalBackend
 from scalenlp.infer.engine import Engine
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.serve import API_KEY_ENV, api_key_of
+from scalenlp.infer.sharded import free_port
 from scalenlp.infer.server import create_app
 from scalenlp.models.io import load_pretrained
 
@@ -149,12 +149,6 @@ def test_a_failing_request_fails_alone(export, caplog):
         engine.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine dies on purpose
 def test_server_exits_nonzero_when_the_engine_dies(export, monkeypatch, capsys):
     """A fault no request causes (the device fails in the forward): the engine loop ends, and so does
@@ -167,7 +161,7 @@ def test_server_exits_nonzero_when_the_engine_dies(export, monkeypatch, capsys):
         return engine
 
     monkeypatch.setattr(backend_module, "build_engine", broken_engine)  # where `scalenlp serve` looks it up
-    port = _free_port()
+    port = free_port()
     result = []
     thread = threading.Thread(target=lambda: result.append(main(
         ["serve", "--checkpoint", str(export), "--port", str(port), "--dtype", "float32", "--device", "cpu"])),

@@ -23,7 +23,7 @@ import pytest
 from infer_helpers import make_export
 
 from scalenlp.infer.cluster import LOCAL_RAY_ENV
-from scalenlp.infer.sharded import free_port
+from scalenlp.infer.sharded import free_port, free_ports
 
 pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
 
@@ -65,10 +65,10 @@ def head(tmp_path_factory):
     stop` would stop every Ray instance on the machine)."""
     work = tmp_path_factory.mktemp("join")
     env = ray_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
-    port = free_port()
-    ports = {f"--{name}": free_port() for name in (
-        "ray-client-server-port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-        "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port")}
+    names = ("ray-client-server-port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+             "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port")
+    port, *rest = free_ports(1 + len(names))
+    ports = {f"--{name}": p for name, p in zip(names, rest)}
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
     log = work / "head.log"
     with open(log, "w") as out:

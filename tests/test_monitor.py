@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,19 +18,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scalenlp.config import MonitorConfig, load_config
+from scalenlp.infer.sharded import free_port
 from scalenlp.train.monitor import RESOURCES, TRAINING, CpuMeter, MachineCollector, Monitor
-from train_helpers import HANG_GUARD_S, TINY, cli_env, read_metrics, run_train, write_corpus
+from train_helpers import HANG_GUARD_S, TINY, cli_env, read_metrics, write_corpus
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, dict[str, float]]:

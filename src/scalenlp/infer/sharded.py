@@ -266,10 +266,21 @@ def follow(model, fault: tuple[str, int] | None) -> None:
         forwards += 1
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct ports free on 127.0.0.1. Every socket stays bound until all are chosen: ports picked one at
+    a time can repeat once the first socket closes (a CI run saw Ray refuse two components on one port)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def _follower_main(rank: int, world_size: int, port: int, checkpoint: str, dtype_name: str, quantize,
