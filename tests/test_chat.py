@@ -24,9 +24,9 @@ from scalenlp.infer.engine import Engine
 from scalenlp.infer.generate import build_engine
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.server import create_app
-from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained
 from scalenlp.models.packaged import packaged_model
+from scalenlp.parallel.mesh import free_port
 
 torch.set_num_threads(1)
 

@@ -4,7 +4,6 @@ function is still two modules that need each other to be understood)."""
 import ast
 from pathlib import Path
 
-
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 

@@ -13,7 +13,7 @@ from infer_helpers import make_export
 
 from scalenlp.infer.cluster import LOCAL_RAY_ENV
 from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES
-from scalenlp.infer.sharded import free_port
+from scalenlp.parallel.mesh import free_port
 
 pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
 

@@ -21,8 +21,8 @@ from scalenlp.infer.engine import Engine
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.backend import generation_backend
 from scalenlp.infer.server import create_app
-from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained
+from scalenlp.parallel.mesh import free_port
 
 pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
 

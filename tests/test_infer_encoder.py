@@ -294,7 +294,7 @@ def test_replicas_on_ray_serve(classifier):
 
     pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
     from scalenlp.infer import cluster
-    from scalenlp.infer.sharded import free_port
+    from scalenlp.parallel.mesh import free_port
 
     os.environ.update(cluster.LOCAL_RAY_ENV)
     args = argparse.Namespace(checkpoint=str(classifier), dtype="float32", device="cpu", max_batch=8, max_seq_len=None,

@@ -23,9 +23,9 @@ from scalenlp.infer.backend import LocalBackend
 from scalenlp.infer.engine import Engine
 from scalenlp.infer.sampling import SamplingParams
 from scalenlp.infer.serve import API_KEY_ENV, api_key_of
-from scalenlp.infer.sharded import free_port
 from scalenlp.infer.server import create_app
 from scalenlp.models.io import load_pretrained
+from scalenlp.parallel.mesh import free_port
 
 torch.set_num_threads(1)
 KEY = "sk-test"

@@ -14,8 +14,8 @@ from train_helpers import HANG_GUARD_S, cli_env, error_lines
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.infer.engine import Engine
 from scalenlp.infer.sampling import SamplingParams
-from scalenlp.infer.sharded import free_port
 from scalenlp.models.io import load_pretrained
+from scalenlp.parallel.mesh import free_port
 from scalenlp.train import faults
 
 torch.set_num_threads(1)

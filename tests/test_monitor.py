@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scalenlp.config import MonitorConfig, load_config
-from scalenlp.infer.sharded import free_port
+from scalenlp.parallel.mesh import free_port
 from scalenlp.train.monitor import RESOURCES, TRAINING, CpuMeter, MachineCollector, Monitor
 from train_helpers import HANG_GUARD_S, TINY, cli_env, read_metrics, write_corpus
 

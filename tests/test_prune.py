@@ -320,7 +320,7 @@ def test_structured_export_serves_under_tp2_as_on_one_process(tmp_path):
     import httpx
     from infer_helpers import wait_healthy
 
-    from scalenlp.infer.sharded import free_port
+    from scalenlp.parallel.mesh import free_port
 
     export = make_export(tmp_path, "small-llama")  # 8 heads in 4 KV groups, ffn 688: 0.5 keeps 2 groups, 344
     out = tmp_path / "pruned"

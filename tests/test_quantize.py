@@ -392,7 +392,7 @@ def test_quantized_replicas_on_ray_serve_answer_as_the_local_engine(tmp_path):
     """`serve --replicas` with --quantize: each replica quantizes at load, and answers as a local engine does."""
     pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
     from scalenlp.infer import cluster
-    from scalenlp.infer.sharded import free_port
+    from scalenlp.parallel.mesh import free_port
 
     os.environ.update(cluster.LOCAL_RAY_ENV)
     export = tiny_decoder(tmp_path)

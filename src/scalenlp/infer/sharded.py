@@ -21,7 +21,6 @@ import functools
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel
 
 from scalenlp.errors import UserError
 from scalenlp.layout import Layout, ModelSizes, check
+from scalenlp.parallel.mesh import free_port
 from scalenlp.train import faults
 
 FORWARD, SETUP_CACHE, STOP = 0, 1, 2
@@ -264,23 +264,6 @@ def follow(model, fault: tuple[str, int] | None) -> None:
         faults.inject(fault, forwards, None)
         model(tokens, input_pos, slots, kv_len=None if kv_len < 0 else kv_len, logits_at=logits_at)
         forwards += 1
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct ports free on 127.0.0.1. Every socket stays bound until all are chosen: ports picked one at
-    a time can repeat once the first socket closes (a CI run saw Ray refuse two components on one port)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
 
 
 def _follower_main(rank: int, world_size: int, port: int, checkpoint: str, dtype_name: str, quantize,

@@ -8,6 +8,7 @@ because it sends the least traffic (one activation per microbatch at stage bound
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,6 +18,24 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from scalenlp.config import ConfigError, ParallelConfig
 from scalenlp.layout import degrees_problem, resolve_dp_shard
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports free on 127.0.0.1, for process groups and servers to listen on. Every socket stays bound
+    until all are chosen: ports picked one at a time can repeat once the first socket closes (a CI run saw Ray
+    refuse two components on one port)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ import torch
 
 from scalenlp.plan.comms import ring_time
 from scalenlp.hardware import GPU_ELEMENTWISE_TRAFFIC, DeviceSpec
+from scalenlp.parallel.mesh import free_port
 
 # (m, n, k): thin shapes like a small model's projections, up to square ones.
 MATMUL_SHAPES = ((2048, 64, 64), (2048, 256, 64), (2048, 64, 256), (512, 512, 512), (1024, 1024, 1024),
@@ -208,12 +208,6 @@ def sample_time_per_logit(dtype: torch.dtype, batch: int = 16) -> float:
 def op_overhead() -> float:
     a, b = torch.ones(4, 4), torch.ones(4, 4)
     return 1.0 / _rate(lambda: a + b, 1.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _step_time(model: torch.nn.Module, x: torch.Tensor) -> float:
@@ -409,7 +403,7 @@ def distributed_figures(world: int, with_compute: bool) -> dict[str, float]:
     all-gather's and reduce-scatter's time against the ring's at that bandwidth, the resident bytes of a
     process with scalenlp's training imports and a process group besides its model (_runtime_bytes), the
     wrappers' overheads (framework_overheads), and with_compute, each rank's compute figures."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-m", "scalenlp.plan.measure", str(r), str(world), str(port),
                                str(int(with_compute))], stdout=subprocess.PIPE, env=env, text=True)

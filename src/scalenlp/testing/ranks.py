@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scalenlp.infer.sharded import free_port
+from scalenlp.parallel.mesh import free_port
 
 
 def spawn_ranks(fn: Callable, world: int, *args, backend: str = "gloo") -> None:
