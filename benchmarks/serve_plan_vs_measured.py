@@ -3,8 +3,9 @@
     python benchmarks/serve_plan_vs_measured.py [--threads 1] [--prompt 64] [--new-tokens 32] [--reps 3]
 
 This machine is measured as ``scalenlp plan --serve --device cpu`` measures it (matmul rate and half dimension
-in the serving precision over inference's shapes, memory read bandwidth, the engine's host time per step, layer
-and sequence, the sampler's per logit, fused attention's rate and attention's over a KV cache:
+in the serving precision over inference's shapes through the engine's linear layers with their weights in memory,
+the rate a decode step streams weights at, the engine's host time per step, layer and sequence, a prefill's
+elementwise traffic, the sampler's per logit, fused attention's rate and attention's over a KV cache:
 scalenlp.plan.measure), again after each model's runs in each round; in each round for each model (a
 random small-llama with SmolLM2's 49k vocabulary, and SmolLM2-135M itself) and batch 1, 4 and 16 the engine
 serves that many requests of ``--prompt`` random tokens, ``--new-tokens`` each, greedy, submitted together:
@@ -63,7 +64,8 @@ def calibrate(base, dtype: torch.dtype, precision: str, when: str):
           f"step, per sequence {device.decode_layer_sequence_overhead_s * 1e6:.0f} us per layer + "
           f"{device.decode_sequence_overhead_s * 1e6:.0f} us, sampler {device.sample_s_per_logit * 1e9:.1f} ns per "
           f"logit, attention {device.attention_flops / 1e9:.1f} GFLOP/s (prefill) "
-          f"{device.decode_attention_flops / 1e9:.1f} (over the cache)")
+          f"{device.decode_attention_flops / 1e9:.1f} (over the cache), prefill's elementwise traffic "
+          f"{device.elementwise_traffic:.1f} at {device.hbm_bw / 1e9:.1f} GB/s")
     return device
 
 

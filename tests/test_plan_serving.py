@@ -49,10 +49,20 @@ def test_quantized_weight_bytes_are_those_scalenlp_quantize_writes(method, famil
 
 
 def test_decode_at_batch_one_streams_the_weights():
+    """Every weight but the token embeddings, of which a step looks up one row a sequence; tied, the table is the
+    output projection too and streams once."""
     shape, h100 = model_shape("llama-70b", 4096), get_device("h100-sxm")
     one = decode_time(shape, h100, 1, 100, 1, "bf16", "bf16")
     host = shape.layers * h100.decode_layer_overhead_s  # kernel launches, fitted on lmdeploy's rows
-    assert one == pytest.approx(weight_bytes(shape, "bf16") / h100.hbm_bw + host, rel=0.02)
+    lookup = 2 * shape.vocab * shape.hidden
+    cache = 100 * kv_bytes_per_token(shape, 1)
+    assert one == pytest.approx((weight_bytes(shape, "bf16") - lookup + cache) / h100.hbm_bw + host, rel=1e-6)
+    tied = model_shape("hidden=2048,layers=16,heads=16,vocab_size=128256,family=gpt2", 1024)
+    assert tied.tied
+    host = tied.layers * h100.decode_layer_overhead_s
+    cache = 100 * kv_bytes_per_token(tied, 1)
+    assert decode_time(tied, h100, 1, 100, 1, "bf16", "bf16") == pytest.approx(
+        (weight_bytes(tied, "bf16") + cache) / h100.hbm_bw + host, rel=1e-6)
     int4 = decode_time(shape, h100, 1, 100, 1, "bf16", "int4")
     assert weight_bytes(shape, "int4") / h100.hbm_bw <= int4 < one
     # Twice the batch reads the same weights: far less than twice the time while memory-bound.
@@ -107,6 +117,32 @@ def test_engine_overheads_recovers_the_four_figures(monkeypatch):
     figures = measure.engine_overheads(torch.float32)
     assert figures == pytest.approx(dict(decode_layer_overhead_s=l0, decode_layer_sequence_overhead_s=l1,
                                          decode_step_overhead_s=s0, decode_sequence_overhead_s=s1))
+
+
+def test_prefill_traffic_charges_what_a_layer_adds_beyond_its_arithmetic(monkeypatch):
+    """The calibration's arithmetic: first-token times that grow by T per layer, of which A is the layer's linears
+    and attention and H its host time, give the elementwise traffic at which the prefill model charges each layer
+    of that model exactly T - A - H beyond them (the engine and its timings are replaced by that law here)."""
+    from scalenlp.models.flavors import model_args
+    from scalenlp.plan.cost import shape_of
+
+    T, A, bandwidth, batch, prompt = 3e-3, 1e-3, 10e9, 16, 64
+    overheads = dict(decode_layer_overhead_s=4e-4, decode_layer_sequence_overhead_s=1e-5)
+    probes = []
+
+    def engine(layers, batch, dtype, new, prompt, **widths):
+        probes.append(model_args("debug", n_layers=layers, **widths))
+        return types.SimpleNamespace(layers=layers, stop=lambda: None, model=types.SimpleNamespace(args=probes[-1]))
+
+    monkeypatch.setattr(measure, "_debug_engine", engine)
+    monkeypatch.setattr(measure, "_ttft", lambda e, b, p: 0.01 + e.layers * T)
+    monkeypatch.setattr(measure, "_layer_arithmetic", lambda model, dtype, b, p: A)
+    traffic = measure.prefill_elementwise_traffic(torch.bfloat16, overheads, bandwidth, batch, prompt)
+    shape = shape_of("probe", probes[-1])
+    device = dataclasses.replace(get_device("a100-80gb"), hbm_bw=bandwidth)
+    charged = [prefill_time(shape, dataclasses.replace(device, elementwise_traffic=x), batch, prompt, 1, "bf16")
+               for x in (traffic, 0.0)]
+    assert (charged[0] - charged[1]) / shape.layers == pytest.approx(T - A - 4e-4 - batch * 1e-5)
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ GPU_ELEMENTWISE_TRAFFIC = 4.62
 A100_GEMM_EFFICIENCY = 0.771
 H100_GEMM_EFFICIENCY = 0.631  # below the A100's: a 700 W H100 clocks down under sustained matmul load
 GPU_OVERLAP_CONTENTION = 0.244
-GPU_DECODE_LAYER_OVERHEAD = 5.23e-05
+GPU_DECODE_LAYER_OVERHEAD = 5.25e-05
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,9 @@ class DeviceSpec:
     # Fraction of the communication time hidden behind compute that slows that compute anyway (NCCL's kernels
     # take SMs and memory bandwidth from the matmuls beside them); fitted on published FSDP runs (plan.calibrate).
     overlap_contention: float = 0.0
-    # Where measured (CPU): bytes/s reading resident memory (a decode step's weights and KV cache), which pays no
-    # first-touch page cost unlike hbm_bw's fresh outputs; and the host time a decode step spends per layer and
+    # Where measured (CPU): bytes/s a decode step streams its weights (and KV cache) at from memory, measured
+    # through the engine's own linear kernel at one row, which pays no first-touch page cost unlike hbm_bw's fresh
+    # outputs but reads at about half the rate of a plain sum over a buffer; and the host time a decode step spends per layer and
     # per step outside its arithmetic (dispatching ~50 small ops a layer). Elsewhere hbm_bw, and on GPUs the per-layer
     # figure fitted on a published serving benchmark (kernel launches and the engine's own work; plan.calibrate).
     read_bw: float | None = None

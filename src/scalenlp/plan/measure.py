@@ -2,11 +2,11 @@
 
 - matmul rate over shapes from thin to square, fitted to the cost model's matmul time (arithmetic
   at peak · Π_d d/(d + half_dim), plus writing the result), which gives the CPU's peak and half dimension;
-- memory bandwidth (a large elementwise add into a fresh tensor; and reading a resident buffer, as decoding
-  streams weights), the dispatch cost of one small op,
+- memory bandwidth (a large elementwise add into a fresh tensor), the dispatch cost of one small op,
   the time per logit of the loss (cross-entropy forward + backward) and attention's FLOP rate;
-- for serving, in the engine's precision (serving_figures): matmuls over inference's shapes, the engine's host
-  time per step, layer and sequence, attention over a KV cache and the sampler's time per logit;
+- for serving, in the engine's precision (serving_figures): matmuls over inference's shapes through the engine's
+  linear layers with their weights in memory (and from them the rate a decode step streams its weights at), the
+  engine's host time per step, layer and sequence, attention over a KV cache and the sampler's time per logit;
 - gloo all-reduce bandwidth and per-hop latency between two local processes, and how much longer
   its all-gather and reduce-scatter take than a ring would, each collective right after a burst of
   compute as in a training step; the resident memory such a process holds besides
@@ -21,9 +21,11 @@ figures are measured with that many threads.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -66,16 +68,49 @@ def matmul_rates(dtype: torch.dtype = torch.float32, shapes=MATMUL_SHAPES) -> li
 SERVING_SHAPES = tuple((m, n, k) for m in (1, 4, 16, 64, 256, 1024) for n, k in ((1024, 1024), (2048, 512)))
 
 
+def serving_matmul_rates(dtype: torch.dtype, shapes=SERVING_SHAPES,
+                         working_set: int = 256 * 2**20) -> list[tuple[tuple[int, int, int], float]]:
+    """Rates of inference's matmuls as a decode step runs them: through the engine's linear layers (pre-packed for
+    oneDNN where the engine packs them, scalenlp.infer.packing), each call on the next of enough weight copies to
+    fill ``working_set`` bytes (8x a 32 MiB last-level cache), so that the weights come from memory, as a served
+    model's do, and not from the cache one reused matrix stays in. On the development machine (bf16, one thread)
+    a packed 1024x1024 weight at one row ran at 31 GFLOP/s from the cache and 8 from memory, at 16 rows 161 and
+    110; the plain product of two cached tensors, measured here before, ran at 19 and 136: the cost model
+    priced a decode step of SmolLM2 from it 11-26% below what the engine took."""
+    from torch import nn
+
+    from scalenlp.infer.packing import PackedLinear, can_pack
+
+    pools, out = {}, []
+    with torch.no_grad():
+        for m, n, k in shapes:
+            if (n, k) not in pools:
+                copies = max(2, working_set // (n * k * dtype.itemsize))
+                linears = [nn.Linear(k, n, bias=False, dtype=dtype) for _ in range(copies)]
+                pools[n, k] = [PackedLinear(lin) if can_pack(lin) else lin for lin in linears]
+            layers, x = itertools.cycle(pools[n, k]), torch.randn(m, k, dtype=dtype)
+            out.append(((m, n, k), _rate(lambda: next(layers)(x), 2.0 * m * n * k)))
+    return out
+
+
 def serving_figures(dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
-    """Peak and half dimension of this machine's matmuls in the serving precision over inference's shapes: a CPU's
-    bf16 kernels run thin rows far below their square-matrix rate (on the development machine 2 GFLOP/s at one
-    row, 17 at 16, 30 at 512), which the fp32 training shapes do not show; and the engine's own costs in that
-    precision: host time per step, layer and sequence (engine_overheads), attention over the KV cache
-    (decode_attention_rate) and the sampler per logit (sample_time_per_logit)."""
-    rates = matmul_rates(dtype, SERVING_SHAPES)
-    peak, half = fit_matmul_curve(rates, memory_bandwidth())
+    """Peak and half dimension of this machine's matmuls in the serving precision over inference's shapes, run as
+    the engine runs them (serving_matmul_rates): a CPU's bf16 kernels run thin rows far below their square-matrix
+    rate, which the fp32 training shapes do not show; and the engine's own costs in that precision: host time per
+    step, layer and sequence (engine_overheads), a prefill's memory-bound traffic (prefill_elementwise_traffic, at
+    the bandwidth it is measured against), attention over the KV cache (decode_attention_rate) and the sampler per
+    logit (sample_time_per_logit)."""
+    rates, bandwidth = serving_matmul_rates(dtype), memory_bandwidth()
+    peak, half = fit_matmul_curve(rates, bandwidth)
+    overheads = engine_overheads(dtype)
+    # At one row a product reads each weight once for 2 FLOPs: its rate, in bytes, is how fast a decode step streams
+    # its weights. Through the packed kernel that is about half what summing a buffer reads (on the development
+    # machine 10.7-12.2 GB/s against 23-24); priced at the sum's rate, SmolLM2's decode step came out 20-26% fast.
+    one_row = statistics.median(rate for (m, _, _), rate in rates if m == 1) * dtype.itemsize / 2
     return {("peak_flops_bf16" if dtype == torch.bfloat16 else "peak_flops_fp32"): peak, "gemm_half_dim": half,
-            **engine_overheads(dtype), "decode_attention_flops": decode_attention_rate(dtype),
+            "read_bw": one_row, "hbm_bw": bandwidth, **overheads,
+            "elementwise_traffic": prefill_elementwise_traffic(dtype, overheads, bandwidth),
+            "decode_attention_flops": decode_attention_rate(dtype),
             "sample_s_per_logit": sample_time_per_logit(dtype)}
 
 
@@ -105,22 +140,18 @@ def memory_bandwidth() -> float:
     return _rate(lambda: torch.add(a, b), 3 * 4 * a.numel(), min_time=0.3)
 
 
-def read_bandwidth() -> float:
-    """Bytes/s of summing a resident buffer far larger than the caches: how a decode step streams its weights."""
-    x = torch.ones(1 << 25)
-    return _rate(lambda: x.sum(), 4 * x.numel(), min_time=0.3)
-
-
-def _debug_engine(layers: int, batch: int, dtype: torch.dtype, new: int):
+def _debug_engine(layers: int, batch: int, dtype: torch.dtype, new: int, prompt: int = 4, **widths):
     """An engine on the Llama-style debug model with ``layers`` layers and a 64-token vocabulary, in ``dtype``: a
-    model whose arithmetic is negligible, so that what a step costs is the engine's and the ops' own time."""
+    model whose arithmetic is negligible, so that what a step costs is the engine's and the ops' own time
+    (``widths``: model.* shape keys that widen it where the arithmetic is what is timed)."""
     from tokenizers import Tokenizer, models
 
     from scalenlp.infer.engine import Engine
     from scalenlp.models.flavors import build_model, model_args
 
     vocab = 64
-    model = build_model(model_args("debug", n_layers=layers, vocab_size=vocab, max_seq_len=4 + new)).to(dtype).eval()
+    model = build_model(model_args("debug", n_layers=layers, vocab_size=vocab, max_seq_len=prompt + new,
+                                   **widths)).to(dtype).eval()
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     return Engine(model, tokenizer, max_batch=batch, max_queue=batch).start()
 
@@ -169,6 +200,75 @@ def engine_overheads(dtype: torch.dtype, batch: int = 16, layers: int = 9, new: 
     step_seq = max(0.0, (per_step[batch] - per_step[1]) / (batch - 1))
     return dict(decode_layer_overhead_s=max(0.0, per_layer[1] - layer_seq), decode_layer_sequence_overhead_s=layer_seq,
                 decode_step_overhead_s=max(0.0, per_step[1] - step_seq), decode_sequence_overhead_s=step_seq)
+
+
+def _ttft(engine, batch: int, prompt: int) -> float:
+    """Seconds from submitting ``batch`` prompts of ``prompt`` tokens together (they prefill as one batch) to the
+    last of their first tokens."""
+    from scalenlp.infer.sampling import SamplingParams
+
+    first, done = [None] * batch, threading.Event()
+
+    def on_event(i, d):
+        first[i] = first[i] or d.time
+        if all(f is not None for f in first):
+            done.set()
+
+    ids = [1 + i % 60 for i in range(prompt)]
+    start = time.perf_counter()
+    engine.submit_many([(ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))] * batch,
+                       [lambda d, i=i: on_event(i, d) for i in range(batch)])
+    done.wait()
+    return max(first) - start
+
+
+def _layer_arithmetic(model: torch.nn.Module, dtype: torch.dtype, batch: int, prompt: int) -> float:
+    """Seconds of a served model's first layer's linears (as the engine packed them) and causal attention over
+    ``batch`` prompts of ``prompt`` tokens, each timed alone."""
+    import torch.nn.functional as F
+
+    args, seconds = model.args, 0.0
+    with torch.no_grad():
+        for linear in (m for m in model.layers["0"].modules() if hasattr(m, "in_features")):
+            x = torch.randn(batch * prompt, linear.in_features, dtype=dtype)
+            seconds += 1.0 / _rate(lambda: linear(x), 1.0, min_time=0.2)
+        q = torch.randn(batch, args.n_heads, prompt, args.head_dim, dtype=dtype)
+        kv = torch.randn(batch, args.n_kv_heads, prompt, args.head_dim, dtype=dtype)
+        seconds += 1.0 / _rate(lambda: F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True),
+                               1.0, min_time=0.2)
+    return seconds
+
+
+def prefill_elementwise_traffic(dtype: torch.dtype, overheads: dict[str, float], bandwidth: float, batch: int = 16,
+                                prompt: int = 64, layers: int = 5) -> float:
+    """elementwise_traffic (bytes moved per stored activation byte, scalenlp.plan.cost) as a prefill through the
+    engine moves it on this CPU: what a layer adds to the first token's time (the debug model 256 wide at 1 and
+    ``layers`` layers, ``batch`` prompts of ``prompt`` tokens, medians of five alternated runs) beyond its linears
+    and attention timed alone and its host time per layer (``overheads``: engine_overheads), over the layer's
+    activations at ``bandwidth``. On the development machine 9.4-11 at 1,024 rows (4.4-6.9 at 256; the GPU fit's
+    4.62): norms, rotary embeddings, head transposes and the cache's writes cost twice what a GPU's fused kernels
+    do, and priced at the GPU's figure the engine's first token came out 8-30% early."""
+    from scalenlp.plan.cost import activation_bytes_per_layer, shape_of
+
+    widths = dict(dim=256, n_heads=8, n_kv_heads=4, ffn_dim=688)
+    engines = {n: _debug_engine(n, batch, dtype, 1, prompt, **widths) for n in (1, layers)}
+    try:
+        times = {n: [] for n in engines}
+        for engine in engines.values():
+            _ttft(engine, batch, prompt)  # warm-up
+        for _ in range(5):
+            for n, engine in engines.items():
+                times[n].append(_ttft(engine, batch, prompt))
+        model = engines[layers].model
+        arithmetic = _layer_arithmetic(model, dtype, batch, prompt)
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    per_layer = (statistics.median(times[layers]) - statistics.median(times[1])) / (layers - 1)
+    host = overheads["decode_layer_overhead_s"] + batch * overheads["decode_layer_sequence_overhead_s"]
+    stored = activation_bytes_per_layer(shape_of("debug", model.args), batch, prompt, 1, False, "none",
+                                        "bf16" if dtype == torch.bfloat16 else "fp32", True)
+    return max(0.0, per_layer - arithmetic - host) * bandwidth * 3 / stored
 
 
 def decode_attention_rate(dtype: torch.dtype, batch: int = 8, heads: int = 8, kv_heads: int = 4,
@@ -321,8 +421,7 @@ def compute_figures() -> dict[str, float]:
     bandwidth = memory_bandwidth()
     peak, half = fit_matmul_curve(matmul_rates(), bandwidth)
     return dict(peak_flops_fp32=peak, peak_flops_bf16=peak * _rate_ratio(), gemm_half_dim=half, hbm_bw=bandwidth,
-                op_overhead_s=op_overhead(), loss_s_per_logit=loss_time_per_logit(), attention_flops=attention_rate(),
-                read_bw=read_bandwidth())
+                op_overhead_s=op_overhead(), loss_s_per_logit=loss_time_per_logit(), attention_flops=attention_rate())
 
 
 def _collective_after_compute(collective, reps: int) -> float:
@@ -423,7 +522,7 @@ def distributed_figures(world: int, with_compute: bool) -> dict[str, float]:
                    tp_linear_overhead_s=result["tp_linear"], vocab_parallel_loss_factor=result["loss_parallel"])
     if with_compute:
         figures.update({k: result[k] for k in ("peak_flops_fp32", "peak_flops_bf16", "gemm_half_dim", "hbm_bw",
-                                               "op_overhead_s", "loss_s_per_logit", "attention_flops", "read_bw")})
+                                               "op_overhead_s", "loss_s_per_logit", "attention_flops")})
     return figures
 
 

@@ -120,7 +120,12 @@ def decode_time(shape: ModelShape, device: DeviceSpec, batch: int, kv_tokens: fl
     matmul = shape.layers * sum(f / (peak * gemm_efficiency(dims, device)) for f, dims in projections) \
         + logits[0] / (peak * gemm_efficiency(logits[1], device))
     attention_flops = 4 * batch * kv_tokens * shape.hidden / tp * shape.layers
-    streamed = weight_bytes(shape, quantize, tp, precision) + batch * kv_tokens * kv_bytes_per_token(shape, tp, precision)
+    # A step looks up one row of the token embeddings per sequence and streams every other weight; tied, the table
+    # is the output projection too and streams as that.
+    lookup = 0 if shape.tied else shape.vocab * shape.hidden * (
+        ELEMENT_BYTES[precision] / tp if quantize in ELEMENT_BYTES else WEIGHT_BYTES[TABLES_QUANTIZED])
+    streamed = (weight_bytes(shape, quantize, tp, precision) - lookup
+                + batch * kv_tokens * kv_bytes_per_token(shape, tp, precision))
     # Attention over the cache at the rate measured for it where there is one (CPU: one query a row under a mask
     # runs far below the training kernel's rate), else the fused kernel's, else as matmuls.
     rate = device.decode_attention_flops or device.attention_flops or peak * device.gemm_efficiency
