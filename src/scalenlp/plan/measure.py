@@ -6,7 +6,8 @@
   the time per logit of the loss (cross-entropy forward + backward) and attention's FLOP rate;
 - for serving, in the engine's precision (serving_figures): matmuls over inference's shapes through the engine's
   linear layers with their weights in memory (and from them the rate a decode step streams its weights at), the
-  engine's host time per step, layer and sequence, attention over a KV cache and the sampler's time per logit;
+  engine's host time per step, layer and sequence, a prefill's elementwise traffic, attention over a KV cache and
+  the sampler's time per logit;
 - gloo all-reduce bandwidth and per-hop latency between two local processes, and how much longer
   its all-gather and reduce-scatter take than a ring would, each collective right after a burst of
   compute as in a training step; the resident memory such a process holds besides
@@ -245,9 +246,10 @@ def prefill_elementwise_traffic(dtype: torch.dtype, overheads: dict[str, float],
     engine moves it on this CPU: what a layer adds to the first token's time (the debug model 256 wide at 1 and
     ``layers`` layers, ``batch`` prompts of ``prompt`` tokens, medians of five alternated runs) beyond its linears
     and attention timed alone and its host time per layer (``overheads``: engine_overheads), over the layer's
-    activations at ``bandwidth``. On the development machine 9.4-11 at 1,024 rows (4.4-6.9 at 256; the GPU fit's
-    4.62): norms, rotary embeddings, head transposes and the cache's writes cost twice what a GPU's fused kernels
-    do, and priced at the GPU's figure the engine's first token came out 8-30% early."""
+    activations at ``bandwidth``, the one the prefill is then priced at (an add's first-touch bandwidth swings
+    4-27 GB/s here with what the allocator holds; the product is what is measured). On the development machine
+    27-48 against 16-27 GB/s (the GPU fit's 4.62 at HBM's): eager norms, rotary embeddings, head transposes and the
+    cache's writes; priced at the GPU's figure, the engine's first token came out 8-30% early."""
     from scalenlp.plan.cost import activation_bytes_per_layer, shape_of
 
     widths = dict(dim=256, n_heads=8, n_kv_heads=4, ffn_dim=688)
