@@ -67,8 +67,8 @@ class DeviceSpec:
     overlap_contention: float = 0.0
     # Where measured (CPU): bytes/s a decode step streams its weights (and KV cache) at from memory, measured
     # through the engine's own linear kernel at one row, which pays no first-touch page cost unlike hbm_bw's fresh
-    # outputs but reads at about half the rate of a plain sum over a buffer; and the host time a decode step spends per layer and
-    # per step outside its arithmetic (dispatching ~50 small ops a layer). Elsewhere hbm_bw, and on GPUs the per-layer
+    # outputs but reads at about half the rate of a plain sum over a buffer; and the host time a decode step spends
+    # per layer and per step outside its arithmetic (dispatching ~50 small ops a layer). Elsewhere hbm_bw, and on GPUs the per-layer
     # figure fitted on a published serving benchmark (kernel launches and the engine's own work; plan.calibrate).
     read_bw: float | None = None
     decode_layer_overhead_s: float = 0.0

@@ -157,9 +157,9 @@ def _debug_engine(layers: int, batch: int, dtype: torch.dtype, new: int, prompt:
     return Engine(model, tokenizer, max_batch=batch, max_queue=batch).start()
 
 
-def _tpot(engine, batch: int, new: int) -> float:
-    """Median over ``batch`` greedy requests of 4-token prompts, served together, of the seconds between their
-    tokens, counted as benchmarks/serve_plan_vs_measured.py counts TPOT."""
+def _serve(engine, batch: int, prompt: int, new: int) -> tuple[float, list[list[float]]]:
+    """Submit ``batch`` greedy requests of ``prompt`` tokens for ``new`` tokens each, together (their prompts
+    prefill as one batch), and wait for all: the submit time and each request's token times."""
     from scalenlp.infer.sampling import SamplingParams
 
     stamps, done = [[] for _ in range(batch)], threading.Event()
@@ -169,9 +169,18 @@ def _tpot(engine, batch: int, new: int) -> float:
         if d.finish_reason and all(len(s) == new for s in stamps):
             done.set()
 
-    engine.submit_many([([1, 2, 3, 4], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))] * batch,
+    ids = [1 + i % 60 for i in range(prompt)]
+    start = time.perf_counter()
+    engine.submit_many([(ids, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))] * batch,
                        [lambda d, i=i: on_event(i, d) for i in range(batch)])
     done.wait()
+    return start, stamps
+
+
+def _tpot(engine, batch: int, new: int) -> float:
+    """Median over ``batch`` requests of 4-token prompts, served together, of the seconds between their tokens,
+    counted as benchmarks/serve_plan_vs_measured.py counts TPOT."""
+    _, stamps = _serve(engine, batch, 4, new)
     return sorted((s[-1] - s[0]) / (new - 1) for s in stamps)[batch // 2]
 
 
@@ -204,23 +213,9 @@ def engine_overheads(dtype: torch.dtype, batch: int = 16, layers: int = 9, new: 
 
 
 def _ttft(engine, batch: int, prompt: int) -> float:
-    """Seconds from submitting ``batch`` prompts of ``prompt`` tokens together (they prefill as one batch) to the
-    last of their first tokens."""
-    from scalenlp.infer.sampling import SamplingParams
-
-    first, done = [None] * batch, threading.Event()
-
-    def on_event(i, d):
-        first[i] = first[i] or d.time
-        if all(f is not None for f in first):
-            done.set()
-
-    ids = [1 + i % 60 for i in range(prompt)]
-    start = time.perf_counter()
-    engine.submit_many([(ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))] * batch,
-                       [lambda d, i=i: on_event(i, d) for i in range(batch)])
-    done.wait()
-    return max(first) - start
+    """Seconds from submitting ``batch`` prompts of ``prompt`` tokens together to the last of their first tokens."""
+    start, stamps = _serve(engine, batch, prompt, 1)
+    return max(s[0] for s in stamps) - start
 
 
 def _layer_arithmetic(model: torch.nn.Module, dtype: torch.dtype, batch: int, prompt: int) -> float:

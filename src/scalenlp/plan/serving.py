@@ -66,10 +66,17 @@ def weight_bytes(shape: ModelShape, quantize: str, tp: int = 1, precision: str =
     splits its blocks only."""
     if quantize in ELEMENT_BYTES:
         return shape.total_params * ELEMENT_BYTES[quantize] / tp
-    table = shape.vocab * shape.hidden  # the token embeddings' and the output projection's
     return (shape.layers * shape.layer_params * WEIGHT_BYTES[quantize] / tp
-            + (1 if shape.tied else 2) * table * WEIGHT_BYTES[TABLES_QUANTIZED]
-            + (shape.embedding_params + shape.head_params - 2 * table) * ELEMENT_BYTES[precision])
+            + (1 if shape.tied else 2) * table_bytes(shape, quantize, tp)
+            + (shape.embedding_params + shape.head_params - 2 * shape.vocab * shape.hidden) * ELEMENT_BYTES[precision])
+
+
+def table_bytes(shape: ModelShape, quantize: str, tp: int = 1) -> float:
+    """One vocabulary x hidden table (the token embeddings, or the output projection) on one of ``tp`` ranks: split
+    with a floating model, whole and in int8 beside a quantized one's blocks."""
+    if quantize in ELEMENT_BYTES:
+        return shape.vocab * shape.hidden * ELEMENT_BYTES[quantize] / tp
+    return shape.vocab * shape.hidden * WEIGHT_BYTES[TABLES_QUANTIZED]
 
 
 def kv_bytes_per_token(shape: ModelShape, tp: int, precision: str = "bf16") -> float:
@@ -122,8 +129,7 @@ def decode_time(shape: ModelShape, device: DeviceSpec, batch: int, kv_tokens: fl
     attention_flops = 4 * batch * kv_tokens * shape.hidden / tp * shape.layers
     # A step looks up one row of the token embeddings per sequence and streams every other weight; tied, the table
     # is the output projection too and streams as that.
-    lookup = 0 if shape.tied else shape.vocab * shape.hidden * (
-        ELEMENT_BYTES[precision] / tp if quantize in ELEMENT_BYTES else WEIGHT_BYTES[TABLES_QUANTIZED])
+    lookup = 0 if shape.tied else table_bytes(shape, quantize, tp)
     streamed = (weight_bytes(shape, quantize, tp, precision) - lookup
                 + batch * kv_tokens * kv_bytes_per_token(shape, tp, precision))
     # Attention over the cache at the rate measured for it where there is one (CPU: one query a row under a mask
