@@ -43,15 +43,15 @@ from classify import head_rows
 from pruning import DATA as WIKITEXT
 from pruning import calibration_batches, prune_row, recover
 from scalenlp.data.labeled import read_labeled
-from scalenlp.infer.awq import awq
-from scalenlp.infer.encoder_engine import EncoderEngine
-from scalenlp.infer.engine import Engine
-from scalenlp.infer.evaluate import perplexity
-from scalenlp.infer.sampling import SamplingParams
+from scalenlp.compress.awq import awq
+from scalenlp.engine.encoder_engine import EncoderEngine
+from scalenlp.engine.decoder_engine import Engine
+from scalenlp.cli.evaluate import perplexity
+from scalenlp.engine.sampling import SamplingParams
 from scalenlp.models.io import save_pretrained
-from scalenlp.models.loader import instantiate, load, read
+from scalenlp.loader import instantiate, load, read
 from scalenlp.models.packaged import packaged_model
-from scalenlp.models.quantized import Quantization, build_quantized
+from scalenlp.compress.quantized import Quantization, build_quantized
 
 DATA = WIKITEXT.parent  # shared/data, found beside the repository or above it
 # (row name, dtype of the floating layers when serving, quantization)
@@ -63,7 +63,7 @@ VARIANTS = [("fp32", torch.float32, None), ("bf16", torch.bfloat16, None),
 # SmolLM2's packaged file stores its linears as GGUF Q4_1 blocks of 32: the rows above round its dequantized weights
 # again (as for any float checkpoint); this one takes the file's 4-bit codes as they are.
 GGUF_ROW = ("int4 group 32, GGUF Q4_1 codes as they are", torch.bfloat16, Quantization("int4", 32))
-# `scalenlp quantize --calibration`: activation-aware scales and clipping (scalenlp.infer.awq) from WikiText-2 valid.
+# `scalenlp quantize --calibration`: activation-aware scales and clipping (scalenlp.compress.awq) from WikiText-2 valid.
 AWQ_ROW = ("int4 weight-only, group 64, AWQ calibrated", torch.bfloat16, Quantization("int4", 64))
 PRUNE_METHODS = (("magnitude 50%", "magnitude", 0.5), ("wanda 50%", "wanda", 0.5), ("2:4 (wanda score)", "2:4", 0.5))
 NOTES = {"int8 dynamic": "+ fbgemm's packed copy"}

@@ -99,7 +99,7 @@ def main() -> None:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from scalenlp.infer.encoder_engine import encoder_from_checkpoint
+    from scalenlp.engine.encoder_engine import encoder_from_checkpoint
 
     torch.set_num_threads(args.threads)
     texts = sst2_sentences(args.data, args.texts)

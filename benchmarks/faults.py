@@ -1,7 +1,7 @@
 """Faults injected into a 2-process training job, and what each costs: one table.
 
 Each row runs `scalenlp train --nproc 2` on the debug model with one fault (SCALENLP_FAULT, see
-src/scalenlp/train/faults.py, or a real full disk: a tmpfs mounted for the run, which needs root) and
+src/scalenlp/faults.py, or a real full disk: a tmpfs mounted for the run, which needs root) and
 compares the job's end with an uninterrupted run of the same config, measured in the same invocation:
 
 - time to recover: the faulty job's wall time (every launch it needed) minus the uninterrupted one's (for
@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from train_helpers import TINY, read_metrics, write_corpus  # noqa: E402  (the tests' tiny run and corpus)
 
-from scalenlp.train import faults  # noqa: E402
+from scalenlp import faults  # noqa: E402
 import node_kill  # noqa: E402  (benchmarks/node_kill.py, beside this script: two test hosts, one killed)
 
 RESUMED = node_kill.RESUMED  # the trainer's "resumed from ..." line

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from scalenlp.infer.evaluate import perplexity
+from scalenlp.cli.evaluate import perplexity
 from scalenlp.hardware import resident_bytes
-from scalenlp.models.loader import load
+from scalenlp.loader import load
 from scalenlp.models.packaged import packaged_model
 
 WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2" / "test.txt"

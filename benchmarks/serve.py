@@ -85,10 +85,10 @@ def timed(fn) -> float:
 def decode(args) -> None:
     import torch
 
-    from scalenlp.infer.engine import Engine, pick_dtype
-    from scalenlp.infer.sampling import SamplingParams
+    from scalenlp.engine.decoder_engine import Engine, pick_dtype
+    from scalenlp.engine.sampling import SamplingParams
     from scalenlp.models.hf import to_hf
-    from scalenlp.models.loader import load
+    from scalenlp.loader import load
 
     # One intra-op thread by default: on a machine shared with other work, OpenMP's barriers wait for
     # descheduled threads and make each small op cost milliseconds (both sides get the same setting).

@@ -33,7 +33,7 @@ import torch
 
 
 def serve_once(engine, batch: int, prompt: int, new: int, vocab: int) -> tuple[float, float, float]:
-    from scalenlp.infer.sampling import SamplingParams
+    from scalenlp.engine.sampling import SamplingParams
 
     first, last, done = [None] * batch, [None] * batch, [threading.Event() for _ in range(batch)]
 
@@ -90,9 +90,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    from scalenlp.infer.engine import Engine, pick_dtype
+    from scalenlp.engine.decoder_engine import Engine, pick_dtype
     from scalenlp.models.flavors import build_model, model_args
-    from scalenlp.models.loader import load
+    from scalenlp.loader import load
     from scalenlp.models.packaged import packaged_model
     from scalenlp.plan.cost import shape_of
     from scalenlp.plan.measure import measure_cpu

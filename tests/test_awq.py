@@ -7,17 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-import scalenlp.infer.awq
+import scalenlp.compress.awq
 from infer_helpers import SENTENCES, train_tokenizer
 from scalenlp.cli import main
-from scalenlp.infer.awq import awq
-from scalenlp.infer.llm import LLM
-from scalenlp.infer.prune import calibration_batches
-from scalenlp.infer.sampling import SamplingParams
+from scalenlp.compress.awq import awq
+from scalenlp.engine.llm import LLM
+from scalenlp.compress.calibration import calibration_batches
+from scalenlp.engine.sampling import SamplingParams
 from scalenlp.models.flavors import build_model, model_args
 from scalenlp.models.io import save_pretrained
-from scalenlp.models.loader import instantiate, load, read
-from scalenlp.models.quantized import Quantization, build_quantized
+from scalenlp.loader import instantiate, load, read
+from scalenlp.compress.quantized import Quantization, build_quantized
 
 torch.set_num_threads(1)
 SPEC = Quantization("int4", 32)
@@ -45,7 +45,7 @@ def text(tmp_path):
 
 
 def test_folded_scales_leave_the_float_model_unchanged(export, text, monkeypatch):
-    monkeypatch.setattr(scalenlp.infer.awq, "ALPHAS", (0.5,))  # every set scaled: each fold (GQA's v too) runs
+    monkeypatch.setattr(scalenlp.compress.awq, "ALPHAS", (0.5,))  # every set scaled: each fold (GQA's v too) runs
     pre = read(export)
     model = instantiate(pre, "cpu", torch.float32)
     tokens = torch.randint(0, 320, (2, 24))

@@ -18,12 +18,12 @@ from tokenizers import Tokenizer
 
 from scalenlp.data.chat import (ChatError, chat_template, encode_chat, end_of_turn_ids, render_chat,
                                 render_with_assistant_mask)
-from scalenlp.infer.backend import LocalBackend
+from scalenlp.serving.backend import LocalBackend
 from scalenlp.data.tokenizer import load_tokenizer
-from scalenlp.infer.engine import Engine
-from scalenlp.infer.generate import build_engine
-from scalenlp.infer.sampling import SamplingParams
-from scalenlp.infer.server import create_app
+from scalenlp.engine.decoder_engine import Engine
+from scalenlp.cli.generate import build_engine
+from scalenlp.engine.sampling import SamplingParams
+from scalenlp.serving.app import create_app
 from scalenlp.models.io import load_pretrained
 from scalenlp.models.packaged import packaged_model
 from scalenlp.parallel.mesh import free_port

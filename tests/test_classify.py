@@ -12,7 +12,7 @@ import torch
 from scalenlp.data.tokenizer import load_tokenizer
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.io import save_pretrained
-from scalenlp.models.loader import read
+from scalenlp.loader import read
 from scalenlp.models.packaged import packaged_model
 from train_helpers import error_lines, read_metrics, run_train
 

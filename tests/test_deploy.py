@@ -16,7 +16,7 @@ from referencing import Registry, Resource
 
 from scalenlp.cli import build_parser, main
 from scalenlp.config import load_config
-from scalenlp.deploy import RDZV_PORT
+from scalenlp.cli.deploy import RDZV_PORT
 
 K8S_VERSION = "1.35"  # the Kubernetes release the JobSet schema's references name (v1.35.3)
 DATA = Path(__file__).resolve().parent / "data"

@@ -9,7 +9,7 @@ from infer_helpers import SENTENCES, make_export
 from scalenlp.cli import main
 from scalenlp.models.hf import to_hf
 from scalenlp.models.io import load_pretrained
-from scalenlp.models.loader import read
+from scalenlp.loader import read
 from scalenlp.models.packaged import packaged_model
 
 torch.set_num_threads(1)

@@ -15,7 +15,7 @@ from scalenlp.config import load_config
 from scalenlp.data import DataLoader, TokenDataset, open_data, train_bpe
 from scalenlp.models.decoder import Transformer
 from scalenlp.models.io import save_pretrained
-from scalenlp.models.loader import load, read
+from scalenlp.loader import load, read
 from scalenlp.models.packaged import packaged_model
 
 torch.set_num_threads(1)

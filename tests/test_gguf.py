@@ -14,7 +14,7 @@ from scalenlp.data.tokenizer import EOS, train_bpe
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
 from scalenlp.models.gguf import read_gguf, write_gguf
-from scalenlp.models.loader import instantiate, load
+from scalenlp.loader import instantiate, load
 from scalenlp.models.packaged import packaged_model
 
 torch.set_num_threads(1)

@@ -12,7 +12,7 @@ from scalenlp.errors import UserError
 from scalenlp.models.flavors import build_model, model_args
 from scalenlp.models.hf import from_hf, to_hf
 from scalenlp.models.io import load_pretrained
-from scalenlp.models.loader import load
+from scalenlp.loader import load
 
 torch.set_num_threads(1)
 

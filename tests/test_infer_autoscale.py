@@ -11,8 +11,8 @@ import pytest
 import torch
 from infer_helpers import make_export
 
-from scalenlp.infer.cluster import LOCAL_RAY_ENV
-from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES
+from scalenlp.serving.cluster import LOCAL_RAY_ENV
+from scalenlp.serving.app import DEFAULT_MAX_BODY_BYTES
 from scalenlp.parallel.mesh import free_port
 
 pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
@@ -29,7 +29,7 @@ def replica_count() -> int:
 
 
 def test_load_above_the_target_adds_replicas_up_to_the_bound(tmp_path):
-    from scalenlp.infer import cluster
+    from scalenlp.serving import cluster
 
     export = make_export(tmp_path, max_seq_len=2048)
     args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=2, max_seq_len=None,

@@ -16,11 +16,11 @@ from infer_helpers import EOS, ServerThread, make_export
 
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.errors import UserError
-from scalenlp.infer.cluster import LOCAL_RAY_ENV, METRICS_PERIOD_S
-from scalenlp.infer.engine import Engine
-from scalenlp.infer.sampling import SamplingParams
-from scalenlp.infer.backend import generation_backend
-from scalenlp.infer.server import create_app
+from scalenlp.serving.cluster import LOCAL_RAY_ENV, METRICS_PERIOD_S
+from scalenlp.engine.decoder_engine import Engine
+from scalenlp.engine.sampling import SamplingParams
+from scalenlp.serving.backend import generation_backend
+from scalenlp.serving.app import create_app
 from scalenlp.models.io import load_pretrained
 from scalenlp.parallel.mesh import free_port
 
@@ -50,7 +50,7 @@ def serve_args(export) -> argparse.Namespace:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from scalenlp.infer import cluster
+    from scalenlp.serving import cluster
 
     export = make_export(tmp_path_factory.mktemp("ray"), max_seq_len=2048)
     (export / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "chat_template": CHAT_TEMPLATE}))
@@ -249,7 +249,7 @@ def test_chat_and_request_limits_answer_as_one_process_does(cluster):
 
 
 def test_without_ray_says_how_to_install(monkeypatch):
-    from scalenlp.infer import cluster
+    from scalenlp.serving import cluster
 
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(UserError, match=r"pip install 'scalenlp\[cluster\]'"):
@@ -257,7 +257,7 @@ def test_without_ray_says_how_to_install(monkeypatch):
 
 
 def test_replica_options_fixed_or_autoscaling():
-    from scalenlp.infer.cluster import replica_options
+    from scalenlp.serving.cluster import replica_options
 
     fixed = replica_options(2, None, max_batch=4, replica_cpus=0.5)
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed

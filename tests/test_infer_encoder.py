@@ -18,11 +18,11 @@ import torch
 from infer_helpers import ServerThread, make_export, wait_healthy
 
 from scalenlp.cli import main
-from scalenlp.infer.backend import LocalBackend
-from scalenlp.infer.encoder_api import EncoderBackend
-from scalenlp.infer.encoder_engine import EncoderEngine, encoder_from_checkpoint
-from scalenlp.infer.engine import QueueFull
-from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES, create_app
+from scalenlp.serving.backend import LocalBackend
+from scalenlp.serving.encoder import EncoderBackend
+from scalenlp.engine.encoder_engine import EncoderEngine, encoder_from_checkpoint
+from scalenlp.engine.decoder_engine import QueueFull
+from scalenlp.serving.app import DEFAULT_MAX_BODY_BYTES, create_app
 from scalenlp.models import loader
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.io import save_pretrained
@@ -183,7 +183,7 @@ def test_api_key_and_dimensions_equal(minilm):
 
 
 def test_encoder_routes_on_a_decoder(tmp_path):
-    from scalenlp.infer.llm import engine_from_checkpoint
+    from scalenlp.engine.llm import engine_from_checkpoint
 
     engine = engine_from_checkpoint(make_export(tmp_path), dtype="float32", max_batch=1)
     server = ServerThread(create_app(LocalBackend(engine, "dec")))
@@ -274,7 +274,7 @@ def test_serve_command_picks_the_encoder(classifier, tmp_path):
 
 
 def test_a_batch_takes_the_oldest_requests_shortest_texts():
-    from scalenlp.infer.encoder_engine import Job, split_batch
+    from scalenlp.engine.encoder_engine import Job, split_batch
 
     first, second = Job("embed", [[0] * n for n in (9, 1, 30, 8)]), Job("embed", [[0] * n for n in (29, 2, 10, 31)])
     queue = [(first, i) for i in range(4)] + [(second, i) for i in range(4)]
@@ -293,7 +293,7 @@ def test_replicas_on_ray_serve(classifier):
     import os
 
     pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
-    from scalenlp.infer import cluster
+    from scalenlp.serving import cluster
     from scalenlp.parallel.mesh import free_port
 
     os.environ.update(cluster.LOCAL_RAY_ENV)

@@ -8,13 +8,13 @@ import torch
 from infer_helpers import make_export
 
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
-from scalenlp.infer.engine import Engine, QueueFull, RequestError
+from scalenlp.engine.decoder_engine import Engine, QueueFull, RequestError
 from scalenlp.errors import UserError
-from scalenlp.infer.packing import can_pack, pack_linears
-from scalenlp.infer.prune import prune
-from scalenlp.infer.sampling import SamplingBatch, SamplingParams, sample, uniform_from
+from scalenlp.engine.packing import can_pack, pack_linears
+from scalenlp.compress.prune import prune
+from scalenlp.engine.sampling import SamplingBatch, SamplingParams, sample, uniform_from
 from scalenlp.models.io import load_pretrained, save_pretrained
-from scalenlp.models.quantized import Quantization, build_quantized
+from scalenlp.compress.quantized import Quantization, build_quantized
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

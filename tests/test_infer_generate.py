@@ -10,9 +10,9 @@ from infer_helpers import make_export
 
 from scalenlp.cli import main
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
-from scalenlp.infer.engine import Engine
-from scalenlp.infer.generate import build_engine
-from scalenlp.infer.sampling import SamplingParams
+from scalenlp.engine.decoder_engine import Engine
+from scalenlp.cli.generate import build_engine
+from scalenlp.engine.sampling import SamplingParams
 from scalenlp.models.io import load_pretrained, save_pretrained
 
 torch.set_num_threads(1)

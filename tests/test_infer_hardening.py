@@ -18,12 +18,12 @@ from infer_helpers import ServerThread, make_export
 from scalenlp.cli import main
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.errors import UserError
-from scalenlp.infer import backend as backend_module
-from scalenlp.infer.backend import LocalBackend
-from scalenlp.infer.engine import Engine
-from scalenlp.infer.sampling import SamplingParams
-from scalenlp.infer.serve import API_KEY_ENV, api_key_of
-from scalenlp.infer.server import create_app
+from scalenlp.serving import backend as backend_module
+from scalenlp.serving.backend import LocalBackend
+from scalenlp.engine.decoder_engine import Engine
+from scalenlp.engine.sampling import SamplingParams
+from scalenlp.cli.serve import API_KEY_ENV, api_key_of
+from scalenlp.serving.app import create_app
 from scalenlp.models.io import load_pretrained
 from scalenlp.parallel.mesh import free_port
 
@@ -363,7 +363,7 @@ def test_a_replica_with_a_dead_engine_fails_its_health_check():
     """Ray Serve calls check_health on each replica and replaces one that raises."""
     from types import SimpleNamespace
 
-    from scalenlp.infer.cluster import EngineReplica
+    from scalenlp.serving.cluster import EngineReplica
 
     EngineReplica.check_health(SimpleNamespace(engine=SimpleNamespace(alive=True)))
     with pytest.raises(RuntimeError, match="engine stopped"):

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from infer_helpers import make_export
 
-from scalenlp.infer.cluster import LOCAL_RAY_ENV
+from scalenlp.serving.cluster import LOCAL_RAY_ENV
 from scalenlp.parallel.mesh import free_port, free_ports
 
 pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out

@@ -11,9 +11,9 @@ import torch
 from infer_helpers import ServerThread, make_export
 
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
-from scalenlp.infer.backend import LocalBackend
-from scalenlp.infer.engine import Engine
-from scalenlp.infer.server import create_app
+from scalenlp.serving.backend import LocalBackend
+from scalenlp.engine.decoder_engine import Engine
+from scalenlp.serving.app import create_app
 from scalenlp.models.io import load_pretrained
 
 torch.set_num_threads(1)

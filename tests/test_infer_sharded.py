@@ -12,11 +12,11 @@ from infer_helpers import make_export, wait_healthy
 from train_helpers import HANG_GUARD_S, cli_env, error_lines
 
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
-from scalenlp.infer.engine import Engine
-from scalenlp.infer.sampling import SamplingParams
+from scalenlp.engine.decoder_engine import Engine
+from scalenlp.engine.sampling import SamplingParams
 from scalenlp.models.io import load_pretrained
 from scalenlp.parallel.mesh import free_port
-from scalenlp.train import faults
+from scalenlp import faults
 
 torch.set_num_threads(1)
 PROMPTS = ["the quick brown fox", "hello", "continuous batching lets requests join", "a"]
@@ -97,7 +97,7 @@ def test_a_follower_that_dies_is_reported_to_the_engine_with_its_exit_code():
     import multiprocessing
     import threading
 
-    from scalenlp.infer.sharded import Followers
+    from scalenlp.engine.sharded import Followers
 
     ctx = multiprocessing.get_context("spawn")
     reports, _ = ctx.Pipe(duplex=False)
@@ -114,7 +114,7 @@ def test_a_follower_that_dies_is_reported_to_the_engine_with_its_exit_code():
 def test_a_follower_that_dies_while_rank_0_loads_ends_rank_0_with_one_line():
     """No engine yet (rank 0 loading, or waiting for the others to join): nothing is in flight, rank 0 exits 1."""
     script = ("import multiprocessing, time, sys\n"
-              "from scalenlp.infer.sharded import Followers\n"
+              "from scalenlp.engine.sharded import Followers\n"
               "if __name__ == '__main__':\n"
               "    ctx = multiprocessing.get_context('spawn')\n"
               "    p = ctx.Process(target=sys.exit, args=(3,)); p.start()\n"

@@ -7,7 +7,7 @@ import pytest
 
 from scalenlp.config import ConfigError, load_config
 from scalenlp.errors import UserError
-from scalenlp.infer.sharded import check_tp
+from scalenlp.engine.sharded import check_tp
 from scalenlp.layout import SCHEDULES, Layout
 from scalenlp.models.flavors import model_args
 from scalenlp.parallel.pipeline import SCHEDULES as SCHEDULE_CLASSES

@@ -147,7 +147,7 @@ def test_losing_a_node_continues_from_the_checkpoint_with_nothing_lost(tmp_path,
 def test_the_endpoint_machine_hosts_the_rendezvous(two_hosts):
     # torchrun's own guess compares host names, which every namespace shares; the address decides here.
     a, b = two_hosts
-    probe = f"from scalenlp.train.command import _is_own_address as own; print(own('{a.address}:{RDZV_PORT}'))"
+    probe = f"from scalenlp.cli.train import _is_own_address as own; print(own('{a.address}:{RDZV_PORT}'))"
     answers = [subprocess.run(h.command([sys.executable, "-c", probe]), capture_output=True, text=True,
                               env=cli_env(), check=True).stdout.strip() for h in (a, b)]
     assert answers == ["True", "False"]

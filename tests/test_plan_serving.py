@@ -35,7 +35,7 @@ def test_kv_cache_and_weights_per_device():
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # untied; tied, with learned positions
 def test_quantized_weight_bytes_are_those_scalenlp_quantize_writes(method, family):
     from scalenlp.models.flavors import build_model, parse_shape, shape_args
-    from scalenlp.models.quantized import linears_of, quantization_of, quantize_embedding, quantize_state
+    from scalenlp.compress.quantized import linears_of, quantization_of, quantize_embedding, quantize_state
 
     # Wide enough that what the planner leaves out (scales per output channel, biases) is under 2%.
     spec = f"hidden=512,layers=2,heads=4,ffn=1024,vocab_size=512,family={family}"

@@ -14,14 +14,15 @@ from torch import nn
 
 from scalenlp.cli import main
 from scalenlp.errors import UserError
-from scalenlp.infer.evaluate import perplexity
-from scalenlp.infer.llm import LLM
-from scalenlp.infer.prune import calibration_batches, prunable, prune, sparsity
-from scalenlp.infer.sampling import SamplingParams
+from scalenlp.cli.evaluate import perplexity
+from scalenlp.engine.llm import LLM
+from scalenlp.compress.calibration import calibration_batches
+from scalenlp.compress.prune import prunable, prune, sparsity
+from scalenlp.engine.sampling import SamplingParams
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.flavors import build_model, model_args
 from scalenlp.models.io import save_pretrained
-from scalenlp.models.loader import load
+from scalenlp.loader import load
 
 torch.set_num_threads(1)
 DATA = next((p / "shared" / "data" for p in Path(__file__).resolve().parents[1:] if (p / "shared" / "data").is_dir()),

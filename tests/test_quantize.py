@@ -19,17 +19,17 @@ from torch import nn
 
 from infer_helpers import make_export, train_tokenizer
 from scalenlp.cli import main
-from scalenlp.infer.quantize import METHOD_CHOICES
-from scalenlp.infer.llm import LLM
-from scalenlp.infer.packing import PackedInt8Linear, pack_linears
-from scalenlp.infer.sampling import SamplingParams
-from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES
+from scalenlp.cli.quantize import METHOD_CHOICES
+from scalenlp.engine.llm import LLM
+from scalenlp.engine.packing import PackedInt8Linear, pack_linears
+from scalenlp.engine.sampling import SamplingParams
+from scalenlp.serving.app import DEFAULT_MAX_BODY_BYTES
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.flavors import build_model, model_args
 from scalenlp.models.io import save_pretrained
-from scalenlp.models.loader import instantiate, load, read
+from scalenlp.loader import instantiate, load, read
 from scalenlp.models.packaged import packaged_model
-from scalenlp.models.quantized import (METHODS, QUANTIZATION, Int4Linear, Int8DynamicLinear, Int8Linear, Quantization,
+from scalenlp.compress.quantized import (METHODS, QUANTIZATION, Int4Linear, Int8DynamicLinear, Int8Linear, Quantization,
                                        QuantizedLinear, empty_linear, int4_from_gguf, quantize_weight, unpack_int4)
 
 torch.set_num_threads(1)
@@ -391,7 +391,7 @@ def test_the_command_lists_the_methods_the_models_module_has():
 def test_quantized_replicas_on_ray_serve_answer_as_the_local_engine(tmp_path):
     """`serve --replicas` with --quantize: each replica quantizes at load, and answers as a local engine does."""
     pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
-    from scalenlp.infer import cluster
+    from scalenlp.serving import cluster
     from scalenlp.parallel.mesh import free_port
 
     os.environ.update(cluster.LOCAL_RAY_ENV)

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from scalenlp.config import load_config
 from scalenlp.parallel.mesh import ParallelDims
-from scalenlp.train import checkpoint, faults, recovery, watchdog
+from scalenlp import faults
+from scalenlp.train import checkpoint, recovery, watchdog
 from scalenlp.train.checkpoint import Checkpointer, read_train_state
 from scalenlp.train.metrics import MetricsWriter
 from scalenlp.train.trainer import train

@@ -23,9 +23,9 @@ _EXPORTS = {
     "ParallelConfig": "scalenlp.config", "ConfigError": "scalenlp.config", "load_config": "scalenlp.config",
     "UserError": "scalenlp.errors",
     "Trainer": "scalenlp.train.trainer", "train": "scalenlp.train.trainer",
-    "load": "scalenlp.models.loader", "read": "scalenlp.models.loader", "Pretrained": "scalenlp.models.pretrained",
-    "Engine": "scalenlp.infer.engine", "SamplingParams": "scalenlp.infer.sampling", "LLM": "scalenlp.infer.llm",
-    "plan": "scalenlp.plan.command", "Plan": "scalenlp.plan.command",
+    "load": "scalenlp.loader", "read": "scalenlp.loader", "Pretrained": "scalenlp.models.pretrained",
+    "Engine": "scalenlp.engine.decoder_engine", "SamplingParams": "scalenlp.engine.sampling", "LLM": "scalenlp.engine.llm",
+    "plan": "scalenlp.plan.planner", "Plan": "scalenlp.plan.planner",
 }
 __all__ = ["__version__", *_EXPORTS]
 

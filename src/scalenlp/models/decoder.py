@@ -234,7 +234,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.bias)
         self.cache: KVCache | None = None
-        # Inference packing (scalenlp.infer.packing) may replace wq, wk and wv by one matmul: at decode time
+        # Inference packing (scalenlp.engine.packing) may replace wq, wk and wv by one matmul: at decode time
         # each weight is read once per token, and one wide product streams them better than three.
         self.wqkv: nn.Module | None = None
         self.qkv_heads: list[int] = []  # its output's split into query, key and value heads

@@ -36,7 +36,7 @@ Q = gguf.GGMLQuantizationType
 READ_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 WRITE_TYPES = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32), "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
                "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
-BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # kept raw too (Pretrained.blocks), for models.quantized to map
+BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # kept raw too (Pretrained.blocks), for compress.quantized to map
 ROPE_FREQS = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
 # Llama 3.1's and 3.2's original context: the divisors fix only ratios to it, and llama.cpp's converter does not
 # store it, so a file without rope.scaling.original_context_length is read as one of those models.

@@ -39,7 +39,7 @@ def save_pretrained(model: Transformer | Encoder, out_dir: str | Path, tokenizer
     state = model.state_dict()
     with torch.device("meta"):
         missing = [k for k in type(model)(model.args).state_dict() if k not in state]
-    if missing:  # the export would not load; an Engine's packing (infer/packing.py) turns linear weights into buffers
+    if missing:  # the export would not load; an Engine's packing (engine/packing.py) turns linear weights into buffers
         raise UserError(f"cannot save the model: it has no {missing[0]}, as when an Engine packs it for inference; "
                         f"save the model as loaded, before building an Engine on it")
     with replacing_folder(out_dir) as tmp:

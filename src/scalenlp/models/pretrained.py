@@ -24,7 +24,7 @@ class Pretrained:
     tokenizer_config: dict = field(default_factory=dict)  # bos_token, eos_token, chat_template, add_bos_token
     source: str = "export"  # export | hf | gguf
     path: Path = Path()
-    quantization: Any = None  # a models.quantized.Quantization for a quantized export
+    quantization: Any = None  # a compress.quantized.Quantization for a quantized export
     # GGUF only: our weight name -> (GGML type name, the raw blocks as uint8 rows) for the Q4_0/Q4_1/Q8_0 weights,
     # which quantization may take as they are instead of rounding the dequantized floats again.
     blocks: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)

@@ -72,7 +72,7 @@ SERVING_SHAPES = tuple((m, n, k) for m in (1, 4, 16, 64, 256, 1024) for n, k in 
 def serving_matmul_rates(dtype: torch.dtype, shapes=SERVING_SHAPES,
                          working_set: int = 256 * 2**20) -> list[tuple[tuple[int, int, int], float]]:
     """Rates of inference's matmuls as a decode step runs them: through the engine's linear layers (pre-packed for
-    oneDNN where the engine packs them, scalenlp.infer.packing), each call on the next of enough weight copies to
+    oneDNN where the engine packs them, scalenlp.engine.packing), each call on the next of enough weight copies to
     fill ``working_set`` bytes (8x a 32 MiB last-level cache), so that the weights come from memory, as a served
     model's do, and not from the cache one reused matrix stays in. On the development machine (bf16, one thread)
     a packed 1024x1024 weight at one row ran at 31 GFLOP/s from the cache and 8 from memory, at 16 rows 161 and
@@ -80,7 +80,7 @@ def serving_matmul_rates(dtype: torch.dtype, shapes=SERVING_SHAPES,
     priced a decode step of SmolLM2 from it 11-26% below what the engine took."""
     from torch import nn
 
-    from scalenlp.infer.packing import PackedLinear, can_pack
+    from scalenlp.engine.packing import PackedLinear, can_pack
 
     pools, out = {}, []
     with torch.no_grad():
@@ -147,7 +147,7 @@ def _debug_engine(layers: int, batch: int, dtype: torch.dtype, new: int, prompt:
     (``widths``: model.* shape keys that widen it where the arithmetic is what is timed)."""
     from tokenizers import Tokenizer, models
 
-    from scalenlp.infer.engine import Engine
+    from scalenlp.engine.decoder_engine import Engine
     from scalenlp.models.flavors import build_model, model_args
 
     vocab = 64
@@ -160,7 +160,7 @@ def _debug_engine(layers: int, batch: int, dtype: torch.dtype, new: int, prompt:
 def _serve(engine, batch: int, prompt: int, new: int) -> tuple[float, list[list[float]]]:
     """Submit ``batch`` greedy requests of ``prompt`` tokens for ``new`` tokens each, together (their prompts
     prefill as one batch), and wait for all: the submit time and each request's token times."""
-    from scalenlp.infer.sampling import SamplingParams
+    from scalenlp.engine.sampling import SamplingParams
 
     stamps, done = [[] for _ in range(batch)], threading.Event()
 
@@ -185,7 +185,7 @@ def _tpot(engine, batch: int, new: int) -> float:
 
 
 def engine_overheads(dtype: torch.dtype, batch: int = 16, layers: int = 9, new: int = 24) -> dict[str, float]:
-    """A decode step's host time outside its arithmetic, through the engine itself (scalenlp.infer.engine: the
+    """A decode step's host time outside its arithmetic, through the engine itself (scalenlp.engine.decoder_engine: the
     loop's own tensors, each layer's ~50 small ops, the sampler, detokenizing and each request's callback), in the
     serving dtype with the engine's packed weights: the step time of the debug model (_debug_engine) at 1 and
     ``layers`` layers and 1 and ``batch`` sequences, four points that give four figures: per layer and per step,
@@ -291,7 +291,7 @@ def sample_time_per_logit(dtype: torch.dtype, batch: int = 16) -> float:
     """Seconds per logit of picking a decode step's tokens (the engine's gather of each row's logits, then the
     sampler: float conversion and argmax, greedy) over a 32k vocabulary, less the same at 1k (the sampler's fixed
     cost, which engine_overheads counts)."""
-    from scalenlp.infer.sampling import SamplingBatch, SamplingParams, sample
+    from scalenlp.engine.sampling import SamplingBatch, SamplingParams, sample
 
     params = SamplingBatch.build([SamplingParams(temperature=0)] * batch, [0] * batch, [0] * batch, "cpu")
     index = torch.arange(batch)

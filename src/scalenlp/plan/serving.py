@@ -34,7 +34,7 @@ from scalenlp.plan.cost import (ELEMENT_BYTES, ModelShape, _gemm_time, activatio
 # Bytes per weight: the serving precision's, or a quantized width: int8 one byte (a scale per output channel is
 # negligible), int4 two weights a byte plus a bf16 scale and zero per group of 64 (`scalenlp quantize`'s default).
 WEIGHT_BYTES = {**ELEMENT_BYTES, "int8": 1.0, "int4": 0.5 + 4 / 64}
-# What a quantized model keeps outside its blocks (models/quantized.py, infer/sharded.py), whole on every
+# What a quantized model keeps outside its blocks (compress/quantized.py, engine/sharded.py), whole on every
 # tensor-parallel rank: the output projection in int8 (int4 included), and the token embedding table in int8 too, or
 # nothing more when tied (it is looked up in the output projection); learned positions at the serving precision.
 TABLES_QUANTIZED = "int8"

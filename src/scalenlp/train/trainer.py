@@ -35,13 +35,14 @@ from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.flavors import SIZES, build_model, shape_args, shape_spec
 from scalenlp.models.io import build_decoder, save_pretrained
-from scalenlp.models.loader import read
+from scalenlp.loader import read
 from scalenlp.models.pretrained import Pretrained
 from scalenlp.parallel.mesh import ParallelDims, barrier, build_mesh, device_type, dp_rank, init_distributed
 from scalenlp.parallel.data_parallel import skip_gradient_sync
 from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, loss_context, parallelize
 from scalenlp.parallel.pipeline import build_pipeline
-from scalenlp.train import faults, recovery, watchdog
+from scalenlp import faults
+from scalenlp.train import recovery, watchdog
 from scalenlp.train.checkpoint import STATE_FILE, Checkpointer, load_full_model, read_train_state
 from scalenlp.train.guard import StepCheck, StopRequest, check_step, weights_finite
 from scalenlp.train.classify import (build_classifier, classification_loss, classifier_args, evaluate_classifier,

@@ -21,7 +21,7 @@ from scalenlp.models.hf import read_hf_config, read_hf_folder
 from scalenlp.models.hf_bert import read_bert_folder
 from scalenlp.models.io import ARGS, build, read_export
 from scalenlp.models.pretrained import Pretrained
-from scalenlp.models.quantized import Quantization, build_quantized, read_quantization
+from scalenlp.compress.quantized import Quantization, build_quantized, read_quantization
 
 
 def checkpoint_kind(path: str | Path) -> tuple[str, Path]:
@@ -61,7 +61,7 @@ def instantiate(pre: Pretrained, device: str | torch.device = "cpu", dtype: torc
                 quantize: Quantization | None = None, shard=None) -> nn.Module:
     """Build the model on the meta device and assign the checkpoint's tensors to it; ``quantize`` swaps its
     linears for quantized ones (a quantized export is built quantized without it). ``shard``: a quantized
-    model's tensor-parallel slicing (``models.quantized.build_quantized``)."""
+    model's tensor-parallel slicing (``compress.quantized.build_quantized``)."""
     if quantize is not None and pre.quantization is not None:
         raise UserError(f"{pre.path} is already quantized ({pre.quantization.describe()}); load it without "
                         f"--quantize, or quantize its floating-point original")

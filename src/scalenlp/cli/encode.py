@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from scalenlp.infer.quantize import add_load_arguments
+from scalenlp.cli.quantize import add_load_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from scalenlp.errors import UserError
-    from scalenlp.infer.encoder_engine import encoder_from_checkpoint
-    from scalenlp.infer.engine import RequestError
+    from scalenlp.engine.encoder_engine import encoder_from_checkpoint
+    from scalenlp.engine.decoder_engine import RequestError
 
     kind = "classify" if args.command == "classify" else "embed"
     engine = encoder_from_checkpoint(args.checkpoint, dtype=args.dtype, device=args.device,

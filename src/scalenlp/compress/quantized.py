@@ -102,7 +102,7 @@ def int4_grouped(w: torch.Tensor, group_size: int,
     candidate grids, the one whose rounded weights lie nearest its own (least squared error, scale and zero as
     stored): its min..max range shrunk about the middle by each of ``CLIP_RATIOS`` (clipping a few outliers buys
     a finer step for the rest), and from each, ``REFITS`` rounds of refitting scale and zero by least squares to
-    the codes the last grid gave. ``gram`` (K, K), X^T X of calibration inputs X (``scalenlp.infer.awq``), makes
+    the codes the last grid gave. ``gram`` (K, K), X^T X of calibration inputs X (``scalenlp.compress.awq``), makes
     "nearest" the group's error in the layer's output on them instead, d^T X_g^T X_g d for a rounding error d."""
     w = w.float()
     N, K = w.shape

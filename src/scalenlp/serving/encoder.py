@@ -17,7 +17,7 @@ import functools
 from typing import Any, Literal
 
 from scalenlp.errors import UserError
-from scalenlp.infer.api import APIError, error_responses
+from scalenlp.serving.protocol import APIError, error_responses
 
 ENCODER_ONLY = "this model is an encoder: use /v1/embeddings or /v1/classify"
 DECODER_ONLY = "this model is a decoder (it generates text): use /v1/completions or /v1/chat/completions"
@@ -106,7 +106,7 @@ class EncoderBackend(EncoderOnly):
 
     async def _run(self, kind: str, inputs: list[str | list[int]]):
         """(rows of the engine's output, the token ids they came from)."""
-        from scalenlp.infer.engine import EngineDead, QueueFull, RequestError
+        from scalenlp.engine.decoder_engine import EngineDead, QueueFull, RequestError
 
         try:
             # Tokenizing thousands of texts takes a while, and the tokenizer lets go of the GIL meanwhile.
@@ -201,6 +201,6 @@ def add_encoder_routes(app, backend, check_model) -> None:
 
 
 def build_encoder_backend(args, model_name: str) -> EncoderBackend:
-    from scalenlp.infer.encoder_engine import encoder_from_checkpoint
+    from scalenlp.engine.encoder_engine import encoder_from_checkpoint
 
     return EncoderBackend(encoder_from_checkpoint(args.checkpoint, **engine_options(args)), model_name)

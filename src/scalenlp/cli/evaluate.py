@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from scalenlp.errors import UserError
-from scalenlp.infer.quantize import add_load_arguments
+from scalenlp.cli.quantize import add_load_arguments
 
 
 @dataclass
@@ -104,8 +104,8 @@ def read_questions(path: str) -> list[dict]:
 
 def chat_accuracy(args) -> int:
     """Greedy answers to every question, all in one continuous batch, and the share that is right."""
-    from scalenlp.infer.llm import LLM
-    from scalenlp.infer.sampling import SamplingParams
+    from scalenlp.engine.llm import LLM
+    from scalenlp.engine.sampling import SamplingParams
 
     questions = read_questions(args.chat)
     start = time.perf_counter()
@@ -131,10 +131,10 @@ def chat_accuracy(args) -> int:
 def run(args) -> int:
     import torch
 
-    from scalenlp.infer.engine import pick_device, pick_dtype
+    from scalenlp.engine.decoder_engine import pick_device, pick_dtype
     from scalenlp.models.decoder import Transformer
-    from scalenlp.models.loader import load
-    from scalenlp.models.quantized import quantization_of
+    from scalenlp.loader import load
+    from scalenlp.compress.quantized import quantization_of
 
     if args.chat:
         return chat_accuracy(args)

@@ -53,7 +53,7 @@ def new_output(path: str) -> Path:
 
 
 def run(args) -> int:
-    from scalenlp.models.loader import load
+    from scalenlp.loader import load
 
     out = new_output(args.out)
     if args.format == "gguf" and out.suffix != ".gguf":

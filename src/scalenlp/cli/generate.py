@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from scalenlp.infer.quantize import add_load_arguments
+from scalenlp.cli.quantize import add_load_arguments
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_engine(args, max_queue: int = 64):
     """The engine the engine options name (see ``add_engine_arguments``), built as the Python API builds it."""
-    from scalenlp.infer.llm import engine_from_checkpoint
+    from scalenlp.engine.llm import engine_from_checkpoint
 
     return engine_from_checkpoint(args.checkpoint, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
                                   max_seq_len=args.max_seq_len, compile=args.compile, tp=args.tp, max_queue=max_queue,
@@ -64,8 +64,8 @@ def stream_to_stdout(engine, prompt_ids: list[int], params) -> tuple[str, str]:
 
 def run(args) -> int:
     from scalenlp.errors import UserError
-    from scalenlp.infer.engine import RequestError, check_text
-    from scalenlp.infer.sampling import InvalidParam, SamplingParams
+    from scalenlp.engine.decoder_engine import RequestError, check_text
+    from scalenlp.engine.sampling import InvalidParam, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop)

@@ -17,11 +17,11 @@ import torch
 
 from scalenlp.data.chat import encode_chat, end_of_text_id, end_of_turn_ids
 from scalenlp.errors import UserError
-from scalenlp.infer.engine import Engine, pick_device, pick_dtype
-from scalenlp.infer.sampling import SamplingParams
+from scalenlp.engine.decoder_engine import Engine, pick_device, pick_dtype
+from scalenlp.engine.sampling import SamplingParams
 from scalenlp.models.encoder import EncoderArgs
-from scalenlp.models.loader import instantiate, read
-from scalenlp.models.quantized import quantization_of
+from scalenlp.loader import instantiate, read
+from scalenlp.compress.quantized import quantization_of
 
 
 def engine_from_checkpoint(checkpoint: str | Path, *, dtype: str = "auto", device: str | None = None,
@@ -42,7 +42,7 @@ def engine_from_checkpoint(checkpoint: str | Path, *, dtype: str = "auto", devic
         raise UserError(f"{checkpoint} is an encoder; it embeds and classifies text but does not generate it")
     torch_device = torch.device(device) if device else pick_device()
     if tp > 1:
-        from scalenlp.infer.sharded import start_sharded  # starts processes: only when asked for
+        from scalenlp.engine.sharded import start_sharded  # starts processes: only when asked for
 
         model = start_sharded(pre, tp, dtype, spec)
     else:

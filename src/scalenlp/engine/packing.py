@@ -15,10 +15,12 @@ import sys
 import torch
 from torch import nn
 
-from scalenlp.models.quantized import CPU_INT4_ROWS, KERNEL_DTYPE, Int8Linear, add_bias, rows_of
+from scalenlp.compress.quantized import CPU_INT4_ROWS, KERNEL_DTYPE, Int8Linear, add_bias, rows_of
 
 
 class PackedLinear(nn.Module):
+    packed_for_inference = True  # read by compress.prune, which refuses packed models without importing the engine
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -45,6 +47,7 @@ class PackedInt8Linear(nn.Module):
     multiplies 2K inputs, which only streaming one row hides; with more rows the int8 kernel was faster (SmolLM2
     through the engine, per-round median against fp32: batch 1 1.57x -> 2.07x, batch 8 1.42x -> 1.22x; a
     512-token prefill 1.9 -> 3.0 s CPU, fp32 1.5): ``pack_linears`` runs the output projection alone this way."""
+    packed_for_inference = True
 
     def __init__(self, linear: Int8Linear):
         super().__init__()
@@ -147,8 +150,3 @@ def pack_linears(model: nn.Module) -> int:
               "4-bit halves)", file=sys.stderr, flush=True)
     return swapped
 
-
-def packed_module(model: nn.Module) -> str | None:
-    """The name of the first linear that inference packing replaced, or None: a packed model's linear weights
-    are no longer parameters, so whatever reads or rewrites them (pruning, quantization) cannot work on it."""
-    return next((name for name, m in model.named_modules() if isinstance(m, (PackedLinear, PackedInt8Linear))), None)

@@ -1,6 +1,6 @@
 """Activation-aware int4 rounding (AWQ: Lin et al. 2023, "AWQ: Activation-aware Weight Quantization for LLM
 Compression and Acceleration"), for ``scalenlp quantize --calibration``. The result is an ordinary float model
-whose int4 rounding loses less, so the export keeps ``models.quantized``'s Int4Linear layout and kernels.
+whose int4 rounding loses less, so the export keeps ``compress.quantized``'s Int4Linear layout and kernels.
 
     model = instantiate(pre, "cpu", torch.float32)
     grams = awq(model, calibration_batches("valid.txt", pre.tokenizer, 32, 512), Quantization("int4", 64))
@@ -36,7 +36,7 @@ from torch import nn
 
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import Transformer
-from scalenlp.models.quantized import Quantization, check_shapes, dequantize_int4, int4_grouped, linears_of
+from scalenlp.compress.quantized import Quantization, check_shapes, dequantize_int4, int4_grouped, linears_of
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 from scalenlp.errors import UserError
-from scalenlp.infer.backend import LocalBackend, generation_backend
-from scalenlp.infer.encoder_api import add_encoder_arguments, build_encoder_backend
-from scalenlp.infer.generate import add_engine_arguments
-from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES, create_app
+from scalenlp.serving.backend import LocalBackend, generation_backend
+from scalenlp.serving.encoder import add_encoder_arguments, build_encoder_backend
+from scalenlp.cli.generate import add_engine_arguments
+from scalenlp.serving.app import DEFAULT_MAX_BODY_BYTES, create_app
 
 API_KEY_ENV = "SCALENLP_API_KEY"
 
@@ -75,13 +75,13 @@ def run(args) -> int:
     args.model_name = args.model_name or default_model_name(args.checkpoint)
     if args.replicas:
         # Ray is an optional extra, and a heavy import: only --replicas needs it.
-        from scalenlp.infer.cluster import serve_replicas
+        from scalenlp.serving.cluster import serve_replicas
 
         return serve_replicas(args)
     # Heavy, and not needed by `scalenlp --help`, which imports this module.
     import uvicorn
 
-    from scalenlp.infer.encoder_engine import is_encoder
+    from scalenlp.engine.encoder_engine import is_encoder
 
     if is_encoder(args.checkpoint):
         backend = build_encoder_backend(args, args.model_name)

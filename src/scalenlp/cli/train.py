@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         args.overrides.append(f"monitor.metrics_port={args.metrics_port}")
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir or Path("runs") / (cfg.model.flavor or "custom"))
-    from scalenlp.models.loader import read
+    from scalenlp.loader import read
     from scalenlp.train.trainer import train, validate_run
 
     nodes = node_counts(args)

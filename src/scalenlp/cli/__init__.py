@@ -14,18 +14,18 @@ import sys
 from scalenlp.errors import UserError
 
 COMMANDS = {
-    "train": ("scalenlp.train.command", "pre-train a language model (single process or --nproc N)"),
-    "generate": ("scalenlp.infer.generate", "generate text from a checkpoint, streaming to the terminal"),
-    "chat": ("scalenlp.infer.chat", "talk to a chat model in the terminal (its chat template, streaming answers)"),
-    "serve": ("scalenlp.infer.serve", "OpenAI-compatible HTTP server (sharded with --tp, replicas with --replicas)"),
-    "eval": ("scalenlp.infer.evaluate", "perplexity of a language model over a text file (sliding windows)"),
-    "classify": ("scalenlp.infer.encode", "label texts with a classification encoder (label and probabilities)"),
-    "embed": ("scalenlp.infer.encode", "sentence embeddings of texts from an encoder (pooled as its folder says)"),
-    "export": ("scalenlp.models.export", "write a checkpoint as a Hugging Face folder or a GGUF file"),
-    "quantize": ("scalenlp.infer.quantize", "write a checkpoint with int8 or int4 weights that every command loads"),
-    "prune": ("scalenlp.infer.prune_command", "prune a checkpoint (magnitude, wanda, 2:4 or structured) to an export"),
-    "plan": ("scalenlp.plan.command", "which parallel layout fits a model on a cluster, and how fast it runs"),
-    "deploy": ("scalenlp.deploy", "write Kubernetes manifests for a training job or a server (deploy k8s)"),
+    "train": ("scalenlp.cli.train", "pre-train a language model (single process or --nproc N)"),
+    "generate": ("scalenlp.cli.generate", "generate text from a checkpoint, streaming to the terminal"),
+    "chat": ("scalenlp.cli.chat", "talk to a chat model in the terminal (its chat template, streaming answers)"),
+    "serve": ("scalenlp.cli.serve", "OpenAI-compatible HTTP server (sharded with --tp, replicas with --replicas)"),
+    "eval": ("scalenlp.cli.evaluate", "perplexity of a language model over a text file (sliding windows)"),
+    "classify": ("scalenlp.cli.encode", "label texts with a classification encoder (label and probabilities)"),
+    "embed": ("scalenlp.cli.encode", "sentence embeddings of texts from an encoder (pooled as its folder says)"),
+    "export": ("scalenlp.cli.export", "write a checkpoint as a Hugging Face folder or a GGUF file"),
+    "quantize": ("scalenlp.cli.quantize", "write a checkpoint with int8 or int4 weights that every command loads"),
+    "prune": ("scalenlp.cli.prune", "prune a checkpoint (magnitude, wanda, 2:4 or structured) to an export"),
+    "plan": ("scalenlp.cli.plan", "which parallel layout fits a model on a cluster, and how fast it runs"),
+    "deploy": ("scalenlp.cli.deploy", "write Kubernetes manifests for a training job or a server (deploy k8s)"),
 }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from scalenlp.infer.generate import add_engine_arguments
+from scalenlp.cli.generate import add_engine_arguments
 
 RESET, EXIT = "/reset", "/exit"
 
@@ -46,9 +46,9 @@ def read_lines(interactive: bool):
 def run(args) -> int:
     from scalenlp.data.chat import ChatError, chat_template, encode_chat
     from scalenlp.errors import UserError
-    from scalenlp.infer.engine import RequestError
-    from scalenlp.infer.generate import build_engine, stream_to_stdout
-    from scalenlp.infer.sampling import SamplingParams
+    from scalenlp.engine.decoder_engine import RequestError
+    from scalenlp.cli.generate import build_engine, stream_to_stdout
+    from scalenlp.engine.sampling import SamplingParams
 
     engine = build_engine(args)
     chat_template(engine.tokenizer_config)  # a model without a template fails here, before any input

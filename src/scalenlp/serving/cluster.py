@@ -38,14 +38,14 @@ from typing import AsyncIterator
 import torch
 
 from scalenlp.errors import UserError
-from scalenlp.infer.api import APIError, _request_model, check_request
-from scalenlp.infer.backend import LocalBackend
-from scalenlp.infer.encoder_api import EncoderBackend, EncoderOnly, request_models
-from scalenlp.infer.encoder_api import engine_options as encoder_options
-from scalenlp.infer.encoder_engine import encoder_from_checkpoint, is_encoder
-from scalenlp.infer.backend import generation_backend
-from scalenlp.infer.server import DEFAULT_MAX_BODY_BYTES, create_app
-from scalenlp.models.loader import checkpoint_kind
+from scalenlp.serving.protocol import APIError, _request_model, check_request
+from scalenlp.serving.backend import LocalBackend
+from scalenlp.serving.encoder import EncoderBackend, EncoderOnly, request_models
+from scalenlp.serving.encoder import engine_options as encoder_options
+from scalenlp.engine.encoder_engine import encoder_from_checkpoint, is_encoder
+from scalenlp.serving.backend import generation_backend
+from scalenlp.serving.app import DEFAULT_MAX_BODY_BYTES, create_app
+from scalenlp.loader import checkpoint_kind
 
 RETRIES = 5
 APP_NAME = "scalenlp"

@@ -20,12 +20,12 @@ import torch
 from tokenizers import Tokenizer
 
 from scalenlp.errors import UserError
-from scalenlp.infer.engine import EngineDead, QueueFull, RequestError, pick_device, pick_dtype
+from scalenlp.engine.decoder_engine import EngineDead, QueueFull, RequestError, pick_device, pick_dtype
 from scalenlp.models.encoder import EncoderArgs
 from scalenlp.models.hf import read_hf_config
 from scalenlp.models.io import load_model_args
-from scalenlp.models.loader import checkpoint_kind, instantiate, read
-from scalenlp.models.quantized import quantization_of
+from scalenlp.loader import checkpoint_kind, instantiate, read
+from scalenlp.compress.quantized import quantization_of
 
 KINDS = ("embed", "classify")
 

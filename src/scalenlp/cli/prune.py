@@ -1,4 +1,4 @@
-"""`scalenlp prune`: any checkpoint the loader reads, pruned (see ``scalenlp.infer.prune``) and written as an
+"""`scalenlp prune`: any checkpoint the loader reads, pruned (see ``scalenlp.compress.prune``) and written as an
 export folder that generate, chat, serve, eval and classify load directly. A structured-pruned decoder
 is a smaller model whose export `scalenlp export --format hf` turns into a transformers folder, and which
 `scalenlp train` fine-tunes back (``model.init`` = the export) to recover quality.
@@ -38,10 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import logging
 
-    from scalenlp.infer.prune import calibration_batches, describe, prune
-    from scalenlp.models.export import new_output
+    from scalenlp.compress.calibration import calibration_batches
+    from scalenlp.compress.prune import describe, prune
+    from scalenlp.cli.export import new_output
     from scalenlp.models.io import save_pretrained
-    from scalenlp.models.loader import instantiate, read
+    from scalenlp.loader import instantiate, read
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # prune() says which kernels 2:4 gets
     out = new_output(args.out)

@@ -86,7 +86,7 @@ def _chat_request_model():
 
 def sampling_params(req):
     """The sampling settings of a request, from the fields every generation route shares."""
-    from scalenlp.infer.sampling import SamplingParams
+    from scalenlp.engine.sampling import SamplingParams
 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
@@ -96,7 +96,7 @@ def sampling_params(req):
 def check_sampling(params, n: int) -> None:
     """The ranges of a SamplingParams and of n, as 400s naming the field; for every generation route,
     before any work is done, so that no value reaches the engine that it cannot sample with."""
-    from scalenlp.infer.sampling import INT64_MAX, InvalidParam
+    from scalenlp.engine.sampling import INT64_MAX, InvalidParam
 
     if not 1 <= n <= MAX_N:
         raise APIError(400, f"n must be between 1 and {MAX_N}, got {n}", param="n")

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel
 from scalenlp.errors import UserError
 from scalenlp.layout import Layout, ModelSizes, check
 from scalenlp.parallel.mesh import free_port
-from scalenlp.train import faults
+from scalenlp import faults
 
 FORWARD, SETUP_CACHE, STOP = 0, 1, 2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -79,7 +79,7 @@ def load_sharded(pre, device: torch.device, dtype: torch.dtype, quantize=None):
     ``quantize`` (a ``Quantization``), or a quantized checkpoint: see ``shard_quantized``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from scalenlp.models.loader import instantiate
+    from scalenlp.loader import instantiate
     from scalenlp.parallel.tensor_parallel import apply_tp
 
     if quantize is not None or pre.quantization is not None:
@@ -92,14 +92,14 @@ def load_sharded(pre, device: torch.device, dtype: torch.dtype, quantize=None):
 
 
 def shard_quantized(spec, rank: int, world: int, model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's slice of a quantized decoder (``models.quantized.build_quantized``'s ``shard``): the tensors
+    """This rank's slice of a quantized decoder (``compress.quantized.build_quantized``'s ``shard``): the tensors
     are quantized whole, as on one process, then sliced on the same plan as the float model (column-parallel:
     output rows with their scales; row-parallel: inputs, each output's scale kept whole, the partial sums added
     by one all-reduce), so every rank multiplies by exactly the single-process weights. Plain tensors and hooks,
     not DTensors: the quantized linears compute through kernels DTensor has no rules for. Embeddings and the
     output projection stay whole on every rank: the vocabulary need not split evenly, and the output is then
     one matmul on each rank with no gather."""
-    from scalenlp.models.quantized import empty_linear
+    from scalenlp.compress.quantized import empty_linear
     from scalenlp.parallel.tensor_parallel import block_plan
 
     state = dict(state)
@@ -268,8 +268,8 @@ def follow(model, fault: tuple[str, int] | None) -> None:
 
 def _follower_main(rank: int, world_size: int, port: int, checkpoint: str, dtype_name: str, quantize,
                    reports: multiprocessing.connection.Connection) -> None:
-    from scalenlp.infer.engine import pick_dtype
-    from scalenlp.models.loader import read
+    from scalenlp.engine.decoder_engine import pick_dtype
+    from scalenlp.loader import read
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     device = init_process_group(rank, world_size, port)
@@ -286,7 +286,7 @@ def _follower_main(rank: int, world_size: int, port: int, checkpoint: str, dtype
 def start_sharded(pre, tp: int, dtype_name: str, quantize=None) -> ShardedModel:
     """Spawn ranks 1..tp-1, each reading the checkpoint ``pre`` was read from, become rank 0 with ``pre``
     (a ``Pretrained``), and return the handle the engine drives. ``quantize``: a ``Quantization`` applied at load."""
-    from scalenlp.infer.engine import pick_dtype
+    from scalenlp.engine.decoder_engine import pick_dtype
 
     check_tp(pre.args, tp)
     check_quantized_tp(pre.args, quantize or pre.quantization, tp)

@@ -1,4 +1,5 @@
-"""Fault injection for tests and benchmarks/faults.py; does nothing unless SCALENLP_FAULT is set.
+"""Fault injection, the one test hook the library owns (training ranks and tensor-parallel inference ranks call
+it; tests and benchmarks/faults.py set it); does nothing unless SCALENLP_FAULT is set.
 
 SCALENLP_FAULT=<kind>@<rank>:<step> makes that rank fail on purpose once it has finished that step, on
 the first attempt of a torchrun job only (TORCHELASTIC_RESTART_COUNT=0), so the restart runs clean:

@@ -10,9 +10,9 @@ import hmac
 import json
 from typing import AsyncIterator, Callable
 
-from scalenlp.infer.api import (ERROR_SCHEMA, APIError, _chat_request_model, _request_model, check_request,
+from scalenlp.serving.protocol import (ERROR_SCHEMA, APIError, _chat_request_model, _request_model, check_request,
                                 complete_chat, completion_for_chat, error_responses, stream_chat)
-from scalenlp.infer.encoder_api import add_encoder_routes
+from scalenlp.serving.encoder import add_encoder_routes
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # four 128k-token prompts as JSON token ids (up to 7 bytes each) fit
 

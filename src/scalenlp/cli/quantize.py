@@ -1,8 +1,8 @@
 """`scalenlp quantize`: a checkpoint's linear weights rounded to int8 or int4 and written as an export folder
 that every command loading a model (serve, generate, chat, eval, classify, embed) reads directly; and the
 ``--quantize`` option those commands take to quantize at load instead. The rounding and the kernels live in
-``scalenlp.models.quantized``; both paths produce the same tensors, so they run identically. With
-``--calibration``, int4 rounds activation-aware (``scalenlp.infer.awq``) from that text's activations: the same
+``scalenlp.compress.quantized``; both paths produce the same tensors, so they run identically. With
+``--calibration``, int4 rounds activation-aware (``scalenlp.compress.awq``) from that text's activations: the same
 layout and kernels, nearer the float model.
 
     scalenlp quantize --checkpoint model.gguf --method int4 --group-size 64 --out smollm2-int4
@@ -18,7 +18,7 @@ import argparse
 
 from scalenlp.errors import UserError
 
-METHOD_CHOICES = ("int8", "int4", "int8dyn")  # models.quantized.METHODS, without importing torch for --help
+METHOD_CHOICES = ("int8", "int4", "int8dyn")  # compress.quantized.METHODS, without importing torch for --help
 METHOD_HELP = ("int8: int8 weights, a scale per output channel; int4: 4-bit weights, a scale and zero per group of "
                "--group-size inputs; int8dyn: int8 weights and int8 activations")
 
@@ -55,10 +55,10 @@ def run(args) -> int:
 
     from safetensors.torch import save_file
 
-    from scalenlp.models.export import new_output
+    from scalenlp.cli.export import new_output
     from scalenlp.models.io import ARGS, WEIGHTS, replacing_folder, write_tokenizer
-    from scalenlp.models.loader import instantiate, read
-    from scalenlp.models.quantized import QUANTIZATION, quantization_json, quantization_of
+    from scalenlp.loader import instantiate, read
+    from scalenlp.compress.quantized import QUANTIZATION, quantization_json, quantization_of
 
     spec = quantization_of(args.method, args.group_size)
     out = new_output(args.out)
@@ -88,10 +88,10 @@ def calibrated(pre, spec, args):
 
     import torch
 
-    from scalenlp.infer.awq import awq
-    from scalenlp.infer.prune import calibration_batches
-    from scalenlp.models.loader import instantiate
-    from scalenlp.models.quantized import build_quantized
+    from scalenlp.compress.awq import awq
+    from scalenlp.compress.calibration import calibration_batches
+    from scalenlp.loader import instantiate
+    from scalenlp.compress.quantized import build_quantized
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # awq() reports each block's alphas
     model = instantiate(pre, "cpu", torch.float32)

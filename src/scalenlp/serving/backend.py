@@ -10,9 +10,9 @@ import dataclasses
 import time
 from typing import Any, AsyncIterator
 
-from scalenlp.infer.api import (APIError, chat_ids, choice_params, completion_object, new_id, prompts_of,
+from scalenlp.serving.protocol import (APIError, chat_ids, choice_params, completion_object, new_id, prompts_of,
                                 sampling_params, usage)
-from scalenlp.infer.generate import build_engine
+from scalenlp.cli.generate import build_engine
 
 
 class LocalBackend:
@@ -71,7 +71,7 @@ class LocalBackend:
 
     def _tokenize(self, prompts: list) -> list[list[int]]:
         """Token ids of every prompt; runs in a worker thread, as a long text takes seconds."""
-        from scalenlp.infer.engine import RequestError
+        from scalenlp.engine.decoder_engine import RequestError
 
         try:
             ids = [self.engine.encode(p) for p in prompts]
@@ -84,7 +84,7 @@ class LocalBackend:
     async def _events(self, req) -> AsyncIterator[tuple[int, Any, int]]:
         """Submit every choice of the request; yield (choice index, Delta, prompt length) as they come.
         Leaving early (client gone, cancelled) cancels the engine requests, freeing their slots."""
-        from scalenlp.infer.engine import EngineDead, QueueFull, RequestError
+        from scalenlp.engine.decoder_engine import EngineDead, QueueFull, RequestError
 
         prompts = prompts_of(req)
         params = self._limited(sampling_params(req), len(prompts) * req.n, "max_tokens" in req.model_fields_set)
@@ -183,8 +183,8 @@ class LocalBackend:
     async def health(self) -> tuple[bool, str]:
         """Send a one-token request through the engine; healthy if it finishes, or if the engine is
         busy and still stepping (then the probe leaves the queue). Dead or no progress: unhealthy."""
-        from scalenlp.infer.engine import EngineDead
-        from scalenlp.infer.sampling import SamplingParams
+        from scalenlp.engine.decoder_engine import EngineDead
+        from scalenlp.engine.sampling import SamplingParams
 
         engine = self.engine
         if not engine.alive:

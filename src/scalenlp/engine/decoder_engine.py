@@ -28,8 +28,8 @@ from typing import Callable, Collection
 import torch
 
 from scalenlp.errors import UserError
-from scalenlp.infer.packing import can_pack, pack_linears
-from scalenlp.infer.sampling import InvalidParam, SamplingBatch, SamplingParams, sample
+from scalenlp.engine.packing import can_pack, pack_linears
+from scalenlp.engine.sampling import InvalidParam, SamplingBatch, SamplingParams, sample
 from scalenlp.parallel.mesh import device_type
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """Pruning a trained model: zero weights (unstructured, 2:4) or remove whole heads and neurons (structured).
 
-    from scalenlp.infer.prune import calibration_batches, prune, sparsity
+    from scalenlp.compress.calibration import calibration_batches
+    from scalenlp.compress.prune import prune, sparsity
     model, pre = load("model.gguf")
     batches = calibration_batches("valid.txt", pre.tokenizer, samples=128, seq_len=128)
     prune(model, "wanda", 0.5, calibration=batches)        # in place: same shapes, half of each row zero
@@ -15,7 +16,6 @@ Signatures:
         calibration: token batches (B, T) run through the model to measure input activations (wanda
         needs them; 2:4 and structured use them when given). Returns the model: the same object for the
         masking methods, a new one for "structured".
-    calibration_batches(path, tokenizer, samples=128, seq_len=128, batch_size=8) -> list[Tensor]
     sparsity(model) -> dict[str, float]: the share of zeros in each prunable weight
     prunable(model) -> dict[str, nn.Linear]: the linear layers inside the blocks
 
@@ -45,13 +45,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from scalenlp.errors import UserError
-from scalenlp.infer.packing import packed_module
 from scalenlp.models.decoder import Transformer
 from scalenlp.models.io import build
 
@@ -69,28 +67,6 @@ def prunable(model: nn.Module) -> dict[str, nn.Linear]:
 def sparsity(model: nn.Module) -> dict[str, float]:
     """The share of exact zeros in each prunable weight."""
     return {name: (m.weight == 0).float().mean().item() for name, m in prunable(model).items()}
-
-
-def calibration_batches(path: str | Path, tokenizer, samples: int = 128, seq_len: int = 128,
-                        batch_size: int = 8) -> list[torch.Tensor]:
-    """``samples`` windows of ``seq_len`` tokens spread evenly over a text file, in (batch_size, seq_len)
-    batches. Evenly spread, not random: the same file always gives the same calibration."""
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"--calibration {path!r} is not a file; pass a UTF-8 text file (e.g. wikitext2/valid.txt)")
-    if samples < 1 or seq_len < 2:
-        raise UserError(f"calibration needs at least 1 sample of 2 tokens, got {samples} of {seq_len}")
-    try:
-        ids = tokenizer.encode(file.read_text(encoding="utf-8")).ids
-    except UnicodeDecodeError as e:
-        raise UserError(f"--calibration {path} is not UTF-8 text (byte {e.start}); convert it first") from None
-    if len(ids) < seq_len:
-        raise UserError(f"--calibration {path} has {len(ids)} tokens, fewer than one window of {seq_len}; "
-                        f"pass a longer text")
-    tokens = torch.tensor(ids)
-    starts = torch.linspace(0, len(ids) - seq_len, samples).long().tolist()
-    windows = torch.stack([tokens[s:s + seq_len] for s in starts])
-    return list(windows.split(batch_size))
 
 
 def input_norms(model: nn.Module, calibration: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -129,7 +105,8 @@ def check_request(model: nn.Module, method: str, amount: float, scope: str, cali
         raise UserError(f"sparsity {amount} must be strictly between 0 and 1 (the share of weights removed)")
     if not hasattr(model, "layers"):
         raise UserError(f"cannot prune a {type(model).__name__}; pruning takes scalenlp decoders and encoders")
-    packed = packed_module(model)
+    # an Engine's packing swaps linears for kernels whose weights are buffers, not parameters (engine.packing)
+    packed = next((name for name, m in model.named_modules() if getattr(m, "packed_for_inference", False)), None)
     if packed is not None:
         raise UserError(f"the model is packed for inference ({packed} was swapped when an Engine was built on it); "
                         f"prune the model as loaded, before building an Engine on it")
