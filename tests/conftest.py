@@ -1,0 +1,50 @@
+"""Fixtures every tier shares, and the fast tier's budget.
+
+Tiers: ``tests/unit`` runs in this process (no subprocess, server or process group); ``tests/integration``
+runs commands, several processes and servers as a user does. ``-m "not slow"`` is the fast loop;
+``--max-test-seconds S`` (``make test-fast``) fails any test not marked slow whose call takes longer than S,
+so the fast loop keeps its budget as tests are added.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from infer_helpers import make_export
+from train_helpers import SHARED_DATA, write_corpus
+
+
+def pytest_addoption(parser):
+    parser.addoption("--max-test-seconds", type=float, default=None,
+                     help="fail a test not marked slow whose call phase takes longer than this")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    limit = item.config.getoption("--max-test-seconds")
+    if (limit is not None and report.when == "call" and report.passed and report.duration > limit
+            and item.get_closest_marker("slow") is None):
+        report.outcome = "failed"
+        report.longrepr = (f"took {report.duration:.1f} s, over the fast tier's {limit:g} s: make it cheaper or "
+                           f"mark it @pytest.mark.slow")
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    """../shared/data (see its README); tests that need a set in it skip, naming it, when it is absent."""
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A text file of ~60k characters (Tiny Shakespeare where ../shared/data has it, else generated words)."""
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory):
+    """A debug decoder exported with its own byte-level BPE tokenizer, built once per session: read it, never
+    write into it (tests that change a model make their own with ``make_export``)."""
+    return make_export(tmp_path_factory.mktemp("tiny_export"))
