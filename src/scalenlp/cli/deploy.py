@@ -21,10 +21,9 @@ import argparse
 import re
 from pathlib import Path
 
-import yaml
 
 from scalenlp.config import config_toml, load_config
-from scalenlp.errors import UserError
+from scalenlp.errors import UserError, require
 
 RDZV_PORT = 29400  # torchrun's default c10d rendezvous port
 SERVE_PORT = 8000  # `scalenlp serve`'s default port
@@ -41,13 +40,6 @@ QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)([numkMGTPE]|[KMGTPE]i)?")
 TRAIN_ONLY = {"overrides": [], "nodes": 1, "nproc_per_node": None, "checkpoint_volume": "100Gi",
               "storage_class": None, "max_restarts": 3, "metrics_port": 9400, "grace_period": 300}
 SERVE_ONLY = {"replicas": 1, "volume_claim": None, "api_key_secret": None}
-
-
-class _Dumper(yaml.SafeDumper):
-    """Objects that share a dict (the labels) are written out in full, without YAML anchors."""
-
-    def ignore_aliases(self, data) -> bool:
-        return True
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -257,9 +249,17 @@ def run(args: argparse.Namespace) -> int:
     taken = [file for file in manifests if (out / file).exists()]
     if taken:
         raise UserError(f"{out} already has {', '.join(taken)}; choose another --out or remove them")
+    yaml = require("yaml", "deploy")
+
+    class Dumper(yaml.SafeDumper):
+        """Objects that share a dict (the labels) are written out in full, without YAML anchors."""
+
+        def ignore_aliases(self, data) -> bool:
+            return True
+
     out.mkdir(parents=True, exist_ok=True)
     for file, obj in manifests.items():
-        (out / file).write_text(yaml.dump(obj, Dumper=_Dumper, sort_keys=False))
+        (out / file).write_text(yaml.dump(obj, Dumper=Dumper, sort_keys=False))
     kinds = ", ".join(f"{obj['kind']} {obj['metadata']['name']}" for obj in manifests.values())
     print(f"wrote {kinds} to {out}; run them with: kubectl apply -f {out}")
     return 0

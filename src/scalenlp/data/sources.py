@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from scalenlp.errors import UserError
+from scalenlp.errors import UserError, require
 
 TEXT_TYPES = (".txt", ".jsonl", ".parquet", ".tsv")
 TOKENS_TYPE = ".npy"
@@ -149,8 +149,8 @@ def _read_jsonl(f: Path, text_field: str) -> Iterator[Piece]:
 
 
 def _read_parquet(f: Path, text_field: str) -> Iterator[Piece]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa = require("pyarrow", "parquet")
+    pq = require("pyarrow.parquet", "parquet")
 
     try:
         pf = pq.ParquetFile(f)
