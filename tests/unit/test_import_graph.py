@@ -4,7 +4,7 @@ function is still two modules that need each other to be understood)."""
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def module_name(path: Path) -> str:
@@ -14,6 +14,7 @@ def module_name(path: Path) -> str:
 
 def import_graph() -> dict[str, set[str]]:
     modules = {module_name(p): p for p in SRC.rglob("*.py")}
+    assert "scalenlp.cli" in modules, f"the package is not under {SRC}"  # an empty graph would have no cycle
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
