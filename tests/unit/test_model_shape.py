@@ -11,12 +11,11 @@ import torch
 from scalenlp.cli import main
 from scalenlp.config import ConfigError, load_config
 from scalenlp.models.flavors import FLAVORS, parse_shape, shape_args
-from train_helpers import TINY, read_metrics, write_corpus
+from train_helpers import TINY, read_metrics
 
 
-def test_model_keys_train_a_custom_shape(tmp_path, capsys):
+def test_model_keys_train_a_custom_shape(tmp_path, corpus):
     torch.set_num_threads(1)
-    corpus = write_corpus(tmp_path / "corpus.txt", chars=20_000)
     sets = [*TINY, f"data.path={corpus}", "training.steps=2", "checkpoint.every=0", "model.layers=3",
             "model.hidden=96", "model.heads=6", "model.kv_heads=3", "model.ffn=160"]
     assert main(["train", "--run-dir", str(tmp_path / "run"), *[w for s in sets for w in ("--set", s)]]) == 0
