@@ -1,4 +1,4 @@
-"""Model family, flavors, config parsing, and the export format."""
+"""Model family, flavors, and the export format."""
 
 from __future__ import annotations
 
@@ -6,12 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scalenlp.config import ConfigError, load_config, save_config
 from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.flavors import FLAVORS, build_model, model_args
 from scalenlp.models.io import load_pretrained, save_pretrained
 from scalenlp.errors import UserError
-from scalenlp.models.packaged import packaged_model
 
 
 @pytest.mark.parametrize("flavor, params", [
@@ -92,28 +90,6 @@ def test_bad_shapes_and_lengths_are_clear():
         model_args("nope")
 
 
-def test_config_file_overrides_and_errors(tmp_path):
-    file = tmp_path / "run.toml"
-    file.write_text('[training]\nsteps = 7\nlr = 1\n[model]\nflavor = "small"\n')
-    with pytest.raises(ConfigError, match=r"training.lr must be in \(0, 1\)"):
-        load_config(file)
-    file.write_text('[training]\nsteps = 7\nmixed_precision = "bf16"\n[model]\nflavor = "small"\n')
-    cfg = load_config(file, ["training.steps=9", "checkpoint.resume=true", "training.lr=3e-4"])
-    assert (cfg.training.steps, cfg.model.flavor, cfg.checkpoint.resume, cfg.training.lr) == (9, "small", True, 3e-4)
-    save_config(cfg, tmp_path / "resolved.toml")
-    assert load_config(tmp_path / "resolved.toml") == cfg
-    for bad, message in [("training.steps=1.5", "expected int"), ("checkpoint.resume=maybe", "true or false"),
-                         ("nosuch.key=1", "unknown config key"), ("training.steps", "expected section.key=value"),
-                         ("parallel.data_parallel=zero4", "is not one of"), ("training.steps=0", "at least 1")]:
-        with pytest.raises(ConfigError, match=message):
-            load_config(None, [bad])
-    file.write_text("[training\n")
-    with pytest.raises(ConfigError, match="not valid TOML"):
-        load_config(file)
-    with pytest.raises(ConfigError, match="does not exist"):
-        load_config(tmp_path / "missing.toml")
-
-
 @pytest.mark.parametrize("flavor", ["debug", "debug-gpt2"])
 def test_export_round_trip_and_damage(tmp_path, flavor):
     model = build_model(model_args(flavor, vocab_size=64)).eval()
@@ -129,19 +105,3 @@ def test_export_round_trip_and_damage(tmp_path, flavor):
         load_pretrained(tmp_path / "export")
     with pytest.raises(UserError, match="not an exported model"):
         load_pretrained(tmp_path)
-
-
-def test_shipped_configs_load_and_validate():
-    from pathlib import Path
-
-    from scalenlp.train.trainer import validate_run
-
-    smollm2 = packaged_model("smollm2")
-    files = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
-    assert files
-    for file in files:
-        # The demo fine-tunes the installed SmolLM2, whose path `make demo` passes.
-        cfg = load_config(file, [f"model.init={smollm2}"] if 'task = "sft"' in file.read_text() else [])
-        p = cfg.parallel
-        dp_shard = 2 if p.dp_shard == -1 else p.dp_shard  # "the rest of the world": try two data-parallel shards
-        validate_run(cfg, p.dp_replicate * dp_shard * p.tp * p.pp)

@@ -1,0 +1,47 @@
+"""Run configs: TOML files and --set overrides, their one-line errors, and the shipped configs/ that validate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scalenlp.config import ConfigError, load_config, save_config
+from scalenlp.models.packaged import packaged_model
+from scalenlp.train.trainer import validate_run
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_config_file_overrides_and_errors(tmp_path):
+    file = tmp_path / "run.toml"
+    file.write_text('[training]\nsteps = 7\nlr = 1\n[model]\nflavor = "small"\n')
+    with pytest.raises(ConfigError, match=r"training.lr must be in \(0, 1\)"):
+        load_config(file)
+    file.write_text('[training]\nsteps = 7\nmixed_precision = "bf16"\n[model]\nflavor = "small"\n')
+    cfg = load_config(file, ["training.steps=9", "checkpoint.resume=true", "training.lr=3e-4"])
+    assert (cfg.training.steps, cfg.model.flavor, cfg.checkpoint.resume, cfg.training.lr) == (9, "small", True, 3e-4)
+    save_config(cfg, tmp_path / "resolved.toml")
+    assert load_config(tmp_path / "resolved.toml") == cfg
+    for bad, message in [("training.steps=1.5", "expected int"), ("checkpoint.resume=maybe", "true or false"),
+                         ("nosuch.key=1", "unknown config key"), ("training.steps", "expected section.key=value"),
+                         ("parallel.data_parallel=zero4", "is not one of"), ("training.steps=0", "at least 1")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [bad])
+    file.write_text("[training\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(file)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_shipped_configs_load_and_validate():
+    smollm2 = packaged_model("smollm2")
+    files = sorted(CONFIGS.glob("*.toml"))
+    assert files
+    for file in files:
+        # The demo fine-tunes the installed SmolLM2, whose path `make demo` passes.
+        cfg = load_config(file, [f"model.init={smollm2}"] if 'task = "sft"' in file.read_text() else [])
+        p = cfg.parallel
+        dp_shard = 2 if p.dp_shard == -1 else p.dp_shard  # "the rest of the world": try two data-parallel shards
+        validate_run(cfg, p.dp_replicate * dp_shard * p.tp * p.pp)
