@@ -90,7 +90,8 @@ def test_applies_only_to_cpu_floats_without_dropout_and_known_head_sizes():
     assert not cpu_attention.usable(q, torch.randn(1, 2, 9, 16), 0.0)  # a KV cache longer than the queries
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+# Compiled: Inductor compiles the forward and backward, ~30 s here without its cache.
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_decoder_trains_alike_with_the_kernel_and_with_sdpa(monkeypatch, compiled):
     """One training step of a small GQA decoder: the loss and every gradient with the kernel equal SDPA's."""
     args = ModelArgs(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=96)
