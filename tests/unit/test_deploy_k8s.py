@@ -19,8 +19,8 @@ from scalenlp.config import load_config
 from scalenlp.cli.deploy import RDZV_PORT
 
 K8S_VERSION = "1.35"  # the Kubernetes release the JobSet schema's references name (v1.35.3)
-DATA = Path(__file__).resolve().parent / "data"
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DATA = Path(__file__).resolve().parents[1] / "data"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 K8S_DEFS = "https://kubernetes.io/api/_definitions.json"
 
 
