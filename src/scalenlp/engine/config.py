@@ -1,0 +1,128 @@
+"""Typed engine options: ``EngineConfig`` (the decoder engine) and ``EncoderEngineConfig`` (the encoder
+batcher), each the one place where its options are named, defaulted, documented and checked.
+
+An option has one name from flag to field: ``--max-batch`` is ``max_batch``. A command declares the flags
+with ``add_arguments(parser)`` and builds the config once with ``from_args(args)``; the Python API and
+the tests build it directly (``EngineConfig("runs/demo", max_batch=4)``); a Ray replica receives it as it
+is (dataclasses pickle). ``check()`` raises the one-line ``UserError`` a command prints; the engines call it
+before loading anything. Each field's ``help`` is its documentation and its flag's help text alike.
+
+No torch here: `scalenlp --help` imports this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scalenlp.errors import UserError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+METHOD_CHOICES = ("int8", "int4", "int8dyn")  # compress.quantized.METHODS, without importing torch for --help
+METHOD_HELP = ("int8: int8 weights, a scale per output channel; int4: 4-bit weights, a scale and zero per group of "
+               "--group-size inputs; int8dyn: int8 weights and int8 activations")
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str, repr: bool = True, **flag) -> Any:
+    """A config field and its command-line flag: ``help`` documents both, ``flag`` holds argparse's other
+    keywords (``type``, ``choices``, ``action``). A field without a default is a required flag."""
+    return dataclasses.field(default=default, repr=repr, metadata={"help": help, **flag})
+
+
+class Options:
+    """What a config dataclass built from ``option`` fields can do with its flags."""
+
+    @classmethod
+    def add_arguments(cls, parser, names: Collection[str] | None = None, *, skip: Collection[str] = (),
+                      **overrides: dict) -> None:
+        """Declare the flag of each field (those in ``names`` when given, less ``skip``), in field order.
+        ``overrides`` maps a field to argparse keywords that replace its own, for a command whose default
+        differs (``dtype={"default": "float32", "help": ...}``)."""
+        for f in dataclasses.fields(cls):
+            if (names is not None and f.name not in names) or f.name in skip:
+                continue
+            kwargs = dict(f.metadata)
+            if f.default is dataclasses.MISSING:
+                kwargs["required"] = True
+            else:
+                kwargs["default"] = f.default
+            kwargs.update(overrides.get(f.name, {}))
+            parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+
+    @classmethod
+    def from_args(cls, args, **given):
+        """The config of parsed flags: a field whose flag the command does not declare keeps its default;
+        ``given`` sets fields that no flag names (or replaces a flag's value)."""
+        flagged = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**{**flagged, **given})
+
+    def at_least(self, minimum: int, *names: str) -> None:
+        """UserError ``--name must be at least N`` for the first of these fields set below ``minimum``."""
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value < minimum:
+                raise UserError(f"--{name.replace('_', '-')} must be at least {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class BaseEngineConfig(Options):
+    """The options both engines take: where the model is and how it is loaded, how long a sequence may be
+    and how many requests may wait."""
+
+    checkpoint: str | Path = option(help="a run folder, an export folder, a Hugging Face model folder or a .gguf file")
+    dtype: str = option("auto", choices=DTYPES,
+                        help="weight dtype; auto = bf16 where the device computes in it natively (default)")
+    device: str | None = option(None, help="cpu | cuda | cuda:N (default: cuda when present)")
+    quantize: str | None = option(None, choices=METHOD_CHOICES,
+                                  help="quantize the linear layers at load (" + METHOD_HELP + ")")
+    group_size: int = option(64, type=int, help="with --quantize int4: inputs per scale (default 64; 32 takes a GGUF "
+                                                "file's Q4_0/Q4_1 blocks as they are)")
+    max_seq_len: int | None = option(None, type=int,
+                                     help="positions per sequence: a decoder's slot holds prompt + output, an "
+                                          "encoder cuts longer texts (default: the model's context length, or where "
+                                          "a sentence-transformers folder cuts)")
+    max_queue: int = option(64, type=int, help="waiting requests before answering 429")
+
+    def check(self) -> None:
+        self.at_least(1, "max_queue")
+
+
+# The options of every command that loads a model, generating or not (eval, classify, embed).
+LOAD_OPTIONS = ("checkpoint", "dtype", "device", "quantize", "group_size")
+SHARED_OPTIONS = tuple(f.name for f in dataclasses.fields(BaseEngineConfig))
+
+
+@dataclass(frozen=True)
+class EngineConfig(BaseEngineConfig):
+    """The decoder engine's options (`generate`, `chat`, `serve`, ``LLM``)."""
+
+    max_batch: int = option(8, type=int, help="sequence slots in the KV cache (default 8)")
+    compile: bool = option(False, action="store_true", help="torch.compile the decode step")
+    tp: int = option(1, type=int, help="tensor-parallel processes for one model (gloo on CPU, NCCL on GPUs)")
+
+    def check(self) -> None:
+        self.at_least(1, "max_batch")
+        self.at_least(2, "max_seq_len")  # a prompt token and an output token
+        if self.tp > 1 and self.compile:
+            raise UserError("--compile is not supported with --tp yet; drop one of them")
+        super().check()
+
+
+@dataclass(frozen=True)
+class EncoderEngineConfig(BaseEngineConfig):
+    """The encoder batcher's options (`serve` on an encoder, `classify`, `embed`)."""
+
+    forward_batch: int = option(32, type=int,
+                                help="most texts in one forward pass; concurrent requests share it (default 32)")
+    batch_wait_ms: float = option(2.0, type=float,
+                                  help="how long a text waits for others to fill its forward pass (default 2)")
+    max_batch_texts: int = option(2048, type=int,
+                                  help="most inputs one request may carry; more is answered 400 (default 2048)")
+
+    def check(self) -> None:
+        if self.forward_batch < 1 or self.max_batch_texts < 1:
+            raise UserError(f"the batch sizes must be at least 1, got {self.forward_batch} and {self.max_batch_texts}")
+        super().check()
