@@ -1,5 +1,5 @@
 """The HTTP app of `scalenlp serve` (FastAPI): routing, auth, error shapes, SSE and client disconnects, in
-front of a *backend* (``backend.py``, ``encoder_api.py``, or the Ray backends of ``cluster.py``).
+front of a *backend* (``backend.py``, ``encoder.py``, or the Ray backends of ``cluster.py``).
 
 FastAPI is imported inside the functions that build and run the app: `scalenlp --help` imports the serve
 command, and so this module.
@@ -10,11 +10,19 @@ import hmac
 import json
 from typing import AsyncIterator, Callable
 
-from scalenlp.serving.protocol import (ERROR_SCHEMA, APIError, _chat_request_model, _request_model, check_request,
-                                complete_chat, completion_for_chat, error_responses, stream_chat)
 from scalenlp.serving.encoder import add_encoder_routes
-
-DEFAULT_MAX_BODY_BYTES = 4 << 20  # four 128k-token prompts as JSON token ids (up to 7 bytes each) fit
+from scalenlp.serving.limits import DEFAULT_MAX_BODY_BYTES
+from scalenlp.serving.protocol import (
+    ERROR_SCHEMA,
+    APIError,
+    _chat_request_model,
+    _request_model,
+    check_request,
+    complete_chat,
+    completion_for_chat,
+    error_responses,
+    stream_chat,
+)
 
 
 class BodyLimit:

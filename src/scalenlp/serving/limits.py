@@ -1,0 +1,65 @@
+"""``ServeLimits``: what a server accepts, whichever engine answers: body size, prompt length, tokens per
+choice, and the API key. `scalenlp serve` declares their flags and builds them once; the app (body size,
+key), the generation backend (prompt and token limits) and the Ray router and replicas all receive them.
+
+Its own module, not the app's: `scalenlp serve --help` imports it (through the serve command), and it stays
+as light as the engine configs it sits beside, with no FastAPI, pydantic or torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from scalenlp.engine.config import Options, option
+from scalenlp.errors import UserError
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # four 128k-token prompts as JSON token ids (up to 7 bytes each) fit
+API_KEY_ENV = "SCALENLP_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServeLimits(Options):
+    """A server's request limits and key; None: no limit (no key)."""
+
+    max_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, type=int, help="larger request bodies get 413 before they "
+                                 f"are read (default {DEFAULT_MAX_BODY_BYTES})")
+    max_prompt_tokens: int | None = option(None, type=int,
+                                           help="longer prompts get 400 (default: the context length less one)")
+    max_tokens_cap: int | None = option(None, type=int,
+                                        help="most tokens one choice may generate; a larger max_tokens gets 400, and "
+                                             "a request without max_tokens stops there (default: the end of the "
+                                             "context)")
+    api_key: str | None = option(None, repr=False,
+                                 help="require `Authorization: Bearer KEY` on every route but /health; other users "
+                                      f"see it in `ps`, so prefer --api-key-file or the {API_KEY_ENV} environment "
+                                      "variable")
+
+    @classmethod
+    def add_arguments(cls, parser, names=None, **kwargs) -> None:
+        super().add_arguments(parser, names, **kwargs)
+        parser.add_argument("--api-key-file", default=None, help="read the API key from the first line of this file")
+
+    @classmethod
+    def from_args(cls, args, **given) -> ServeLimits:
+        """The limits of parsed flags, with the key from --api-key, --api-key-file or the environment."""
+        return super().from_args(args, **{"api_key": api_key_of(args.api_key, args.api_key_file), **given})
+
+    def check(self) -> None:
+        self.at_least(1, "max_body_bytes", "max_prompt_tokens", "max_tokens_cap")
+
+
+def api_key_of(api_key: str | None, api_key_file: str | None) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $SCALENLP_API_KEY; the last two keep
+    the key out of the process list."""
+    if api_key is not None and api_key_file is not None:
+        raise UserError("--api-key and --api-key-file both give the API key; keep one")
+    if api_key_file is not None:
+        try:
+            lines = open(api_key_file, encoding="utf-8").read().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read the API key from --api-key-file {api_key_file}: {e}") from None
+        if not lines or not lines[0].strip():
+            raise UserError(f"--api-key-file {api_key_file} is empty; put the key on its first line")
+        return lines[0].strip()
+    return api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
