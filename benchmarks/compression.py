@@ -122,7 +122,7 @@ def classifier_rows(args, tmp: Path) -> tuple[list[dict], str]:
     engines = {}
     for name, dtype, spec in VARIANTS:
         model = instantiate(pre, dtype=dtype, quantize=spec)
-        engines[name] = (EncoderEngine(model, pre.tokenizer, batch_texts=32).start(), model_bytes(model))
+        engines[name] = (EncoderEngine(model, pre.tokenizer, forward_batch=32).start(), model_bytes(model))
     rows = {name: {"name": name, "bytes": nbytes, "speed": [0.0]} for name, (_, nbytes) in engines.items()}
     for _ in range(args.repeats):
         for name, (engine, _) in engines.items():

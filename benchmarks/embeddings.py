@@ -99,6 +99,7 @@ def main() -> None:
     import torch
     from sentence_transformers import SentenceTransformer
 
+    from scalenlp.engine.config import EncoderEngineConfig
     from scalenlp.engine.encoder_engine import encoder_from_checkpoint
 
     torch.set_num_threads(args.threads)
@@ -111,7 +112,8 @@ def main() -> None:
     st_rate = len(texts) / seconds
     results = [("sentence-transformers encode", st_rate, 0.0)]
 
-    engine = encoder_from_checkpoint(MINILM, dtype="float32", batch_texts=args.batch, max_request_texts=len(texts))
+    engine = encoder_from_checkpoint(EncoderEngineConfig(MINILM, dtype="float32", forward_batch=args.batch,
+                                                         max_batch_texts=len(texts)))
     engine.run("embed", texts[:args.batch])
     seconds, ours = timed(lambda: engine.run("embed", texts).numpy())
     engine.stop()

@@ -84,3 +84,7 @@ def wait_healthy(url: str, proc) -> None:
         except httpx.TransportError:
             pass
         time.sleep(0.5)
+
+
+# ``ray.init`` keywords of the tests that start a local Ray for `serve --replicas` (cluster.start's ray_init_kwargs).
+RAY_INIT = {"num_cpus": 2, "include_dashboard": False, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}

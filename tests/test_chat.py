@@ -1,7 +1,6 @@
 """Chat: templates rendered as transformers renders them, the assistant mask for fine-tuning, the
 /v1/chat/completions route through the official `openai` client, and `scalenlp chat` on piped stdin."""
 
-import argparse
 import json
 import os
 import queue
@@ -21,7 +20,8 @@ from scalenlp.data.chat import (ChatError, chat_template, encode_chat, end_of_tu
 from scalenlp.serving.backend import LocalBackend
 from scalenlp.data.tokenizer import load_tokenizer
 from scalenlp.engine.decoder_engine import Engine
-from scalenlp.cli.generate import build_engine
+from scalenlp.engine.config import EngineConfig
+from scalenlp.engine.llm import engine_from_checkpoint
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.serving.app import create_app
 from scalenlp.models.io import load_pretrained
@@ -88,9 +88,8 @@ def make_hf_chat_model(root: Path, template: str | None = CHATML, logit_scale: f
     return folder
 
 
-def engine_args(checkpoint, **kw) -> argparse.Namespace:
-    return argparse.Namespace(checkpoint=str(checkpoint), dtype="float32", device="cpu", max_batch=2,
-                              max_seq_len=None, compile=False, tp=1, quantize=None, group_size=64, **kw)
+def engine_config(checkpoint, **kw) -> EngineConfig:
+    return EngineConfig(checkpoint, dtype="float32", device="cpu", max_batch=2, **kw)
 
 
 def run_request(engine, ids, params) -> tuple[str, list[int], str]:
@@ -192,7 +191,7 @@ def test_assistant_mask_refuses_a_template_that_rewrites_earlier_turns(tok):
 
 def test_generation_stops_at_the_end_of_turn_token(tmp_path):
     folder = make_hf_chat_model(tmp_path)
-    engine = build_engine(engine_args(folder))
+    engine = engine_from_checkpoint(engine_config(folder))
     try:
         ids = encode_chat(engine.tokenizer, [{"role": "user", "content": "hello"}], engine.tokenizer_config)
         im_end = engine.tokenizer.token_to_id("<|im_end|>")
@@ -210,7 +209,7 @@ def test_generation_stops_at_the_end_of_turn_token(tmp_path):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    engine = build_engine(engine_args(make_hf_chat_model(tmp_path_factory.mktemp("chat"))), max_queue=8)
+    engine = engine_from_checkpoint(engine_config(make_hf_chat_model(tmp_path_factory.mktemp("chat")), max_queue=8))
     server = ServerThread(create_app(LocalBackend(engine, "tiny")))
     yield server, engine
     server.stop()
@@ -304,7 +303,7 @@ def test_model_without_template_is_a_400(tmp_path):
 def test_chat_on_a_tensor_parallel_hf_model(tmp_path):
     """`serve --tp 2` reads a Hugging Face folder on every rank and answers chat as one process does."""
     folder = make_hf_chat_model(tmp_path)
-    engine = build_engine(engine_args(folder))
+    engine = engine_from_checkpoint(engine_config(folder))
     try:
         ids = encode_chat(engine.tokenizer, QUESTION, engine.tokenizer_config)
         expected = run_request(engine, ids, SamplingParams(max_tokens=12, temperature=0))[0]
@@ -330,7 +329,7 @@ def test_chat_on_a_tensor_parallel_hf_model(tmp_path):
 
 def test_chat_command_with_piped_stdin(tmp_path):
     folder = make_hf_chat_model(tmp_path)
-    engine = build_engine(engine_args(folder))
+    engine = engine_from_checkpoint(engine_config(folder))
     system = {"role": "system", "content": "be brief"}
 
     def answer(messages):
@@ -370,7 +369,7 @@ def test_chat_command_without_template_fails_in_one_line(tmp_path, capsys):
 
 def test_smollm2_knows_the_capital_of_france():
     gguf = packaged_model("smollm2")
-    engine = build_engine(engine_args(gguf), max_queue=4)
+    engine = engine_from_checkpoint(engine_config(gguf, max_queue=4))
     server = ServerThread(create_app(LocalBackend(engine, "smollm2")))
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)

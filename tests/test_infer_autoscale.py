@@ -1,7 +1,6 @@
 """Replicas autoscale on queue length: one replica under sustained load grows to the upper bound,
 and no request fails while it does."""
 
-import argparse
 import os
 import threading
 import time
@@ -9,10 +8,11 @@ import time
 import httpx
 import pytest
 import torch
-from infer_helpers import make_export
+from infer_helpers import RAY_INIT, make_export
 
 from scalenlp.serving.cluster import LOCAL_RAY_ENV
-from scalenlp.serving.app import DEFAULT_MAX_BODY_BYTES
+from scalenlp.engine.config import EngineConfig
+from scalenlp.serving.limits import ServeLimits
 from scalenlp.parallel.mesh import free_port
 
 pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
@@ -32,13 +32,9 @@ def test_load_above_the_target_adds_replicas_up_to_the_bound(tmp_path):
     from scalenlp.serving import cluster
 
     export = make_export(tmp_path, max_seq_len=2048)
-    args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=2, max_seq_len=None,
-                              compile=False, max_queue=64, model_name="m", api_key=None, replicas=1,
-                              max_replicas=2, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
-                              ray_address=None, quantize=None, group_size=64,
-                              max_prompt_tokens=None, max_tokens_cap=None, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
-    url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
-                                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
+    config = EngineConfig(export, dtype="float32", device="cpu", max_batch=2)
+    url, owns_serve = cluster.start(config, ServeLimits(), "m", replicas=1, max_replicas=2, replica_cpus=0.5,
+                                    port=free_port(), ray_init_kwargs=RAY_INIT)
     try:
         assert replica_count() == 1
         stop, failures, done = threading.Event(), [], []

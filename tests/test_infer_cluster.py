@@ -2,7 +2,6 @@
 no request (streams resume on another replica with the same text); chat and the request limits answer
 as one process does; no Ray -> how to install it."""
 
-import argparse
 import json
 import os
 import sys
@@ -12,15 +11,17 @@ import time
 import httpx
 import pytest
 import torch
-from infer_helpers import EOS, ServerThread, make_export
+from infer_helpers import EOS, RAY_INIT, ServerThread, make_export
 
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
+from scalenlp.engine.config import EngineConfig
 from scalenlp.errors import UserError
 from scalenlp.serving.cluster import LOCAL_RAY_ENV, METRICS_PERIOD_S
 from scalenlp.engine.decoder_engine import Engine
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.serving.backend import generation_backend
 from scalenlp.serving.app import create_app
+from scalenlp.serving.limits import ServeLimits
 from scalenlp.models.io import load_pretrained
 from scalenlp.parallel.mesh import free_port
 
@@ -37,15 +38,12 @@ PROMPTS = ["the quick brown fox", "hello", "continuous batching lets requests jo
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 # Above what the other tests send (prompts of a few tokens, up to 1500 new ones, small bodies).
-LIMITS = {"max_prompt_tokens": 64, "max_tokens_cap": 1600, "max_body_bytes": 16_384}
+LIMITS = ServeLimits(max_prompt_tokens=64, max_tokens_cap=1600, max_body_bytes=16_384)
 
 
-def serve_args(export) -> argparse.Namespace:
-    """`scalenlp serve --replicas 2` with the request LIMITS, as parsed."""
-    return argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=4, max_seq_len=None,
-                              compile=False, max_queue=64, model_name="m", api_key=None, replicas=2,
-                              max_replicas=None, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
-                              ray_address=None, quantize=None, group_size=64, **LIMITS)
+def engine_config(export) -> EngineConfig:
+    """The engine of each replica of `scalenlp serve --replicas 2`."""
+    return EngineConfig(export, dtype="float32", device="cpu", max_batch=4)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +52,8 @@ def cluster(tmp_path_factory):
 
     export = make_export(tmp_path_factory.mktemp("ray"), max_seq_len=2048)
     (export / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "chat_template": CHAT_TEMPLATE}))
-    url, owns_serve = cluster.start(serve_args(export), {"num_cpus": 2, "include_dashboard": False,
-                                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
+    url, owns_serve = cluster.start(engine_config(export), LIMITS, "m", replicas=2, replica_cpus=0.5, port=free_port(),
+                                    ray_init_kwargs=RAY_INIT)
     yield url, export
     cluster.stop(owns_serve)
 
@@ -223,8 +221,8 @@ def answer(url: str, path: str, body: dict) -> tuple[int, object]:
 
 def test_chat_and_request_limits_answer_as_one_process_does(cluster):
     url, export = cluster
-    backend = generation_backend(serve_args(export), "m")
-    local = ServerThread(create_app(backend, None, LIMITS["max_body_bytes"]))
+    backend = generation_backend(engine_config(export), LIMITS, "m")
+    local = ServerThread(create_app(backend, None, LIMITS.max_body_bytes))
     question = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"}]
     cases = [
         ("/v1/chat/completions", {"messages": question, "max_tokens": 12, "temperature": 0}),
@@ -234,10 +232,10 @@ def test_chat_and_request_limits_answer_as_one_process_does(cluster):
                                   "stream": True}),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}),  # the template's 400
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 80}], "max_tokens": 4}),
-        ("/v1/chat/completions", {"messages": question, "max_tokens": LIMITS["max_tokens_cap"] + 1}),
+        ("/v1/chat/completions", {"messages": question, "max_tokens": LIMITS.max_tokens_cap + 1}),
         ("/v1/completions", {"prompt": "hello " * 80, "max_tokens": 4}),  # --max-prompt-tokens
-        ("/v1/completions", {"prompt": "hello", "max_tokens": LIMITS["max_tokens_cap"] + 1}),  # --max-tokens-cap
-        ("/v1/completions", {"prompt": "x" * LIMITS["max_body_bytes"]}),  # --max-body-bytes
+        ("/v1/completions", {"prompt": "hello", "max_tokens": LIMITS.max_tokens_cap + 1}),  # --max-tokens-cap
+        ("/v1/completions", {"prompt": "x" * LIMITS.max_body_bytes}),  # --max-body-bytes
     ]
     try:
         expected = [answer(local.url, path, body) for path, body in cases]

@@ -15,15 +15,17 @@ import numpy as np
 import openai
 import pytest
 import torch
-from infer_helpers import ServerThread, make_export, wait_healthy
+from infer_helpers import RAY_INIT, ServerThread, make_export, wait_healthy
 
 from scalenlp.cli import main
 from scalenlp.serving.backend import LocalBackend
 from scalenlp.serving.encoder import EncoderBackend
+from scalenlp.engine.config import EncoderEngineConfig, EngineConfig
 from scalenlp.engine.encoder_engine import EncoderEngine, encoder_from_checkpoint
 from scalenlp.engine.decoder_engine import QueueFull
-from scalenlp.serving.app import DEFAULT_MAX_BODY_BYTES, create_app
-from scalenlp.models import loader
+from scalenlp.serving.app import create_app
+from scalenlp.serving.limits import ServeLimits
+from scalenlp import loader
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.packaged import packaged_model
@@ -66,7 +68,8 @@ def serve(engine, name):
 @pytest.fixture(scope="module")
 def minilm():
     # A long wait, so that requests sent together surely share a forward pass.
-    engine = encoder_from_checkpoint(MINILM, dtype="float32", max_wait_s=0.2, max_request_texts=MAX_TEXTS)
+    engine = encoder_from_checkpoint(EncoderEngineConfig(MINILM, dtype="float32", batch_wait_ms=200,
+                                                         max_batch_texts=MAX_TEXTS))
     server = serve(engine, "minilm")
     yield server, engine
     server.stop()
@@ -75,7 +78,7 @@ def minilm():
 
 @pytest.fixture(scope="module")
 def classifying(classifier):
-    engine = encoder_from_checkpoint(classifier, dtype="float32")
+    engine = encoder_from_checkpoint(EncoderEngineConfig(classifier, dtype="float32"))
     server = serve(engine, "cls")
     yield server, engine
     server.stop()
@@ -185,7 +188,7 @@ def test_api_key_and_dimensions_equal(minilm):
 def test_encoder_routes_on_a_decoder(tmp_path):
     from scalenlp.engine.llm import engine_from_checkpoint
 
-    engine = engine_from_checkpoint(make_export(tmp_path), dtype="float32", max_batch=1)
+    engine = engine_from_checkpoint(EngineConfig(make_export(tmp_path), dtype="float32", max_batch=1))
     server = ServerThread(create_app(LocalBackend(engine, "dec")))
     try:
         for route in ("/v1/embeddings", "/v1/classify"):
@@ -198,7 +201,7 @@ def test_encoder_routes_on_a_decoder(tmp_path):
 
 def test_queue_full_is_refused(classifier):
     model, pre = loader.load(classifier)
-    engine = EncoderEngine(model, pre.tokenizer, max_queue=1, batch_texts=1, max_wait_s=0)
+    engine = EncoderEngine(model, pre.tokenizer, max_queue=1, forward_batch=1, batch_wait_ms=0)
     release, taken = threading.Event(), threading.Event()
     forward = engine._forward
 
@@ -289,7 +292,6 @@ def test_a_batch_takes_the_oldest_requests_shortest_texts():
 def test_replicas_on_ray_serve(classifier):
     """Two encoder replicas behind the router: concurrent classify and embeddings requests are answered (as one
     process answers them), both replicas serve, the generation routes are refused and the key is required."""
-    import argparse
     import os
 
     pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
@@ -297,17 +299,12 @@ def test_replicas_on_ray_serve(classifier):
     from scalenlp.parallel.mesh import free_port
 
     os.environ.update(cluster.LOCAL_RAY_ENV)
-    args = argparse.Namespace(checkpoint=str(classifier), dtype="float32", device="cpu", max_batch=8, max_seq_len=None,
-                              compile=False, max_queue=64, model_name="cls", api_key=KEY, replicas=2,
-                              max_replicas=None, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
-                              ray_address=None, forward_batch=4, batch_wait_ms=2.0, max_batch_texts=8,
-                              quantize=None, group_size=64,
-                              max_prompt_tokens=None, max_tokens_cap=None, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
-    url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
-                                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
+    config = EncoderEngineConfig(classifier, dtype="float32", device="cpu", forward_batch=4, max_batch_texts=8)
+    url, owns_serve = cluster.start(config, ServeLimits(api_key=KEY), "cls", replicas=2, replica_cpus=0.5,
+                                    port=free_port(), ray_init_kwargs=RAY_INIT)
     headers = {"Authorization": f"Bearer {KEY}"}
     try:
-        engine = encoder_from_checkpoint(classifier, dtype="float32")
+        engine = encoder_from_checkpoint(EncoderEngineConfig(classifier, dtype="float32"))
         expected = engine.run("classify", SENTENCES)
         engine.stop()
         results = [None] * 16

@@ -1,6 +1,5 @@
 """`scalenlp generate`: streams the continuation of a prompt; user mistakes end as one error line."""
 
-import argparse
 import json
 import queue
 
@@ -11,7 +10,8 @@ from infer_helpers import make_export
 from scalenlp.cli import main
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.engine.decoder_engine import Engine
-from scalenlp.cli.generate import build_engine
+from scalenlp.engine.config import EngineConfig
+from scalenlp.engine.llm import engine_from_checkpoint
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.models.io import load_pretrained, save_pretrained
 
@@ -57,9 +57,7 @@ def test_generation_ends_at_the_tokenizers_end_of_text(tmp_path, special, config
     save_pretrained(model, export, tmp_path / "tok.json")
     if config:
         (export / "tokenizer_config.json").write_text(json.dumps(config))
-    args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=2, max_seq_len=None,
-                              compile=False, tp=1, quantize=None, group_size=64)
-    engine = build_engine(args)
+    engine = engine_from_checkpoint(EngineConfig(export, dtype="float32", device="cpu", max_batch=2))
     events = queue.Queue()
     try:
         engine.submit(prompt, SamplingParams(max_tokens=6, temperature=0), events.put)

@@ -2,7 +2,6 @@
 oversized bodies and prompts, text that is not Unicode, clients that leave; the engine survives one
 request's failure, and a server whose engine dies exits non-zero."""
 
-import argparse
 import json
 import queue
 import subprocess
@@ -18,11 +17,11 @@ from infer_helpers import ServerThread, make_export
 from scalenlp.cli import main
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.errors import UserError
-from scalenlp.serving import backend as backend_module
+from scalenlp.engine import llm as llm_module
 from scalenlp.serving.backend import LocalBackend
 from scalenlp.engine.decoder_engine import Engine
 from scalenlp.engine.sampling import SamplingParams
-from scalenlp.cli.serve import API_KEY_ENV, api_key_of
+from scalenlp.serving.limits import API_KEY_ENV, api_key_of
 from scalenlp.serving.app import create_app
 from scalenlp.models.io import load_pretrained
 from scalenlp.parallel.mesh import free_port
@@ -153,14 +152,14 @@ def test_a_failing_request_fails_alone(export, caplog):
 def test_server_exits_nonzero_when_the_engine_dies(export, monkeypatch, capsys):
     """A fault no request causes (the device fails in the forward): the engine loop ends, and so does
     the server, with exit code 1, so that its supervisor restarts it."""
-    real = backend_module.build_engine
+    real = llm_module.engine_from_checkpoint
 
-    def broken_engine(args, max_queue):
-        engine = real(args, max_queue=max_queue)
+    def broken_engine(config):
+        engine = real(config)
         engine.model.forward = None  # the next step fails
         return engine
 
-    monkeypatch.setattr(backend_module, "build_engine", broken_engine)  # where `scalenlp serve` looks it up
+    monkeypatch.setattr(llm_module, "engine_from_checkpoint", broken_engine)  # where `scalenlp serve` looks it up
     port = free_port()
     result = []
     thread = threading.Thread(target=lambda: result.append(main(
@@ -318,22 +317,18 @@ def test_schemathesis_finds_nothing(served):
 
 
 def test_api_key_from_file_or_environment(tmp_path, monkeypatch):
-    def args(**kw):
-        return argparse.Namespace(**{"api_key": None, "api_key_file": None, **kw})
-
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    assert api_key_of(args()) is None
+    assert api_key_of(None, None) is None
     monkeypatch.setenv(API_KEY_ENV, "from-env")
-    assert api_key_of(args()) == "from-env"
+    assert api_key_of(None, None) == "from-env"
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
-    assert api_key_of(args(api_key_file=str(key_file))) == "from-file"
-    assert api_key_of(args(api_key="from-argv")) == "from-argv"
+    assert api_key_of(None, str(key_file)) == "from-file"
+    assert api_key_of("from-argv", None) == "from-argv"
     key_file.write_text("\n")
-    for bad in (args(api_key_file=str(key_file)), args(api_key_file=str(tmp_path / "missing")),
-                args(api_key="a", api_key_file=str(key_file))):
+    for bad in ((None, str(key_file)), (None, str(tmp_path / "missing")), ("a", str(key_file))):
         with pytest.raises(UserError):
-            api_key_of(bad)
+            api_key_of(*bad)
 
 
 @pytest.mark.parametrize("argv,message", [

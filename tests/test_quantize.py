@@ -4,7 +4,6 @@ quantized models served through the engine (a real SmolLM2 among them)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -17,13 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from infer_helpers import make_export, train_tokenizer
+from infer_helpers import RAY_INIT, make_export, train_tokenizer
 from scalenlp.cli import main
-from scalenlp.cli.quantize import METHOD_CHOICES
+from scalenlp.engine.config import METHOD_CHOICES, EngineConfig
 from scalenlp.engine.llm import LLM
 from scalenlp.engine.packing import PackedInt8Linear, pack_linears
 from scalenlp.engine.sampling import SamplingParams
-from scalenlp.serving.app import DEFAULT_MAX_BODY_BYTES
+from scalenlp.serving.limits import ServeLimits
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.flavors import build_model, model_args
 from scalenlp.models.io import save_pretrained
@@ -398,13 +397,9 @@ def test_quantized_replicas_on_ray_serve_answer_as_the_local_engine(tmp_path):
     export = tiny_decoder(tmp_path)
     with LLM(export, dtype="float32", quantize="int4", group_size=32) as llm:
         expected = llm.generate(["the quick brown fox"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    args = argparse.Namespace(checkpoint=str(export), dtype="float32", device="cpu", max_batch=2, max_seq_len=None,
-                              compile=False, max_queue=64, model_name="m", api_key=None, replicas=1,
-                              max_replicas=None, replica_cpus=0.5, host="127.0.0.1", port=free_port(), tp=1,
-                              ray_address=None, quantize="int4", group_size=32,
-                              max_prompt_tokens=None, max_tokens_cap=None, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
-    url, owns_serve = cluster.start(args, {"num_cpus": 2, "include_dashboard": False,
-                                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}})
+    config = EngineConfig(export, dtype="float32", device="cpu", max_batch=2, quantize="int4", group_size=32)
+    url, owns_serve = cluster.start(config, ServeLimits(), "m", replicas=1, replica_cpus=0.5, port=free_port(),
+                                    ray_init_kwargs=RAY_INIT)
     try:
         answer = httpx.post(url + "/v1/completions", timeout=600, json={
             "model": "m", "prompt": "the quick brown fox", "max_tokens": 16, "temperature": 0, "ignore_eos": True})

@@ -5,7 +5,7 @@ The Python API (the CLI is a thin layer over it)::
     import scalenlp
     cfg = scalenlp.load_config("configs/debug.toml", ["training.steps=20"])  # validated as the CLI does
     scalenlp.train(cfg, "runs/python")                                     # or scalenlp.Trainer(cfg, run_dir).fit()
-    with scalenlp.LLM("runs/python") as llm:                                # serve's defaults
+    with scalenlp.LLM("runs/python") as llm:                                # serve's defaults (EngineConfig's)
         print(llm.generate("Return the", scalenlp.SamplingParams(max_tokens=20, temperature=0)))
     model, pretrained = scalenlp.load("model.gguf")                         # any checkpoint kind
     scalenlp.plan("llama-8b", seq=8192, global_batch=256, devices=64).layouts  # fastest layouts that fit
@@ -25,6 +25,8 @@ _EXPORTS = {
     "Trainer": "scalenlp.train.trainer", "train": "scalenlp.train.trainer",
     "load": "scalenlp.loader", "read": "scalenlp.loader", "Pretrained": "scalenlp.models.pretrained",
     "Engine": "scalenlp.engine.decoder_engine", "SamplingParams": "scalenlp.engine.sampling", "LLM": "scalenlp.engine.llm",
+    "EngineConfig": "scalenlp.engine.config", "EncoderEngineConfig": "scalenlp.engine.config",
+    "ServeLimits": "scalenlp.serving.limits",
     "plan": "scalenlp.plan.planner", "Plan": "scalenlp.plan.planner",
 }
 __all__ = ["__version__", *_EXPORTS]

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from scalenlp.cli.generate import add_engine_arguments
+from scalenlp.cli.generate import TERMINAL_SKIP
+from scalenlp.engine.config import EngineConfig
 
 RESET, EXIT = "/reset", "/exit"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser)
+    EngineConfig.add_arguments(parser, skip=TERMINAL_SKIP)
     parser.add_argument("--system", default=None, help="a system message that opens every conversation")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="longest answer in tokens (default: the rest of the model's context)")
@@ -44,13 +45,14 @@ def read_lines(interactive: bool):
 
 
 def run(args) -> int:
+    from scalenlp.cli.generate import stream_to_stdout
     from scalenlp.data.chat import ChatError, chat_template, encode_chat
-    from scalenlp.errors import UserError
     from scalenlp.engine.decoder_engine import RequestError
-    from scalenlp.cli.generate import build_engine, stream_to_stdout
+    from scalenlp.engine.llm import engine_from_checkpoint
     from scalenlp.engine.sampling import SamplingParams
+    from scalenlp.errors import UserError
 
-    engine = build_engine(args)
+    engine = engine_from_checkpoint(EngineConfig.from_args(args))
     chat_template(engine.tokenizer_config)  # a model without a template fails here, before any input
     opening = [{"role": "system", "content": args.system}] if args.system else []
     history = list(opening)

@@ -12,29 +12,23 @@ from __future__ import annotations
 import argparse
 import json
 
-from scalenlp.cli.quantize import add_load_arguments
+from scalenlp.engine.config import LOAD_OPTIONS, EncoderEngineConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True,
-                        help="an encoder: a run folder, an export folder or a Hugging Face BERT folder")
+    EncoderEngineConfig.add_arguments(parser, LOAD_OPTIONS, checkpoint={
+        "help": "an encoder: a run folder, an export folder or a Hugging Face BERT folder"})
     parser.add_argument("--text", required=True, action="append", help="a text; repeat for several")
     parser.add_argument("--json", action="store_true", help="one JSON object per text")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weight dtype; auto = bf16 where the device computes in it natively (default)")
-    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
-    add_load_arguments(parser)
 
 
 def run(args) -> int:
-    from scalenlp.errors import UserError
-    from scalenlp.engine.encoder_engine import encoder_from_checkpoint
     from scalenlp.engine.decoder_engine import RequestError
+    from scalenlp.engine.encoder_engine import encoder_from_checkpoint
+    from scalenlp.errors import UserError
 
     kind = "classify" if args.command == "classify" else "embed"
-    engine = encoder_from_checkpoint(args.checkpoint, dtype=args.dtype, device=args.device,
-                                     max_request_texts=len(args.text), quantize=args.quantize,
-                                     group_size=args.group_size)
+    engine = encoder_from_checkpoint(EncoderEngineConfig.from_args(args, max_batch_texts=len(args.text)))
     try:
         rows = engine.run(kind, args.text)
     except RequestError as e:

@@ -16,8 +16,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from scalenlp.engine.config import LOAD_OPTIONS, EngineConfig
 from scalenlp.errors import UserError
-from scalenlp.cli.quantize import add_load_arguments
 
 
 @dataclass
@@ -31,8 +31,8 @@ class Perplexity:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True,
-                        help="a run folder, an export folder, a Hugging Face model folder or a .gguf file")
+    EngineConfig.add_arguments(parser, LOAD_OPTIONS, dtype={
+        "default": "float32", "help": "weight dtype (default float32: perplexity is a quality figure, bf16 shifts it)"})
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--data", help="UTF-8 text file whose perplexity to measure")
     what.add_argument("--chat", metavar="FILE.jsonl",
@@ -42,10 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                               "at most 1024)")
     parser.add_argument("--stride", type=int, default=None, help="tokens the window moves by (default: --seq / 2)")
     parser.add_argument("--max-tokens", type=int, default=None, help="score only the file's first N tokens")
-    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weight dtype (default float32: perplexity is a quality figure, bf16 shifts it)")
-    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
-    add_load_arguments(parser)
     parser.add_argument("--max-answer-tokens", type=int, default=48, help="with --chat: tokens per answer")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -109,8 +105,7 @@ def chat_accuracy(args) -> int:
 
     questions = read_questions(args.chat)
     start = time.perf_counter()
-    with LLM(args.checkpoint, dtype=args.dtype, device=args.device, max_batch=min(16, len(questions)),
-             quantize=args.quantize, group_size=args.group_size) as llm:
+    with LLM(EngineConfig.from_args(args, max_batch=min(16, len(questions)))) as llm:
         answers = llm.chat([q["messages"] for q in questions],
                            SamplingParams(max_tokens=args.max_answer_tokens, temperature=0))
     right = [q["expect"].lower() in a.lower() for q, a in zip(questions, answers)]
@@ -131,10 +126,10 @@ def chat_accuracy(args) -> int:
 def run(args) -> int:
     import torch
 
-    from scalenlp.engine.decoder_engine import pick_device, pick_dtype
-    from scalenlp.models.decoder import Transformer
-    from scalenlp.loader import load
     from scalenlp.compress.quantized import quantization_of
+    from scalenlp.engine.decoder_engine import pick_device, pick_dtype
+    from scalenlp.loader import load
+    from scalenlp.models.decoder import Transformer
 
     if args.chat:
         return chat_accuracy(args)

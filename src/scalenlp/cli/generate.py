@@ -5,27 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from scalenlp.cli.quantize import add_load_arguments
+from scalenlp.engine.config import EngineConfig
 
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by `generate` and `serve`."""
-    parser.add_argument("--checkpoint", required=True,
-                        help="a run folder, an export folder, a Hugging Face model folder or a .gguf file")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weight dtype; auto = bf16 where the device computes in it natively (default)")
-    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when present)")
-    parser.add_argument("--max-batch", type=int, default=8, help="sequence slots in the KV cache (default 8)")
-    parser.add_argument("--max-seq-len", type=int, default=None,
-                        help="positions per slot, prompt + output (default: the model's context length)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    parser.add_argument("--tp", type=int, default=1,
-                        help="tensor-parallel processes for one model (gloo on CPU, NCCL on GPUs)")
-    add_load_arguments(parser)
+# `generate` and `chat` take every engine flag but --max-queue: one user at a terminal has no queue to bound.
+TERMINAL_SKIP = ("max_queue",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser)
+    EngineConfig.add_arguments(parser, skip=TERMINAL_SKIP)
     parser.add_argument("--prompt", required=True, action="append",
                         help="text to continue; repeat for several prompts, generated one after another")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -34,15 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None, help="same seed, same text")
     parser.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
-
-
-def build_engine(args, max_queue: int = 64):
-    """The engine the engine options name (see ``add_engine_arguments``), built as the Python API builds it."""
-    from scalenlp.engine.llm import engine_from_checkpoint
-
-    return engine_from_checkpoint(args.checkpoint, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
-                                  max_seq_len=args.max_seq_len, compile=args.compile, tp=args.tp, max_queue=max_queue,
-                                  quantize=args.quantize, group_size=args.group_size)
 
 
 def stream_to_stdout(engine, prompt_ids: list[int], params) -> tuple[str, str]:
@@ -63,9 +41,9 @@ def stream_to_stdout(engine, prompt_ids: list[int], params) -> tuple[str, str]:
 
 
 def run(args) -> int:
-    from scalenlp.errors import UserError
     from scalenlp.engine.decoder_engine import RequestError, check_text
     from scalenlp.engine.sampling import InvalidParam, SamplingParams
+    from scalenlp.errors import UserError
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop)
@@ -78,7 +56,9 @@ def run(args) -> int:
         raise UserError(f"--{e.param.replace('_', '-')}: {e}") from None
     except RequestError as e:
         raise UserError(str(e)) from None
-    engine = build_engine(args)
+    from scalenlp.engine.llm import engine_from_checkpoint
+
+    engine = engine_from_checkpoint(EngineConfig.from_args(args))
     try:
         for i, prompt in enumerate(args.prompt):
             ids = engine.encode(prompt)

@@ -1,6 +1,6 @@
 """`scalenlp quantize`: a checkpoint's linear weights rounded to int8 or int4 and written as an export folder
-that every command loading a model (serve, generate, chat, eval, classify, embed) reads directly; and the
-``--quantize`` option those commands take to quantize at load instead. The rounding and the kernels live in
+that every command loading a model (serve, generate, chat, eval, classify, embed) reads directly; those
+commands quantize at load instead with ``--quantize`` (an engine option, ``scalenlp.engine.config``). The rounding and the kernels live in
 ``scalenlp.compress.quantized``; both paths produce the same tensors, so they run identically. With
 ``--calibration``, int4 rounds activation-aware (``scalenlp.compress.awq``) from that text's activations: the same
 layout and kernels, nearer the float model.
@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import argparse
 
+from scalenlp.engine.config import METHOD_CHOICES, METHOD_HELP
 from scalenlp.errors import UserError
-
-METHOD_CHOICES = ("int8", "int4", "int8dyn")  # compress.quantized.METHODS, without importing torch for --help
-METHOD_HELP = ("int8: int8 weights, a scale per output channel; int4: 4-bit weights, a scale and zero per group of "
-               "--group-size inputs; int8dyn: int8 weights and int8 activations")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,15 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="export folder to write; must not exist")
 
 
-def add_load_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--quantize``/``--group-size`` for the commands that load a model."""
-    parser.add_argument("--quantize", default=None, choices=METHOD_CHOICES,
-                        help="quantize the linear layers at load (" + METHOD_HELP + ")")
-    parser.add_argument("--group-size", type=int, default=64,
-                        help="with --quantize int4: inputs per scale (default 64; 32 takes a GGUF file's Q4_0/Q4_1 "
-                             "blocks as they are)")
-
-
 def run(args) -> int:
     import dataclasses
     import json
@@ -56,9 +44,9 @@ def run(args) -> int:
     from safetensors.torch import save_file
 
     from scalenlp.cli.export import new_output
-    from scalenlp.models.io import ARGS, WEIGHTS, replacing_folder, write_tokenizer
-    from scalenlp.loader import instantiate, read
     from scalenlp.compress.quantized import QUANTIZATION, quantization_json, quantization_of
+    from scalenlp.loader import instantiate, read
+    from scalenlp.models.io import ARGS, WEIGHTS, replacing_folder, write_tokenizer
 
     spec = quantization_of(args.method, args.group_size)
     out = new_output(args.out)
@@ -90,8 +78,8 @@ def calibrated(pre, spec, args):
 
     from scalenlp.compress.awq import awq
     from scalenlp.compress.calibration import calibration_batches
-    from scalenlp.loader import instantiate
     from scalenlp.compress.quantized import build_quantized
+    from scalenlp.loader import instantiate
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # awq() reports each block's alphas
     model = instantiate(pre, "cpu", torch.float32)

@@ -1,7 +1,7 @@
 """A batcher for encoders: concurrent embedding and classification requests share forward passes.
 
-Each request's texts become units in a queue. A worker thread takes up to ``batch_texts`` units of one
-kind (embed or classify), waiting at most ``max_wait_s`` after the oldest one arrived for more to come,
+Each request's texts become units in a queue. A worker thread takes up to ``forward_batch`` units of one
+kind (embed or classify), waiting at most ``batch_wait_ms`` after the oldest one arrived for more to come,
 pads them to the longest, runs one forward and hands each row back; a request's future completes
 when its last row does. With more texts queued than a batch holds, a batch gathers texts of similar
 lengths (little padding), as sentence-transformers sorts its input by length.
@@ -19,13 +19,14 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from scalenlp.errors import UserError
+from scalenlp.compress.quantized import quantization_of
+from scalenlp.engine.config import EncoderEngineConfig
 from scalenlp.engine.decoder_engine import EngineDead, QueueFull, RequestError, pick_device, pick_dtype
+from scalenlp.errors import UserError
+from scalenlp.loader import checkpoint_kind, instantiate, read
 from scalenlp.models.encoder import EncoderArgs
 from scalenlp.models.hf import read_hf_config
 from scalenlp.models.io import load_model_args
-from scalenlp.loader import checkpoint_kind, instantiate, read
-from scalenlp.compress.quantized import quantization_of
 
 KINDS = ("embed", "classify")
 
@@ -59,25 +60,24 @@ class Job:
 
 
 class EncoderEngine:
-    def __init__(self, model, tokenizer: Tokenizer, *, max_len: int | None = None, batch_texts: int = 32,
-                 max_wait_s: float = 0.002, max_queue: int = 64, max_request_texts: int = 2048):
-        if batch_texts < 1 or max_request_texts < 1:
-            raise UserError(f"the batch sizes must be at least 1, got {batch_texts} and {max_request_texts}")
+    def __init__(self, model, tokenizer: Tokenizer, *, max_seq_len: int | None = None, forward_batch: int = 32,
+                 batch_wait_ms: float = 2.0, max_queue: int = 64, max_batch_texts: int = 2048):
+        """The options are ``EncoderEngineConfig``'s (checked there); ``max_seq_len`` is at most the model's."""
         self.model = model.eval()
         self.args: EncoderArgs = model.args
         self.device = next(model.parameters()).device
-        self.max_len = min(max_len or self.args.max_seq_len, self.args.max_seq_len)
+        self.max_seq_len = min(max_seq_len or self.args.max_seq_len, self.args.max_seq_len)
         # A copy: the checkpoint's tokenizer.json may pad every text to a fixed length (MiniLM's pads to 128);
         # batches are padded here, to their longest text.
         self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
         self.tokenizer.no_padding()
-        self.tokenizer.enable_truncation(self.max_len)
+        self.tokenizer.enable_truncation(self.max_seq_len)
         # The special tokens wrapped around a text ([CLS] ... [SEP]), added to token-id inputs as well.
         probe = self.tokenizer.encode("a")
         content = [i for i, special in enumerate(probe.special_tokens_mask) if not special]
         self.prefix, self.suffix = probe.ids[:content[0]], probe.ids[content[-1] + 1:]
-        self.batch_texts, self.max_wait_s = batch_texts, max_wait_s
-        self.max_queue, self.max_request_texts = max_queue, max_request_texts
+        self.forward_batch, self.batch_wait_ms = forward_batch, batch_wait_ms
+        self.max_queue, self.max_batch_texts = max_queue, max_batch_texts
         self.queues: dict[str, list[tuple[Job, int]]] = {k: [] for k in KINDS}  # (job, row), in arrival order
         self.waiting_jobs = 0  # jobs with units still queued
         self.cond = threading.Condition()
@@ -112,13 +112,13 @@ class EncoderEngine:
         return sum(len(q) for q in self.queues.values())
 
     def encode(self, inputs: list[str | list[int]]) -> list[list[int]]:
-        """Token ids per input, special tokens included, truncated to ``max_len``. Text is tokenized; token
+        """Token ids per input, special tokens included, truncated to ``max_seq_len``. Text is tokenized; token
         ids are taken as the text's tokens and wrapped in the special tokens. RequestError for bad input."""
         if not inputs:
             raise RequestError("the input must not be empty")
-        if len(inputs) > self.max_request_texts:
+        if len(inputs) > self.max_batch_texts:
             raise RequestError(f"{len(inputs)} inputs in one request; this server takes at most "
-                               f"{self.max_request_texts} (--max-batch-texts)")
+                               f"{self.max_batch_texts} (--max-batch-texts)")
         texts = [x for x in inputs if isinstance(x, str)]
         for i, x in enumerate(inputs):
             if not x or (isinstance(x, str) and not x.strip()):
@@ -127,7 +127,7 @@ class EncoderEngine:
                 raise RequestError(f"input {i} has token ids outside the vocabulary [0, {self.args.vocab_size})")
         encoded = iter(self.tokenizer.encode_batch(texts))
         out = []
-        room = self.max_len - len(self.prefix) - len(self.suffix)
+        room = self.max_seq_len - len(self.prefix) - len(self.suffix)
         for x in inputs:
             if isinstance(x, str):
                 e = next(encoded)
@@ -161,8 +161,8 @@ class EncoderEngine:
         return self.submit(kind, self.encode(inputs)).result()
 
     def _take(self) -> tuple[str, list[tuple[Job, int]]] | None:
-        """The next batch: units of the kind waiting longest, once ``batch_texts`` of them are queued or the
-        oldest has waited ``max_wait_s``. None when stopping."""
+        """The next batch: units of the kind waiting longest, once ``forward_batch`` of them are queued or the
+        oldest has waited ``batch_wait_ms``. None when stopping."""
         with self.cond:
             while True:
                 if self.stopping:
@@ -173,11 +173,11 @@ class EncoderEngine:
                     continue
                 oldest, kind = min(heads)
                 queue = self.queues[kind]
-                wait = oldest + self.max_wait_s - time.perf_counter()
-                if len(queue) < self.batch_texts and wait > 0:
+                wait = oldest + self.batch_wait_ms / 1000 - time.perf_counter()
+                if len(queue) < self.forward_batch and wait > 0:
                     self.cond.wait(wait)
                     continue
-                batch, self.queues[kind] = split_batch(queue, self.batch_texts)
+                batch, self.queues[kind] = split_batch(queue, self.forward_batch)
                 for job, _ in batch:
                     job.queued -= 1
                     self.waiting_jobs -= job.queued == 0
@@ -261,18 +261,17 @@ def _settle(future: Future, result=None, exception: BaseException | None = None)
         pass
 
 
-def encoder_from_checkpoint(checkpoint: str | Path, *, dtype: str = "auto", device: str | None = None,
-                            batch_texts: int = 32, max_wait_s: float = 0.002, max_queue: int = 64,
-                            max_request_texts: int = 2048, max_len: int | None = None, quantize: str | None = None,
-                            group_size: int = 64) -> EncoderEngine:
-    """Load an encoder checkpoint and start a batcher on it. Texts are truncated at ``max_len``, else where
-    sentence-transformers truncates them for this folder, else at the model's position table. ``quantize``
-    (int8, int4, int8dyn) quantizes the linear layers at load; ``group_size`` is int4's."""
-    spec = quantization_of(quantize, group_size)
-    pre = read(checkpoint)
+def encoder_from_checkpoint(config: EncoderEngineConfig) -> EncoderEngine:
+    """Load an encoder checkpoint and start a batcher on it, as ``config`` says. Texts are truncated at
+    ``max_seq_len``, else where sentence-transformers truncates them for this folder, else at the model's
+    position table."""
+    config.check()
+    spec = quantization_of(config.quantize, config.group_size)
+    pre = read(config.checkpoint)
     if not isinstance(pre.args, EncoderArgs):
-        raise UserError(f"{checkpoint} is a decoder (it generates text); embed and classify need an encoder")
-    torch_device = torch.device(device) if device else pick_device()
-    model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, dtype), quantize=spec)
-    return EncoderEngine(model, pre.tokenizer, max_len=max_len or sentence_max_len(pre.path), batch_texts=batch_texts,
-                         max_wait_s=max_wait_s, max_queue=max_queue, max_request_texts=max_request_texts).start()
+        raise UserError(f"{config.checkpoint} is a decoder (it generates text); embed and classify need an encoder")
+    torch_device = torch.device(config.device) if config.device else pick_device()
+    model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, config.dtype), quantize=spec)
+    return EncoderEngine(model, pre.tokenizer, max_seq_len=config.max_seq_len or sentence_max_len(pre.path),
+                         forward_batch=config.forward_batch, batch_wait_ms=config.batch_wait_ms,
+                         max_queue=config.max_queue, max_batch_texts=config.max_batch_texts).start()

@@ -5,53 +5,49 @@
         print(llm.generate(["Return the"], SamplingParams(max_tokens=20, temperature=0)))
         print(llm.chat([{"role": "user", "content": "Hi!"}]))  # a checkpoint with a chat template
 
-``engine_from_checkpoint`` is the one place where an engine gets its defaults (dtype, end-of-text and
-end-of-turn tokens, weight packing, tensor parallelism); the CLI's ``generate``/``serve``/``chat`` call it too.
+``engine_from_checkpoint`` is the one place where an engine is built from its options (``EngineConfig``,
+whose fields hold the defaults) and gets the checkpoint's end-of-text and end-of-turn tokens; the CLI's
+``generate``/``serve``/``chat`` call it too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
+from scalenlp.compress.quantized import quantization_of
 from scalenlp.data.chat import encode_chat, end_of_text_id, end_of_turn_ids
-from scalenlp.errors import UserError
+from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.decoder_engine import Engine, pick_device, pick_dtype
 from scalenlp.engine.sampling import SamplingParams
-from scalenlp.models.encoder import EncoderArgs
+from scalenlp.errors import UserError
 from scalenlp.loader import instantiate, read
-from scalenlp.compress.quantized import quantization_of
+from scalenlp.models.encoder import EncoderArgs
 
 
-def engine_from_checkpoint(checkpoint: str | Path, *, dtype: str = "auto", device: str | None = None,
-                           max_batch: int = 8, max_seq_len: int | None = None, compile: bool = False, tp: int = 1,
-                           max_queue: int = 64, quantize: str | None = None, group_size: int = 64) -> Engine:
-    """Load any checkpoint the loader reads and start an engine on it. Generation ends at the end-of-text
-    token and, for a chat model, at its template's end-of-turn tokens. ``quantize`` (int8, int4, int8dyn)
-    quantizes the linear layers at load; ``group_size`` is int4's."""
-    if max_batch < 1:
-        raise UserError(f"--max-batch must be at least 1, got {max_batch}")
-    if max_seq_len is not None and max_seq_len < 2:  # a prompt token and an output token
-        raise UserError(f"--max-seq-len must be at least 2, got {max_seq_len}")
-    if tp > 1 and compile:
-        raise UserError("--compile is not supported with --tp yet; drop one of them")
-    spec = quantization_of(quantize, group_size)
-    pre = read(checkpoint)
+def engine_from_checkpoint(config: EngineConfig) -> Engine:
+    """Load any checkpoint the loader reads and start an engine on it, as ``config`` says. Generation ends at
+    the end-of-text token and, for a chat model, at its template's end-of-turn tokens."""
+    config.check()
+    spec = quantization_of(config.quantize, config.group_size)
+    pre = read(config.checkpoint)
     if isinstance(pre.args, EncoderArgs):
-        raise UserError(f"{checkpoint} is an encoder; it embeds and classifies text but does not generate it")
-    torch_device = torch.device(device) if device else pick_device()
-    if tp > 1:
+        raise UserError(f"{config.checkpoint} is an encoder; it embeds and classifies text but does not generate it")
+    torch_device = torch.device(config.device) if config.device else pick_device()
+    if config.tp > 1:
         from scalenlp.engine.sharded import start_sharded  # starts processes: only when asked for
 
-        model = start_sharded(pre, tp, dtype, spec)
+        model = start_sharded(pre, config.tp, config.dtype, spec)
     else:
-        model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, dtype), quantize=spec)
-    engine = Engine(model, pre.tokenizer, max_batch=max_batch, max_queue=max_queue, max_seq_len=max_seq_len,
+        model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, config.dtype), quantize=spec)
+    engine = Engine(model, pre.tokenizer, max_batch=config.max_batch, max_queue=config.max_queue,
+                    max_seq_len=config.max_seq_len,
                     eos_id=end_of_text_id(pre.tokenizer, pre.tokenizer_config),  # none: runs to max_tokens
                     stop_ids=end_of_turn_ids(pre.tokenizer, pre.tokenizer_config),
-                    tokenizer_config=pre.tokenizer_config, compile=compile)
-    if tp > 1:  # a rank that dies ends the engine: its requests are answered, a server exits 1
+                    tokenizer_config=pre.tokenizer_config, compile=config.compile)
+    if config.tp > 1:  # a rank that dies ends the engine: its requests are answered, a server exits 1
         model.followers.on_failure = engine.fail
     return engine.start()
 
@@ -59,8 +55,14 @@ def engine_from_checkpoint(checkpoint: str | Path, *, dtype: str = "auto", devic
 class LLM:
     """A running engine for batch generation from Python; ``close()`` (or ``with``) stops it."""
 
-    def __init__(self, checkpoint: str | Path, **engine_options):
-        self.engine = engine_from_checkpoint(checkpoint, **engine_options)
+    def __init__(self, checkpoint: str | Path | EngineConfig, **options):
+        """``LLM(checkpoint, max_batch=4, ...)`` takes ``EngineConfig``'s fields as keywords; ``LLM(config)``
+        takes the config itself."""
+        if isinstance(checkpoint, EngineConfig):
+            config = dataclasses.replace(checkpoint, **options)
+        else:
+            config = EngineConfig(checkpoint, **options)
+        self.engine = engine_from_checkpoint(config)
 
     def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[str]:
         """The completion of each prompt, all run as one continuous batch."""

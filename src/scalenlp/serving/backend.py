@@ -2,7 +2,7 @@
 tensor-parallel). A backend turns a checked ``CompletionRequest`` into a response or a stream of chunks, and
 has ``complete``, ``stream``, ``health``, ``metrics`` and ``model_name``, and ``chat_prompt`` where it serves
 chat completions; the Ray backend in ``cluster.py`` forwards to replicas instead, and an encoder's backend
-(``encoder_api.py``) serves embeddings and classification.
+(``encoder.py``) serves embeddings and classification.
 """
 
 import asyncio
@@ -10,9 +10,18 @@ import dataclasses
 import time
 from typing import Any, AsyncIterator
 
-from scalenlp.serving.protocol import (APIError, chat_ids, choice_params, completion_object, new_id, prompts_of,
-                                sampling_params, usage)
-from scalenlp.cli.generate import build_engine
+from scalenlp.engine.config import EngineConfig
+from scalenlp.serving.limits import ServeLimits
+from scalenlp.serving.protocol import (
+    APIError,
+    chat_ids,
+    choice_params,
+    completion_object,
+    new_id,
+    prompts_of,
+    sampling_params,
+    usage,
+)
 
 
 class LocalBackend:
@@ -230,8 +239,10 @@ def _append_logprobs(logprobs: dict | None, text_so_far: str, delta) -> None:
         logprobs["text_offset"].append(len(text_so_far))
 
 
-def generation_backend(args, model_name: str) -> LocalBackend:
-    """The engine the options name, behind a server's request limits: one-process serving, and each
+def generation_backend(config: EngineConfig, limits: ServeLimits, model_name: str) -> LocalBackend:
+    """The engine ``config`` names, behind a server's request limits: one-process serving, and each
     replica of --replicas, build it here."""
-    return LocalBackend(build_engine(args, max_queue=args.max_queue), model_name,
-                        max_prompt_tokens=args.max_prompt_tokens, max_tokens_cap=args.max_tokens_cap)
+    from scalenlp.engine.llm import engine_from_checkpoint  # torch: not for `scalenlp --help`
+
+    return LocalBackend(engine_from_checkpoint(config), model_name, max_prompt_tokens=limits.max_prompt_tokens,
+                        max_tokens_cap=limits.max_tokens_cap)

@@ -25,8 +25,8 @@ Ray is an optional extra (``pip install scalenlp[cluster]``).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import os
 import random
 import signal
@@ -37,15 +37,14 @@ from typing import AsyncIterator
 
 import torch
 
+from scalenlp.engine.config import EncoderEngineConfig, EngineConfig
 from scalenlp.errors import UserError
-from scalenlp.serving.protocol import APIError, _request_model, check_request
-from scalenlp.serving.backend import LocalBackend
-from scalenlp.serving.encoder import EncoderBackend, EncoderOnly, request_models
-from scalenlp.serving.encoder import engine_options as encoder_options
-from scalenlp.engine.encoder_engine import encoder_from_checkpoint, is_encoder
-from scalenlp.serving.backend import generation_backend
-from scalenlp.serving.app import DEFAULT_MAX_BODY_BYTES, create_app
 from scalenlp.loader import checkpoint_kind
+from scalenlp.serving.app import create_app
+from scalenlp.serving.backend import LocalBackend, generation_backend
+from scalenlp.serving.encoder import EncoderBackend, EncoderOnly, build_encoder_backend, request_models
+from scalenlp.serving.limits import ServeLimits
+from scalenlp.serving.protocol import APIError, _request_model, check_request
 
 RETRIES = 5
 APP_NAME = "scalenlp"
@@ -72,9 +71,10 @@ def _import_ray():
 class EngineReplica:
     """One engine (loaded from the checkpoint) serving completion requests handed over by the router."""
 
-    def __init__(self, engine_options: dict, model_name: str):
-        torch.set_num_threads(max(1, int(engine_options.pop("threads", 1))))
-        self.backend = self.local_backend(engine_options, model_name)
+    def __init__(self, config: EngineConfig | EncoderEngineConfig, limits: ServeLimits, model_name: str,
+                 threads: int = 1):
+        torch.set_num_threads(threads)
+        self.backend = self.local_backend(config, limits, model_name)
         self.engine = self.backend.engine
         from ray import serve
 
@@ -82,8 +82,8 @@ class EngineReplica:
         threading.Thread(target=self._report_metrics, name="scalenlp-metrics", daemon=True).start()
 
     @staticmethod
-    def local_backend(engine_options: dict, model_name: str) -> LocalBackend:
-        return generation_backend(argparse.Namespace(**engine_options), model_name)
+    def local_backend(config: EngineConfig, limits: ServeLimits, model_name: str) -> LocalBackend:
+        return generation_backend(config, limits, model_name)
 
     def _report_metrics(self) -> None:
         from ray import serve
@@ -297,9 +297,8 @@ class EncoderReplica(EngineReplica):
     """A Ray Serve replica of an encoder (`scalenlp serve --replicas N` on an encoder checkpoint)."""
 
     @staticmethod
-    def local_backend(engine_options: dict, model_name: str) -> EncoderBackend:
-        options = dict(engine_options)
-        return EncoderBackend(encoder_from_checkpoint(options.pop("checkpoint"), **options), model_name)
+    def local_backend(config: EncoderEngineConfig, limits: ServeLimits, model_name: str) -> EncoderBackend:
+        return build_encoder_backend(config, model_name)  # the prompt and token limits are generation's
 
     async def _answer(self, route: str, request_model, body: dict) -> dict:
         try:
@@ -327,10 +326,9 @@ class RayEncoderBackend(EncoderOnly, RayBackend):
 class Router:
     """The ingress deployment: the FastAPI app of `scalenlp serve`, forwarding to the replicas."""
 
-    def __init__(self, replicas, model_name: str, api_key: str | None, encoder: bool = False,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    def __init__(self, replicas, model_name: str, limits: ServeLimits, encoder: bool = False):
         self.backend = (RayEncoderBackend if encoder else RayBackend)(replicas, model_name)
-        self.fastapi_app = create_app(self.backend, api_key, max_body_bytes)
+        self.fastapi_app = create_app(self.backend, limits.api_key, limits.max_body_bytes)
 
     def __serve_build_asgi_app__(self):
         return self.fastapi_app
@@ -353,19 +351,19 @@ def replica_options(replicas: int, max_replicas: int | None, max_batch: int, rep
     return {"max_ongoing_requests": max_batch * 2, "ray_actor_options": {"num_cpus": replica_cpus}, **scaling}
 
 
-def build_application(engine_options: dict, model_name: str, api_key: str | None, replicas: int,
-                      max_replicas: int | None, replica_cpus: float, encoder: bool = False,
-                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-    """The Ray Serve application: Router -> EngineReplica (or EncoderReplica) deployment."""
+def build_application(config: EngineConfig | EncoderEngineConfig, limits: ServeLimits, model_name: str,
+                      replicas: int, max_replicas: int | None, replica_cpus: float):
+    """The Ray Serve application: Router -> EngineReplica (or, for an encoder's config, EncoderReplica)
+    deployment. The replicas receive the config and the limits themselves (they pickle)."""
     _, serve = _import_ray()
-    replica_class, batch = ((EncoderReplica, engine_options["batch_texts"]) if encoder else
-                            (EngineReplica, engine_options["max_batch"]))
+    encoder = isinstance(config, EncoderEngineConfig)
+    replica_class, batch = (EncoderReplica, config.forward_batch) if encoder else (EngineReplica, config.max_batch)
     replica = serve.deployment(replica_class, name=replica_class.__name__, health_check_period_s=2,
                                **replica_options(replicas, max_replicas, batch, replica_cpus))
     router = serve.deployment(serve.ingress()(Router), name=ROUTER_NAME, num_replicas=1,  # gets every metrics report
                               max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
-    options = {**engine_options, "threads": max(1, int(replica_cpus))}
-    return router.bind(replica.bind(options, model_name), model_name, api_key, encoder, max_body_bytes)
+    threads = max(1, int(replica_cpus))
+    return router.bind(replica.bind(config, limits, model_name, threads), model_name, limits, encoder)
 
 
 def _init_ray(ray, address: str | None, init_kwargs: dict) -> None:
@@ -379,28 +377,25 @@ def _init_ray(ray, address: str | None, init_kwargs: dict) -> None:
                         "(or ~/.ray/auth_token)") from None
 
 
-def start(args, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
-    """Start (or join) Ray and deploy ``args.model_name`` (which `scalenlp serve` has already defaulted).
-    Returns the HTTP address, and whether the Serve instance is ours to shut down when we stop (not when it
-    already ran on a joined cluster)."""
+def start(config: EngineConfig | EncoderEngineConfig, limits: ServeLimits, model_name: str, *, replicas: int,
+          max_replicas: int | None = None, replica_cpus: float = 1.0, ray_address: str | None = None,
+          host: str = "127.0.0.1", port: int = 8000, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
+    """Start (or join, at ``ray_address``) Ray and deploy ``replicas`` replicas (autoscaling up to
+    ``max_replicas``) of the engine ``config`` names, behind a router serving ``model_name`` under ``limits``
+    at ``host:port``. Returns the HTTP address, and whether the Serve instance is ours to shut down when we
+    stop (not when it already ran on a joined cluster)."""
     ray, serve = _import_ray()
-    _, checkpoint = checkpoint_kind(args.checkpoint)  # fail here, not inside a replica
-    encoder = is_encoder(checkpoint)
-    options = {"checkpoint": str(checkpoint.resolve()), **(encoder_options(args) if encoder else {
-               "dtype": args.dtype, "device": args.device, "max_batch": args.max_batch, "max_seq_len": args.max_seq_len,
-               "compile": args.compile, "max_queue": args.max_queue, "tp": args.tp, "quantize": args.quantize,
-               "group_size": args.group_size, "max_prompt_tokens": args.max_prompt_tokens,
-               "max_tokens_cap": args.max_tokens_cap})}
+    _, checkpoint = checkpoint_kind(config.checkpoint)  # fail here, not inside a replica
+    config = dataclasses.replace(config, checkpoint=str(checkpoint.resolve()))  # the replicas' working folder differs
     if not ray.is_initialized():
-        _init_ray(ray, args.ray_address, ray_init_kwargs or {})
+        _init_ray(ray, ray_address, ray_init_kwargs or {})
     before = serve.status()
     if APP_NAME in before.applications:
-        raise UserError(f"the Ray cluster at {args.ray_address or 'this machine'} already serves an application "
+        raise UserError(f"the Ray cluster at {ray_address or 'this machine'} already serves an application "
                         f"named {APP_NAME!r} (another `scalenlp serve`, or one that did not stop cleanly); stop it, "
                         f"or remove it with ray.serve.delete({APP_NAME!r}), and try again")
-    owns_serve = not args.ray_address or not before.proxies
-    serve.start(http_options={"host": args.host, "port": args.port})
-    host, port = args.host, args.port
+    owns_serve = not ray_address or not before.proxies
+    serve.start(http_options={"host": host, "port": port})
     if not owns_serve:
         # Serve already runs on the joined cluster, and its proxies keep the address they were started with.
         # Ray offers no public call to read it; its client's config holds it.
@@ -411,8 +406,7 @@ def start(args, ray_init_kwargs: dict | None = None) -> tuple[str, bool]:
             print(f"note: the cluster's Ray Serve already listens on {config.host}:{config.port}; --host and --port "
                   "apply only where scalenlp starts Serve", file=sys.stderr, flush=True)
             host, port = config.host, config.port
-    app = build_application(options, args.model_name, args.api_key,
-                            args.replicas, args.max_replicas, args.replica_cpus, encoder, args.max_body_bytes)
+    app = build_application(config, limits, model_name, replicas, max_replicas, replica_cpus)
     serve.run(app, name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}", owns_serve
 
@@ -427,17 +421,22 @@ def stop(owns_serve: bool) -> None:
     ray.shutdown()
 
 
-def serve_replicas(args) -> int:
-    if not args.ray_address:
+def serve_replicas(config: EngineConfig | EncoderEngineConfig, limits: ServeLimits, model_name: str, *,
+                   replicas: int, max_replicas: int | None = None, replica_cpus: float = 1.0,
+                   ray_address: str | None = None, host: str = "127.0.0.1", port: int = 8000) -> int:
+    """`scalenlp serve --replicas`: ``start``, then serve until Ctrl-C or SIGTERM."""
+    if not ray_address:
         for name, value in LOCAL_RAY_ENV.items():
             os.environ.setdefault(name, value)
-    most = max(args.replicas, args.max_replicas or 0)
-    cpus = None if args.ray_address else max(os.cpu_count() or 1, int(most * args.replica_cpus) + 1)
-    url, owns_serve = start(args, {"num_cpus": cpus} if cpus else {})
+    most = max(replicas, max_replicas or 0)
+    cpus = None if ray_address else max(os.cpu_count() or 1, int(most * replica_cpus) + 1)
+    url, owns_serve = start(config, limits, model_name, replicas=replicas, max_replicas=max_replicas,
+                            replica_cpus=replica_cpus, ray_address=ray_address, host=host, port=port,
+                            ray_init_kwargs={"num_cpus": cpus} if cpus else {})
     # SIGTERM (a service manager's stop) takes the application down as Ctrl-C does; Ray's own handler
     # would end the process without it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    print(f"serving {args.replicas} replica(s) at {url} (Ctrl-C to stop)", flush=True)
+    print(f"serving {replicas} replica(s) at {url} (Ctrl-C to stop)", flush=True)
     try:
         while True:
             time.sleep(3600)

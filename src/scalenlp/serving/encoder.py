@@ -10,37 +10,16 @@ backend answers the generation routes the same way.
 
 # No `from __future__ import annotations` here: FastAPI reads the request types from the route functions'
 # annotations, which must then be the classes, not their names.
-import argparse
 import asyncio
 import base64
 import functools
 from typing import Any, Literal
 
-from scalenlp.errors import UserError
+from scalenlp.engine.config import EncoderEngineConfig
 from scalenlp.serving.protocol import APIError, error_responses
 
 ENCODER_ONLY = "this model is an encoder: use /v1/embeddings or /v1/classify"
 DECODER_ONLY = "this model is a decoder (it generates text): use /v1/completions or /v1/chat/completions"
-
-
-def add_encoder_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("encoders (embeddings and classification)")
-    group.add_argument("--forward-batch", type=int, default=32,
-                       help="most texts in one forward pass; concurrent requests share it (default 32)")
-    group.add_argument("--batch-wait-ms", type=float, default=2.0,
-                       help="how long a text waits for others to fill its forward pass (default 2)")
-    group.add_argument("--max-batch-texts", type=int, default=2048,
-                       help="most inputs one request may carry; more is answered 400 (default 2048)")
-
-
-def engine_options(args) -> dict:
-    """The ``encoder_from_checkpoint`` options that the command line names, for this process or a replica."""
-    if args.tp > 1 or args.compile:
-        raise UserError("--tp and --compile are for decoders; serve an encoder without them")
-    return {"dtype": args.dtype, "device": args.device, "batch_texts": args.forward_batch,
-            "max_wait_s": args.batch_wait_ms / 1000, "max_queue": args.max_queue,
-            "max_request_texts": args.max_batch_texts, "max_len": args.max_seq_len, "quantize": args.quantize,
-            "group_size": args.group_size}
 
 
 @functools.cache
@@ -200,7 +179,8 @@ def add_encoder_routes(app, backend, check_model) -> None:
         return JSONResponse(await served(req, "classify"))
 
 
-def build_encoder_backend(args, model_name: str) -> EncoderBackend:
-    from scalenlp.engine.encoder_engine import encoder_from_checkpoint
+def build_encoder_backend(config: EncoderEngineConfig, model_name: str) -> EncoderBackend:
+    """The encoder ``config`` names, behind the encoder routes: one-process serving and each replica build it here."""
+    from scalenlp.engine.encoder_engine import encoder_from_checkpoint  # torch: not for `scalenlp --help`
 
-    return EncoderBackend(encoder_from_checkpoint(args.checkpoint, **engine_options(args)), model_name)
+    return EncoderBackend(encoder_from_checkpoint(config), model_name)
