@@ -1,19 +1,10 @@
 """A parallel layout, and the one check of whether a model can run it, shared by the trainer
 (``parallel.*`` config keys), the sharded server (``--tp``) and the planner (``--layout``).
 
-Pure Python (no torch), so that config validation and the planner import it without cost.
-
-The rules are what runs (gloo, 2 processes, checked against one process; tests/test_layout.py):
-- Tensor parallelism shards whole attention heads and key/value heads, and a row-parallel layer
-  rebuilds its input's global shape as tp times its local one, so tp must divide the heads, the
-  key/value heads and the MLP width (an uneven MLP shard fails in the matmul). The vocabulary
-  need not divide: the embedding and the output projection shard it unevenly (the first ranks
-  hold ceil(vocab / tp) rows, as torch.chunk splits), and training and serving match one
-  process (gpt2's vocabulary of 50257 at tp=2).
-- Pipeline schedules (torch.distributed.pipelining): gpipe takes any number of microbatches;
-  1f1b needs at least one per stage; the interleaved ones (interleaved_1f1b, zero_bubble) take
-  any number of stages per rank, and run microbatches in rounds of max(1, m // pp), which must
-  divide m.
+Pure Python (no torch), so that config validation and the planner import it without cost. The rules are
+what runs (tp divides the heads, key/value heads and MLP width but not the vocabulary; what each pipeline
+schedule needs of its microbatches), checked against one process in tests/unit/test_layout.py and listed
+in docs/training.md, "Parallel layouts".
 """
 
 from __future__ import annotations

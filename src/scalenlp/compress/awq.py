@@ -1,30 +1,13 @@
-"""Activation-aware int4 rounding (AWQ: Lin et al. 2023, "AWQ: Activation-aware Weight Quantization for LLM
-Compression and Acceleration"), for ``scalenlp quantize --calibration``. The result is an ordinary float model
-whose int4 rounding loses less, so the export keeps ``compress.quantized``'s Int4Linear layout and kernels.
+"""Activation-aware int4 rounding (AWQ: Lin et al. 2023), for ``scalenlp quantize --calibration``.
 
-    model = instantiate(pre, "cpu", torch.float32)
+Each set of linears sharing an input (q/k/v, o, gate/up, down) gets per-input-channel scales s = mean|x|^alpha,
+alpha from ``ALPHAS`` chosen for the least output error tr(dW H dW^T) (H = X^T X from one float pass), folded
+exactly into what computes that input (the norms' weights, v's rows, up's rows); each group's clipping is then
+chosen by the same output error. The result is an ordinary float model whose int4 rounding loses less, so the
+export keeps ``compress.quantized``'s Int4Linear layout. Llama-shaped decoders only. docs/compression.md.
+
     grams = awq(model, calibration_batches("valid.txt", pre.tokenizer, 32, 512), Quantization("int4", 64))
     quantized = build_quantized(pre.args, model.state_dict(), spec, True, grams=grams)
-
-A few input channels of each linear carry much larger activations than the rest, and their weights' rounding
-errors cost the output most. Multiplying those weight columns by s > 1 before rounding (and the inputs by 1/s)
-rounds them more finely relative to their size; where 1/s can be folded into what computes the input, the
-float model is unchanged. Per block, four sets of linears share an input and a place to fold into:
-
-- q, k, v: the attention RMSNorm's weight (divided by s);
-- o: v's output rows, divided by s, since attention mixes v's rows linearly. Under GQA a value head feeds
-  several query heads' slots of o's input, so those slots share one scale (its mean over them);
-- gate, up: the MLP RMSNorm's weight;
-- down: up's output rows (the MLP's input to down is silu(gate) * up, linear in up).
-
-s = mean|x|^alpha per input channel, alpha from ``ALPHAS``, the one whose rounding (``int4_grouped``) leaves the
-least error in the linears' outputs on the calibration inputs: tr(dW H dW^T) with H = X^T X, computed from H
-alone, so the search never reruns the model. Then each linear rounds with its group grids (clip ratio and
-refit) chosen by that same output error instead of the weight error (``int4_grouped``'s ``gram``).
-
-Statistics come from one pass of the float model (as the paper's search uses float inputs): folding leaves
-its outputs unchanged, so the inputs of a later block need not be recomputed. Decoders with RMSNorm or
-LayerNorm before each sublayer and a SwiGLU MLP (Llama's shape) only.
 """
 
 from __future__ import annotations

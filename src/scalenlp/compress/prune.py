@@ -1,44 +1,13 @@
-"""Pruning a trained model: zero weights (unstructured, 2:4) or remove whole heads and neurons (structured).
+"""Pruning a trained model: zero weights (magnitude, wanda, 2:4) or remove whole KV groups and MLP neurons
+(structured), in the linear layers inside the transformer blocks only.
 
-    from scalenlp.compress.calibration import calibration_batches
-    from scalenlp.compress.prune import prune, sparsity
-    model, pre = load("model.gguf")
-    batches = calibration_batches("valid.txt", pre.tokenizer, samples=128, seq_len=128)
-    prune(model, "wanda", 0.5, calibration=batches)        # in place: same shapes, half of each row zero
-    prune(model, "magnitude", 0.5, scope="global")          # one threshold over every layer
-    prune(model, "2:4", 0.5, calibration=batches)           # 2 of every 4 consecutive input weights kept
-    small = prune(model, "structured", 0.5, calibration=batches)  # a new, smaller model; small.args updated
-
-Signatures:
     prune(model, method, sparsity=0.5, *, scope="layer", calibration=None) -> model
-        method: "magnitude" | "wanda" | "2:4" | "structured"; sparsity: the share removed, in (0, 1);
-        scope: "layer" (each matrix loses that share) or "global" (one threshold over all; magnitude only);
-        calibration: token batches (B, T) run through the model to measure input activations (wanda
-        needs them; 2:4 and structured use them when given). Returns the model: the same object for the
-        masking methods, a new one for "structured".
+        calibration: token batches (B, T) (compress.calibration.calibration_batches); wanda needs them.
+        Returns the same model for the masking methods, a new, smaller one for "structured".
     sparsity(model) -> dict[str, float]: the share of zeros in each prunable weight
     prunable(model) -> dict[str, nn.Linear]: the linear layers inside the blocks
 
-What is pruned: every linear layer inside the transformer blocks (attention q/k/v/o and the MLP), never
-the embeddings, the output head, a pooler or a classifier (as Wanda and SparseGPT leave them).
-
-- magnitude: score |W|.
-- wanda (Sun et al. 2023, "A Simple and Effective Pruning Approach for LLMs"): score |W_ij| · ||X_j||_2,
-  X_j the layer's j-th input over every calibration token, compared within each output row (each row
-  loses the same share). The norms come from one pass of the unpruned model (the paper re-feeds the
-  calibration through each block after pruning the ones before; one pass costs one forward per batch).
-- 2:4: in every group of 4 consecutive input weights of a row, the 2 lowest-scoring become zero (wanda's
-  score with calibration, magnitude's without), so sparsity is always 0.5. Only CUDA has 2:4 kernels
-  (``torch.sparse.to_sparse_semi_structured``, compute capability 8.0+): there the weights become
-  semi-structured sparse tensors; elsewhere they stay dense with zeros, and the log says which.
-- structured: removes the share ``sparsity`` of the KV groups (a key/value head with all the query heads
-  that read it, so GQA stays intact) and of the MLP neurons (gate/up rows with their down column) in
-  every block, and returns smaller dense matrices. A unit's importance is what it writes into the
-  residual stream: the sum over its channels c of the output projection (wo for a group's heads, w2 for
-  a neuron) of ||X_c||_2 · ||W_out[:, c]||_2, with ||X_c|| from calibration, or 1 without (weight norms
-  only). The model arguments hold one n_heads / n_kv_heads / ffn_dim for all blocks, so every block
-  keeps the same count (its own choice of units). Encoders are refused: Hugging Face's BERT derives the
-  head size from hidden_size / num_attention_heads, so a BERT with fewer heads would not load there.
+docs/compression.md, "Pruning", gives each method's score and what it keeps.
 """
 
 from __future__ import annotations

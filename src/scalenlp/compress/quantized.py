@@ -1,23 +1,13 @@
 """Weight quantization for inference, as a module swap (gpt-fast style): every ``nn.Linear`` of a decoder or
-encoder becomes a small quantized linear whose forward is one call to one of PyTorch's low-bit kernels.
+encoder becomes a quantized linear whose forward is one call to one of PyTorch's low-bit kernels.
 
-- ``int8``: int8 weights, one scale per output channel; activations stay floating (weight-only).
-- ``int4``: 4-bit weights with a scale and a zero point per group of ``group_size`` inputs (weight-only); a
-  decoder's output projection stays int8 (``spec_of``).
-- ``int8dyn``: int8 weights per output channel and int8 activations quantized per call (dynamic).
-
-A quantized checkpoint is an export folder whose ``model.safetensors`` holds each quantized linear as
-``weight`` (int8, or int4 packed two to a byte: even column in the high nibble, the layout CUDA's
-``_convert_weight_to_int4pack`` takes) and its scales, in a layout no device owns; ``quantization.json``
-names the method. Each device's kernel layout is built from it at load (``prepare``), so a file written
-on one machine loads on any. The token embedding table is int8 with a scale per row (``Int8Embedding``): floating,
-it was 40-46% of a quantized SmolLM2 or MiniLM. A decoder whose output projection is tied to it stores the table
-once, as that projection (int8 under every method: ``spec_of``), and looks its rows up there.
-
-Weight-only kernels compute in bfloat16 on every device: PyTorch's CPU int8/int4 kernels run 15-30 times
-slower with float32 activations (measured on this machine's AVX-512 CPU), and CUDA's int4 kernel takes
-bfloat16 alone. The scales are stored in bfloat16 too, and the weights are rounded against those stored
-scales, so the dequantized weight is exactly ``q * scale`` in the kernel's own arithmetic.
+Methods: ``int8`` (weight-only, a scale per output channel), ``int4`` (weight-only, a scale and zero point per
+group of ``group_size`` inputs; a decoder's output projection stays int8, ``spec_of``) and ``int8dyn`` (int8
+activations too). The token embedding table is int8 with a scale per row (``Int8Embedding``). An export holds
+each weight (int8, or int4 two to a byte, even column in the high nibble) and its bfloat16 scales in a layout no
+device owns (``quantization.json`` names the method); ``prepare`` builds each device's kernel layout at load.
+Weight-only kernels compute in bfloat16, and weights are rounded against the stored scales, so the dequantized
+weight is exactly ``q * scale``. docs/compression.md describes the methods for users.
 """
 
 from __future__ import annotations

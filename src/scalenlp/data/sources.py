@@ -1,20 +1,9 @@
-"""Where training text comes from: files a user names (.txt, .jsonl, .parquet, .tsv) or the built-in corpus.
+"""Where training text comes from: files a user names (.txt, .jsonl, .parquet, .tsv, or .npy token ids) or the
+built-in corpus, the docstrings of the Python standard library this interpreter runs on.
 
-A source is read as a stream of documents (strings); the tokenizer appends EOS after each one.
-
-- ``.txt``: one document per file. Files over ``TXT_PIECE_CHARS`` are yielded in pieces cut after a blank
-  line (a paragraph boundary) so that tokenization can batch and parallelise them; the pieces of one file
-  are still one document (see ``Piece.ends_document``), so EOS only follows the file's last piece.
-- ``.jsonl``: one JSON object per line, the text under ``text_field``; blank lines are skipped.
-- ``.parquet``: the ``text_field`` column, read in record batches with pyarrow; nulls are skipped.
-- ``.tsv``: a header row, then one document per row, the text in the column named ``text_field`` or,
-  failing that, ``sentence``/``content``/``text`` (GLUE style). Any mix of LF, CRLF and CR line endings.
-- ``.npy``: text already tokenized, a 1-D array of token ids with the tokenizer's EOS between documents,
-  trained on as it stands (tokenizer.path or model.init must name the tokenizer that made it). A corpus is
-  either text or token files, not a mix.
-
-The built-in corpus (used when no path is given) is the docstrings of the Python standard library this
-interpreter runs on: free of licence questions, always present, several MB of English prose about code.
+A source is read as a stream of documents (strings); the tokenizer appends EOS after each one. A large .txt
+file is yielded in pieces cut after blank lines that together stay one document (``Piece.ends_document``).
+The formats and their fields: docs/training.md, "Data".
 """
 
 from __future__ import annotations

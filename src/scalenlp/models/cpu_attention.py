@@ -1,15 +1,12 @@
 """Causal attention for training on CPUs: scalenlp's own float32 kernel (cpu_attention.cpp), built on first use.
 
-PyTorch's CPU flash attention runs each block of scores through memory between two GEMMs; with head sizes of
-16-64 that round trip, not the arithmetic, sets its pace. The kernel here keeps each tile of scores in
-registers from the scores to the output and the gradients. Measured on one core (``benchmarks/cpu_attention.py``,
-2,048 tokens, causal, against ``F.scaled_dot_product_attention``): head size 16 forward ~1.3x, backward ~2x;
-32 ~1.2-1.4x; at 64 within +-15% of SDPA and at 128 no faster, so those keep SDPA. Used by the decoder's training and
-scoring forward where it applies (``usable``); everywhere else, and wherever the build fails (no C++ compiler
-or ninja), attention is PyTorch's SDPA.
-
-The build is cached per machine by ``torch.utils.cpp_extension`` (~20 s the first time, -march=native, so the
-cache is keyed by this CPU's model too). ``SCALENLP_CPU_ATTENTION=0`` turns the kernel off.
+PyTorch's CPU flash attention runs each block of scores through memory between two GEMMs; with small head sizes
+that round trip, not the arithmetic, sets its pace. The kernel here keeps each tile of scores in registers from
+the scores to the output and the gradients. It is used where it measured faster than SDPA (``HEAD_SIZES``;
+benchmarks/RESULTS.md) by the decoder's training and scoring forward (``usable``); everywhere else, and wherever
+the build fails (no C++ compiler or ninja), attention is PyTorch's SDPA. The build is cached per machine by
+``torch.utils.cpp_extension`` (-march=native, so keyed by this CPU's model too). ``SCALENLP_CPU_ATTENTION=0``
+turns the kernel off.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Pipeline parallelism: split the decoder into stages by layer and run a torch.distributed.pipelining schedule.
 
-Stage s holds a contiguous run of layers; the first stage also holds the embeddings, the last the
-final norm, the output projection and (through the schedule) the loss. Layers are balanced by
-training FLOPs per token (matmul weights plus attention scores, the 6N + 12·L·H·Q·T terms), so
-the output projection of a large vocabulary counts against the last stage and the embedding
-lookup, which costs no matmul, does not.
-
-With pp_stages_per_rank = v > 1 (interleaved schedules) rank r holds stages r, r + pp, r + 2pp, ...:
-the pipeline's warm-up and cool-down bubble shrinks by v for v times more point-to-point sends.
-Each stage is a pruned copy of the full model, so parameter names (and checkpoints) are the same
-in every layout; TP, activation checkpointing, compile and DP are applied to each stage.
-
-Tied input/output embeddings (GPT-2 style) are split as Megatron-LM splits them: the first stage's
-``tok_embeddings.weight`` and the last stage's ``output.weight`` start as copies of the one tied
-weight, on different ranks. After each step's backward (schedule and data-parallel reduction done)
-the two copies' gradients are summed between the first- and last-stage ranks that share every
-other mesh coordinate, so both hold the gradient one process would compute, take the same
-optimizer step and stay bit-identical. The gradient norm counts the weight once (``second_copies``).
+Stage s holds a contiguous run of layers (the first stage also the embeddings, the last the final norm, the
+output projection and the loss), balanced by training FLOPs per token; with pp_stages_per_rank = v > 1, rank r
+holds stages r, r + pp, r + 2pp, .... Each stage is a pruned copy of the full model, so parameter names and
+checkpoints are the same in every layout. Tied input/output embeddings are two copies, on the first and last
+stage, whose gradients are summed after each step as in Megatron-LM (the norm counts them once: ``second_copies``).
 """
 
 from __future__ import annotations

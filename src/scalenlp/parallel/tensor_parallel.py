@@ -1,23 +1,11 @@
 """Tensor parallelism (Megatron-style) and sequence parallelism for the decoder family, and tensor
 parallelism for the encoder (BERT) family, whose blocks use the same plan.
 
-Each block is split so that it needs one all-reduce (or, with sequence parallelism, one
-all-gather + one reduce-scatter) for attention and one for the MLP:
-- wq / wk / wv and w1 / w3 are column-parallel: every rank computes n_heads/tp heads (and
-  ffn_dim/tp hidden units) on the full input, which the decoder's ``view(B, T, -1, head_dim)`` allows;
-- wo and w2 are row-parallel: partial sums over the local heads / hidden units, reduced once.
-
-The embedding is vocabulary-parallel (each rank holds vocab/tp rows; the lookup is masked and
-summed across ranks) and the output projection is column-parallel over the vocabulary: the
-vocabulary matrices are the largest in small models, so sharding them pays most. For training
-(``shard_logits=True``) its logits stay sharded on the vocabulary and cross-entropy runs under
-PyTorch's ``loss_parallel`` (each rank's log-softmax over its V/tp columns; only per-token
-scalars, the max, the sum of exponentials and the target's logit, cross ranks), so no rank holds
-the full (B, T, V) logits or their gradient. Inference samples from full logits, so it gathers them (``shard_logits=False``).
-
-Sequence parallelism (Korthikanti et al., 2022) shards the activations between blocks along the
-sequence: norms and dropout run on T/tp tokens, the all-reduce becomes reduce-scatter + all-gather
-(same traffic), and the residual stream's memory drops by tp.
+Each block needs one all-reduce (with sequence parallelism, an all-gather plus a reduce-scatter) for
+attention and one for the MLP: wq/wk/wv and w1/w3 are column-parallel (n_heads/tp heads per rank, which the
+decoder's ``view(B, T, -1, head_dim)`` allows), wo and w2 row-parallel. The embedding is vocabulary-parallel
+and the output projection column-parallel over the vocabulary; training keeps its logits sharded and runs
+the cross-entropy under ``loss_parallel`` (``shard_logits=True``), inference gathers them.
 """
 
 from __future__ import annotations

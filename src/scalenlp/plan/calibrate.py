@@ -1,28 +1,9 @@
-"""Where the planner's GPU constants come from: a fit on published training runs, done once.
+"""Where the planner's GPU constants come from: a fit on published training and serving runs, done once.
 
-``python -m scalenlp.plan.calibrate`` refits and prints the constants that devices.py carries, and each
-calibration row's prediction beside its published figure. What is fitted, and why on these rows:
-
-- GPU_GEMM_HALF_DIM, GPU_ELEMENTWISE_TRAFFIC and the A100's gemm_efficiency, jointly, by least squares
-  on log per-GPU TFLOP/s over the six rows of Megatron-LM 2021 Table 1 (Narayanan et al., A100 80GB,
-  mixed precision, full recomputation) that the tests do not use. They run 3.6B to 530B parameters on
-  TP 2-8 and PP 1-35, so thin and wide matmuls, TP traffic and bubbles all pull on the three numbers.
-- The H100's gemm_efficiency alone on the Llama 3 paper's 16,384-GPU row (TP8, PP16, DP128, 400
-  TFLOP/s per GPU); shape constants stay as fitted on the A100 rows. The H200 shares it (same die).
-
-- GPU_OVERLAP_CONTENTION (how much hidden communication still slows compute) alone on seven of the
-  published fully sharded (ZeRO-3 / FSDP / HSDP) runs at 64-128 GPUs below, A100 and H100, with every
-  other constant as fitted above: these are the rows where data-parallel traffic runs beside compute.
-
-- GPU_DECODE_LAYER_OVERHEAD (a decode step's host time per layer: kernel launches and the engine's
-  bookkeeping, which the serving planner adds to streaming the weights) alone on three rows of lmdeploy's
-  A100 static inference benchmark (SERVING_FIT).
-
-Held out for the tests: Megatron's 1.7B, 18.4B, 145.6B and 1008B rows and Llama 3's 8,192-GPU row, the
-fully sharded rows not fitted on (FSDP_HELD_OUT; FSDP_MISSES keeps the ones this model misses by more than 20%, with
-the size of each miss), and the serving rows not fitted on (SERVING_HELD_OUT).
-For each row the planner picks microbatch and pipeline schedule itself among the layouts with the
-published TP, PP and DP degrees, as the papers' authors tuned theirs.
+``python -m scalenlp.plan.calibrate`` refits and prints the constants that scalenlp/hardware.py carries, and
+each calibration row's prediction beside its published figure. The row tables below say what each constant
+is fitted on and what is held out for the tests (FSDP_HELD_OUT, SERVING_HELD_OUT; FSDP_MISSES with the size
+of each miss); docs/planner.md, "Calibration", explains the choice of rows.
 """
 
 from __future__ import annotations
@@ -395,7 +376,7 @@ def fit(rows, device: DeviceSpec, names_and_bounds: dict[str, tuple[float, float
 
 
 def main() -> None:
-    # A fixed starting point, so that the fit reproduces whatever devices.py currently holds.
+    # A fixed starting point, so that the fit reproduces whatever hardware.py currently holds.
     start = dict(gemm_efficiency=0.7, gemm_half_dim=128.0, elementwise_traffic=4.0)
     a100 = fit(A100_ROWS, get_device("a100-80gb", start),
                {"gemm_efficiency": (0.3, 1.0), "gemm_half_dim": (1.0, 1024.0), "elementwise_traffic": (0.0, 30.0)},

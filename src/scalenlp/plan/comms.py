@@ -1,28 +1,9 @@
 """Collectives on a cluster's links, and how much of data parallelism's traffic hides behind compute.
 
-Links. A group of ranks that fits on one node talks over NVLink/NVSwitch (``intra_node_bw``, ``latency_s``
-per ring step). A group that spans nodes runs NCCL's ring across them: NCCL builds one ring channel per
-NIC, each entering and leaving a node through its own rail, so a group with r ranks on each node moves its
-data at r NICs' bandwidth (``nic_bw`` each, at most the node's NVLink figure), and of the ring's n − 1
-steps, those that cross a node (one per node boundary) take the network's step latency (``nic_latency_s``),
-the others NVLink's: NCCL's own tuning model (src/graph/tuning.cc) prices a ring this way. Bus bandwidth
-is the ring's: an all-reduce moves 2(n − 1)/n of the bytes through every link, an all-gather or a
-reduce-scatter (n − 1)/n.
-
-Data parallel, per step and per GPU (Ψ parameters on the GPU, bf16 weights for compute):
-- DDP and ZeRO-1 all-reduce the gradients once per step (2Ψ bytes of traffic at the ring's bus bandwidth),
-  bucket by bucket during the last microbatch's backward; ZeRO-1 then all-gathers the updated weights.
-- ZeRO-2 (FSDP without resharding after forward) gathers the weights before each microbatch's forward and
-  reduce-scatters the gradients after its backward: 2Ψ.
-- ZeRO-3 gathers them again for the backward: 3Ψ, about three times the bf16 weights.
-- HSDP shards within a group (usually a node) and all-reduces the reduce-scattered shard across replicas.
-
-Overlap. FSDP gathers unit i + 1 while unit i computes (one unit ahead: the memory model holds two gathered
-layers), so a gather hides behind the previous unit's compute only, not behind the whole step: a layer
-whose gather outlasts that compute waits the difference, and the first unit's gather waits whole. In the
-backward the network carries, while unit k computes, the next unit's gather and the previous unit's
-gradient reduction, one after the other (the streams are concurrent, but they share the link): the last
-reduction waits whole. DDP's gradient buckets follow the same rule with no gathers.
+A group inside one node talks over NVLink; a group across nodes runs NCCL's ring over one NIC per GPU, the
+steps that cross a node at the network's latency. DDP, ZeRO-1/2/3 and HSDP move their per-step bytes over
+those links, and FSDP's per-unit gathers hide behind the previous unit's compute only. docs/planner.md,
+"Communication", gives the formulas.
 """
 
 from __future__ import annotations

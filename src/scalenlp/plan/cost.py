@@ -1,73 +1,11 @@
-"""Cost model of one training step: memory per device, FLOPs, time, for a model, a layout and a device.
+"""Cost model of one training step: memory per device, FLOPs and time, for a model, a layout and a device.
 
-Memory (per device, the largest pipeline stage):
-- model states per ZeRO stage, Rajbhandari et al. 2020, §5: with Ψ parameters on the device, N_d
-  the sharding degree and K the optimizer bytes per parameter, mixed precision (bf16 weights and
-  gradients, K = 12: fp32 master, momentum, variance) needs (2 + 2 + K)Ψ without ZeRO, 4Ψ + KΨ/N_d at
-  stage 1, 2Ψ + (2 + K)Ψ/N_d at stage 2 and (4 + K)Ψ/N_d at stage 3 (states="mixed"). fp32 states
-  (states="fp32", the default: fp32 training, and bf16 autocast or FSDP2 mixed precision over fp32
-  weights, as scalenlp train runs) are the same with 4 + 4 + 8 bytes and no master copy.
-- activations per layer, Korthikanti et al. 2022, §4, written term by term so that GQA, SwiGLU,
-  dropout off and flash attention (no stored s×s scores) follow from the same count; for GPT shapes
-  with dropout it is exactly sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) with tensor parallelism,
-  sbh(34/t + 5as/(ht)) with sequence parallelism, and 2sbh (the layer input) with full
-  recomputation, times the microbatches a stage holds: 1 without pipelining, m for GPipe, p − i on
-  stage i for 1F1B, p(1 + (p − 1)/(pv)) on stage 0 for the interleaved schedule.
-- buffers: DDP's gradient buckets, ZeRO-3's gathered layers, the logits and the loss's fp32 copy.
-
-Compute: every matmul of a layer with its (m, n, k) after tensor-parallel sharding. FLOPs are
-Narayanan et al. 2021 eq. 3, F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) with full recomputation
-(72 and V/(12lh) without); the general count reduces to it for GPT shapes. A matmul takes
-flops / (peak · gemm_efficiency · Π_d d/(d + gemm_half_dim)) over its three dimensions (large
-matmuls reach the device's gemm_efficiency; each thin dimension, a small head dim, a narrow
-tensor-parallel shard, a short microbatch, costs in proportion) plus writing its result at the
-memory bandwidth (which matters on CPUs, and for eager attention's s×s scores). Memory-bound
-kernels (norms, softmax, activation functions, dropout) move elementwise_traffic times the layer's
-stored activations through memory per forward + backward; the loss moves elementwise_traffic times
-(2·element + 4) bytes per logit (the logits and their fp32 copy), or takes the time per logit that
-``--device cpu`` measures; there attention's score matmuls also take the fused kernel's measured rate
-(a CPU runs it far below its matmul peak). Under tensor parallelism the vocabulary-parallel loss
-costs the measured factor over the fused one (it makes separate passes).
-
-Communication, ring algorithms (n ranks, β bus bandwidth, α per hop): all-reduce 2(n−1)/n·bytes/β +
-2(n−1)α, all-gather and reduce-scatter half of that (times the slowdown ``--device cpu`` measures
-for gloo's). A group's bandwidth is the node's own when all
-its ranks share a node, else the NICs of its ranks on one node, its steps across nodes at the
-network's latency (mesh order pp, dp_replicate, dp_shard, tp, innermost last; scalenlp.plan.comms). Per layer per microbatch TP moves 8bsh(t−1)/t elements (two
-all-reduces forward, two backward; sequence parallelism replaces each by an all-gather plus a
-reduce-scatter of the same volume), two more with full recomputation, not overlapped; the
-vocabulary-parallel embedding, output projection and loss add their own at the two ends. DDP and
-ZeRO-1 reduce gradients once per step, overlapped with the last microbatch's backward (ZeRO-1 then
-gathers the updated weights); FSDP's ZeRO-2/3 gather weights for each microbatch (ZeRO-3 for
-forward and again for backward: with the reduce-scatter, 1.5× the bytes of DDP), unit by unit, each
-gather hidden behind the previous unit's compute only and the backward's gathers and reductions
-sharing the link (scalenlp.plan.comms); hidden traffic still slows the compute beside it by
-overlap_contention of its time; and they copy parameters and gradients through their flat
-collective buffers at memory bandwidth. On a CPU (overlaps_communication false) gloo's threads
-share the cores with compute, so no data-parallel traffic is hidden. Pipeline stages send
-activations forward and gradients back, exposed; a tied embedding's two copies (first and last stage)
-sum their gradients once per step, exposed. Layers are split across stages as scalenlp train
-splits them (balanced against the output projection). The pipeline runs m microbatch slots of its
-slowest rank, plus one pass of the first microbatch (forward) and the last (backward) through every
-other rank, 1/v of a slot at a time when interleaved: for equal stages the bubble is (p − 1)/(v·m)
-of the ideal time, a third of it under zero_bubble (ZERO_BUBBLE_SHARE). The optimizer streams its state once per step.
-Offload (parallel.offload, FSDP's CPUOffloadPolicy) keeps the sharded weights, gradients and optimizer state in host
-memory: each gather first copies its shard in over the device's host link, each reduce-scatter copies its shard out
-(both on the collectives' streams, so they hide as the collectives do), and the optimizer streams its state at the
-host's memory bandwidth instead of the device's, after the backward.
-
-Calibration, once (scalenlp.plan.calibrate fits and prints the constants devices.py carries):
-GPU_GEMM_HALF_DIM, GPU_ELEMENTWISE_TRAFFIC and the A100's gemm_efficiency by least squares on log
-per-GPU TFLOP/s over the six rows of Megatron-LM 2021 Table 1 the tests do not use (3.6B, 7.5B,
-39.1B, 76.1B, 310.1B, 529.6B: TP 2-8, PP 1-35), never per row; then the H100's gemm_efficiency
-alone on Llama 3's 16,384-GPU row (400 TFLOP/s), which the H200 shares. Held out for the tests:
-Megatron's 1.7B, 18.4B, 145.6B and 1008B rows and Llama 3's 8,192-GPU row (all predicted within
-6%). The fitted values are physical: a large A100 matmul at ~77% of peak, an H100 at ~62% (power
-limited), a 134-wide dimension halving efficiency, ~5 bytes moved per stored activation byte; hidden
-communication slowing compute by a quarter of its time (GPU_OVERLAP_CONTENTION, fitted on published
-FSDP runs).
-``--device cpu`` measures its own peak, half dimension, bandwidths and latency instead
-(scalenlp.plan.measure).
+Memory counts model states per ZeRO stage (Rajbhandari et al. 2020) and activations per layer term by term
+(Korthikanti et al. 2022), times the microbatches each pipeline schedule holds. Time is every matmul at a
+calibrated rate for its shape, memory-bound kernels at the device's bandwidth, and the collectives of each
+parallelism on the cluster's links (scalenlp.plan.comms), hidden or exposed as they run. docs/planner.md
+derives each term; the GPU constants are fitted by scalenlp.plan.calibrate, and ``--device cpu`` measures
+its own (scalenlp.plan.measure).
 """
 
 from __future__ import annotations

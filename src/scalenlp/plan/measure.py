@@ -1,22 +1,9 @@
 """``--device cpu``: measure this machine instead of assuming a spec.
 
-- matmul rate over shapes from thin to square, fitted to the cost model's matmul time (arithmetic
-  at peak · Π_d d/(d + half_dim), plus writing the result), which gives the CPU's peak and half dimension;
-- memory bandwidth (a large elementwise add into a fresh tensor), the dispatch cost of one small op,
-  the time per logit of the loss (cross-entropy forward + backward) and attention's FLOP rate;
-- for serving, in the engine's precision (serving_figures): matmuls over inference's shapes through the engine's
-  linear layers with their weights in memory (and from them the rate a decode step streams its weights at), the
-  engine's host time per step, layer and sequence, a prefill's elementwise traffic, attention over a KV cache and
-  the sampler's time per logit;
-- gloo all-reduce bandwidth and per-hop latency between two local processes, and how much longer
-  its all-gather and reduce-scatter take than a ring would, each collective right after a burst of
-  compute as in a training step; the resident memory such a process holds besides
-  its model (the runtime share of the memory estimate); and what FSDP and tensor parallelism's
-  wrappers add per unit and per linear (framework_overheads).
-
-Each process of a CPU run gets its share of the cores: torchrun gives each of several processes one
-thread (OMP_NUM_THREADS=1), a single process keeps torch's default, so the matmul and bandwidth
-figures are measured with that many threads.
+Matmul rate (peak and half dimension), memory bandwidth, op dispatch, the loss's and attention's rates, the
+serving engine's own figures (serving_figures), gloo's collectives, a process's resident memory and what the
+parallel wrappers add (framework_overheads), each with the threads one process of that run gets.
+docs/planner.md, "--device cpu", says what each figure feeds.
 """
 
 from __future__ import annotations

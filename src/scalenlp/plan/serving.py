@@ -1,23 +1,9 @@
 """`scalenlp plan --serve`: how many devices, at which tensor-parallel degree, serve a model within latency targets.
 
-A layout is a tensor-parallel degree t (within a node, dividing the heads) and r = devices // t replicas, each
-running its own continuous batch. Per device:
-- weights: the parameters over t at the serving precision or the quantized width (int8 1 byte, int4 0.5),
-- KV cache per sequence: 2 (K and V) · layers · context · kv_dim / t · the precision's bytes (bf16: 2),
-- the largest batch: what the memory left after weights, the runtime and the last step's logits holds.
-Time, with the training cost model's matmul rate (peak · gemm_efficiency · thin-dimension factors,
-scalenlp.plan.cost) and the device's bandwidth:
-- TTFT: a prompt's prefill, every matmul at that rate (attention's causal half), its memory-bound kernels as the
-  training cost model prices a forward's, plus the output projection for its last token; on a CPU attention takes
-  the measured fused kernel's rate,
-- TPOT: one decode step of the whole batch, bounded below by streaming the weights and the batch's KV
-  cache at HBM bandwidth and by its matmuls, plus two all-reduces of the batch's hidden states per layer
-  under tensor parallelism, plus the host time per layer and per step, each with a share per sequence, and the
-  sampler's per logit, where the device does not hide them (host_time; measured through the engine on a CPU:
-  scalenlp.plan.measure.engine_overheads), which a prefill pays once too; on a CPU attention over the cache
-  takes its own measured rate (scalenlp.plan.measure.decode_attention_rate),
-- throughput: the batch's output tokens over a request's time (TTFT + (output − 1) · TPOT), times replicas.
-Layouts that meet the targets are ranked by devices used (fewest first), then by throughput.
+A layout is a tensor-parallel degree t and devices // t replicas. Each is priced per device for weights, KV
+cache and the largest batch that fits, and in time for TTFT (a prompt's prefill) and TPOT (one decode step of
+the batch, at least the weights and KV cache streamed from memory) with the training cost model's rates;
+layouts that meet the targets are ranked by devices used, then throughput. docs/planner.md, "Serving".
 """
 
 from __future__ import annotations
