@@ -401,11 +401,11 @@ def start(config: EngineConfig | EncoderEngineConfig, limits: ServeLimits, model
         # Ray offers no public call to read it; its client's config holds it.
         from ray.serve.context import _get_global_client
 
-        config = _get_global_client().http_config
-        if (config.host, config.port) != (host, port):
-            print(f"note: the cluster's Ray Serve already listens on {config.host}:{config.port}; --host and --port "
+        http = _get_global_client().http_config
+        if (http.host, http.port) != (host, port):
+            print(f"note: the cluster's Ray Serve already listens on {http.host}:{http.port}; --host and --port "
                   "apply only where scalenlp starts Serve", file=sys.stderr, flush=True)
-            host, port = config.host, config.port
+            host, port = http.host, http.port
     app = build_application(config, limits, model_name, replicas, max_replicas, replica_cpus)
     serve.run(app, name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}", owns_serve
