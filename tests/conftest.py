@@ -48,3 +48,24 @@ def tiny_export(tmp_path_factory):
     """A debug decoder exported with its own byte-level BPE tokenizer, built once per session: read it, never
     write into it (tests that change a model make their own with ``make_export``)."""
     return make_export(tmp_path_factory.mktemp("tiny_export"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct read from the GGUF the `models` extra installs (a Pretrained: arguments, tokenizer,
+    tensors; no model built), once per session since reading it takes 5-35 s here: read it, never change it."""
+    from scalenlp.loader import read
+    from scalenlp.models.packaged import packaged_model
+
+    return read(packaged_model("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def transformers():
+    """The transformers package with its Llama, GPT-2 and BERT models imported: 5-7 s here, ~40 s with a cold disk
+    cache, paid once before the first test that compares with it rather than inside that test's own time."""
+    import transformers
+
+    for name in ("LlamaForCausalLM", "GPT2LMHeadModel", "BertModel"):
+        getattr(transformers, name)  # the package imports its model modules on first use
+    return transformers

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from scalenlp.config import ConfigError, load_config, save_config
-from scalenlp.models.packaged import packaged_model
 from scalenlp.train.trainer import validate_run
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -35,13 +34,12 @@ def test_config_file_overrides_and_errors(tmp_path):
         load_config(tmp_path / "missing.toml")
 
 
-def test_shipped_configs_load_and_validate():
-    smollm2 = packaged_model("smollm2")
+def test_shipped_configs_load_and_validate(smollm2):
     files = sorted(CONFIGS.glob("*.toml"))
     assert files
     for file in files:
-        # The demo fine-tunes the installed SmolLM2, whose path `make demo` passes.
-        cfg = load_config(file, [f"model.init={smollm2}"] if 'task = "sft"' in file.read_text() else [])
+        # The demo fine-tunes the installed SmolLM2, whose path `make demo` passes (read once: conftest's smollm2).
+        cfg = load_config(file, [f"model.init={smollm2.path}"] if 'task = "sft"' in file.read_text() else [])
         p = cfg.parallel
         dp_shard = 2 if p.dp_shard == -1 else p.dp_shard  # "the rest of the world": try two data-parallel shards
-        validate_run(cfg, p.dp_replicate * dp_shard * p.tp * p.pp)
+        validate_run(cfg, p.dp_replicate * dp_shard * p.tp * p.pp, smollm2 if cfg.model.init else None)

@@ -27,9 +27,9 @@ TEXTS = PROMPTS + ["  leading spaces,\ttabs\n\n\nand   runs  ", "héllo wörld, 
 
 
 @pytest.fixture(scope="module")
-def smol():
-    pre = read_gguf(SMOLLM2)
-    return pre, instantiate(pre)
+def smol(smollm2):
+    """SmolLM2 (conftest's, read once) and its model."""
+    return smollm2, instantiate(smollm2)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,13 @@ def written(smol, tmp_path_factory):
     folder = tmp_path_factory.mktemp("gguf")
     return {dtype: write_gguf(model, pre.tokenizer, pre.tokenizer_config, folder / f"smol-{dtype}.gguf", dtype)
             for dtype in ("f32", "f16", "q8_0")}
+
+
+@pytest.fixture(scope="session")  # the widest scope, so that it comes before every other fixture a test asks for
+def llama_cpp():
+    """llama-cpp-python, or a skip: requested first, so that a test skips before the fixtures it would use are built."""
+    return pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not a scalenlp dependency; it checks that llama.cpp runs our GGUF")
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +73,10 @@ def test_logits_equal_transformers(smol):
 
 
 @pytest.mark.slow  # transformers or the writer on the real 135M model: minutes on a 2-core CPU
-def test_tokenizer_equals_transformers(smol):
+def test_tokenizer_equals_transformers(smollm2):
     from transformers import AutoTokenizer
 
-    pre, _ = smol
+    pre = smollm2
     hf = AutoTokenizer.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name)
     for text in TEXTS:
         ids = pre.tokenizer.encode(text).ids
@@ -82,14 +89,14 @@ def test_tokenizer_equals_transformers(smol):
     assert (pre.source, pre.path, pre.args.tie_embeddings) == ("gguf", SMOLLM2, True)
 
 
-def test_f32_tensors_are_views_on_the_file(smol):
-    pre, _ = smol
+def test_f32_tensors_are_views_on_the_file(own):
+    pre = read_gguf(own[1])
     mapped = []  # address ranges where the kernel maps the file
     for line in Path("/proc/self/maps").read_text().splitlines():
-        if line.endswith(str(SMOLLM2)):
+        if line.endswith(str(own[1])):
             start, end = (int(x, 16) for x in line.split()[0].split("-"))
             mapped.append(range(start, end))
-    f32 = [n for n, w in pre.state.items() if w.ndim == 1]  # the norms are F32 in this file
+    f32 = [n for n, w in pre.state.items() if w.ndim == 1]  # the norms are F32 in a q8_0 file
     assert f32 and all(any(pre.state[n].data_ptr() in r for r in mapped) for n in f32)
     assert not any(pre.state["tok_embeddings.weight"].data_ptr() in r for r in mapped)  # Q8_0, dequantized
 
@@ -148,23 +155,20 @@ def test_own_tokenizer_and_ragged_rows(own):
     assert [back.tokenizer.encode(t).ids for t in TEXTS] == [tokenizer.encode(t).ids for t in TEXTS]
 
 
-def test_llama_cpp_tokenizes_our_own_bpe_alike(own):
-    llama_cpp = pytest.importorskip(
-        "llama_cpp", reason="llama-cpp-python is not a scalenlp dependency; it checks that llama.cpp runs our GGUF")
+def test_llama_cpp_tokenizes_our_own_bpe_alike(llama_cpp, own):
     tokenizer, path, _ = own
     llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     for text in TEXTS:
         assert llm.tokenize(text.encode(), add_bos=False, special=True) == tokenizer.encode(text).ids, text
 
 
-def test_llama_cpp_runs_what_we_write(smol, written):
-    llama_cpp = pytest.importorskip(
-        "llama_cpp", reason="llama-cpp-python is not a scalenlp dependency; it checks that llama.cpp runs our GGUF")
+@pytest.mark.slow  # the writer on the real 135M model
+def test_llama_cpp_runs_what_we_write(llama_cpp, smollm2, written):
     path = written["f16"]
     back = read_gguf(path)
     model, tokenizer = instantiate(back), back.tokenizer  # the f16 weights as float32: what llama.cpp multiplies
     llm = llama_cpp.Llama(str(path), n_ctx=128, n_threads=1, verbose=False)
-    assert llm.metadata["tokenizer.chat_template"] == smol[0].tokenizer_config["chat_template"]
+    assert llm.metadata["tokenizer.chat_template"] == smollm2.tokenizer_config["chat_template"]
     for text in TEXTS:
         assert llm.tokenize(text.encode(), add_bos=False, special=True) == tokenizer.encode(text).ids, text
     for prompt in PROMPTS[:2]:
@@ -182,11 +186,9 @@ def test_llama_cpp_runs_what_we_write(smol, written):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_llama_cpp_logits_equal_ours(smol, tmp_path, bias):
+def test_llama_cpp_logits_equal_ours(llama_cpp, smollm2, tmp_path, bias):
     """A random untied GQA model (with biases on every projection, or none): llama.cpp's float32 logits."""
-    llama_cpp = pytest.importorskip(
-        "llama_cpp", reason="llama-cpp-python is not a scalenlp dependency; it checks that llama.cpp runs our GGUF")
-    pre, _ = smol
+    pre = smollm2
     # A tokenizer that starts every text with BOS: the file must say so, and llama.cpp must then add it too.
     tokenizer = Tokenizer.from_str(pre.tokenizer.to_str())
     bos = pre.tokenizer_config["bos_token"]
@@ -269,9 +271,13 @@ def test_rope_freqs_that_are_not_llama31_are_a_user_error(own, tmp_path):
     assert read_gguf(path).args == replace(model.args, rope_scaling=())
 
 
-def test_truncated_file_is_a_user_error(tmp_path):
-    data = SMOLLM2.read_bytes()
-    for size in (100, 200_000, len(data) // 2):  # inside the header, the vocabulary, the tensor data
+def test_truncated_file_is_a_user_error(own, tmp_path):
+    data = own[1].read_bytes()
+    reader = gguf.GGUFReader(own[1])
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    in_vocabulary, in_tensors = tokens.offset + sum(p.nbytes for p in tokens.parts) // 2, len(data) - 100
+    assert 100 < tokens.offset < in_vocabulary < reader.data_offset < in_tensors
+    for size in (100, in_vocabulary, in_tensors):  # inside the header, the vocabulary, the tensor data
         cut = tmp_path / f"cut{size}.gguf"
         cut.write_bytes(data[:size])
         with pytest.raises(UserError, match="truncated") as e:
@@ -302,15 +308,15 @@ def test_unsupported_architecture_and_type_are_user_errors(tmp_path):
         read_gguf(_tiny_file(tmp_path / "i8.gguf", "llama", np.zeros((4, 8), np.int8)))
 
 
-def test_write_refuses_what_gguf_cannot_express(smol, tmp_path):
-    pre, _ = smol
-    gpt2 = Transformer(ModelArgs(vocab_size=pre.args.vocab_size, norm="layernorm", activation="gelu",
+def test_write_refuses_what_gguf_cannot_express(own, tmp_path):
+    tokenizer, _, args = own
+    gpt2 = Transformer(ModelArgs(vocab_size=args.vocab_size, norm="layernorm", activation="gelu",
                                  position="learned", bias=True))
     with pytest.raises(UserError, match="Llama-shaped"):
-        write_gguf(gpt2, pre.tokenizer, pre.tokenizer_config, tmp_path / "gpt2.gguf")
-    llama = Transformer(ModelArgs(vocab_size=pre.args.vocab_size))
+        write_gguf(gpt2, tokenizer, {}, tmp_path / "gpt2.gguf")
+    llama = Transformer(ModelArgs(vocab_size=args.vocab_size))
     with pytest.raises(UserError, match="choose one of f32, f16, q8_0"):
-        write_gguf(llama, pre.tokenizer, pre.tokenizer_config, tmp_path / "q4.gguf", "q4_0")
+        write_gguf(llama, tokenizer, {}, tmp_path / "q4.gguf", "q4_0")
     assert not list(tmp_path.iterdir())
 
 
