@@ -15,6 +15,7 @@ from scalenlp.models.io import load_pretrained
 from scalenlp.loader import load
 
 torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("transformers")  # every test here converts to or from it
 
 
 @pytest.mark.parametrize("flavor", ["debug", "debug-gpt2", "small-llama"])
@@ -31,8 +32,8 @@ def test_same_logits_and_round_trip(flavor):
         torch.testing.assert_close(back.state_dict()[name], t, atol=0, rtol=0)
 
 
-def test_greedy_generate_matches_hf(tmp_path):
-    model = load_pretrained(make_export(tmp_path, "debug"))
+def test_greedy_generate_matches_hf(tiny_export):
+    model = load_pretrained(tiny_export)
     hf = to_hf(model)
     prompt = torch.tensor([[5, 17, 42, 8]])
     with torch.no_grad():
@@ -66,7 +67,7 @@ def test_hf_folder_in_and_export_out(tmp_path, flavor):
     assert exported_config["chat_template"] == "{{ messages }}"
 
 
-def test_llama3_rope_scaling_in_and_out(tmp_path):
+def test_llama3_rope_scaling_in_and_out(tmp_path, tiny_export):
     """Llama 3.1-style RoPE scaling (HF rope_type "llama3"): the same logits as transformers' at positions past the
     original context, kept through a saved folder, our loader and `scalenlp export --format hf`."""
     from transformers import AutoModelForCausalLM
@@ -77,9 +78,8 @@ def test_llama3_rope_scaling_in_and_out(tmp_path):
     plain = build_model(dataclasses.replace(scaled, rope_scaling=())).eval()
     plain.load_state_dict(model.state_dict())
     tokens = torch.randint(0, 300, (2, 100))
-    export = make_export(tmp_path / "src")  # for its tokenizer
     to_hf(model).save_pretrained(tmp_path / "hf", safe_serialization=True)
-    (tmp_path / "hf" / "tokenizer.json").write_bytes((export / "tokenizer.json").read_bytes())
+    (tmp_path / "hf" / "tokenizer.json").write_bytes((tiny_export / "tokenizer.json").read_bytes())
     ours, _ = load(tmp_path / "hf")
     assert ours.args.rope_scaling == (8.0, 1.0, 4.0, 32)
     assert main(["export", "--checkpoint", str(tmp_path / "hf"), "--format", "hf", "--out", str(tmp_path / "out")]) == 0
@@ -92,10 +92,9 @@ def test_llama3_rope_scaling_in_and_out(tmp_path):
         assert not torch.allclose(plain(tokens), expected, atol=1e-4, rtol=1e-4)  # without the scaling: another function
 
 
-def test_export_refuses_an_existing_target(tmp_path, capsys):
-    export = make_export(tmp_path / "src")
+def test_export_refuses_an_existing_target(tmp_path, capsys, tiny_export):
     (tmp_path / "out").mkdir()
-    assert main(["export", "--checkpoint", str(export), "--format", "hf", "--out", str(tmp_path / "out")]) == 2
+    assert main(["export", "--checkpoint", str(tiny_export), "--format", "hf", "--out", str(tmp_path / "out")]) == 2
     assert "already exists" in capsys.readouterr().err
 
 
