@@ -1,8 +1,7 @@
 """The BERT family: the same hidden states, sentence embeddings and logits as transformers and
-sentence-transformers, Hugging Face folders in and out, export folders through the one loader, and
-tensor parallelism equal to one process."""
+sentence-transformers, Hugging Face folders in and out, export folders through the one loader (tensor
+parallelism: tests/integration/test_encoder_tensor_parallel.py)."""
 
-import copy
 import json
 import shutil
 from pathlib import Path
@@ -11,12 +10,11 @@ import pytest
 import torch
 
 from scalenlp.errors import UserError
-from scalenlp.models import loader
+from scalenlp import loader
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.hf_bert import write_bert_folder
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.packaged import packaged_model
-from scalenlp.testing.ranks import spawn_ranks
 
 torch.set_num_threads(1)
 
@@ -41,12 +39,10 @@ def minilm():
     return model, pre, ids, mask
 
 
-def test_minilm_matches_transformers(minilm):
-    from transformers import AutoModel  # heavy: imported only by the tests that compare with it
-
+def test_minilm_matches_transformers(minilm, transformers):
     model, pre, ids, mask = minilm
     assert (pre.args.pooling, pre.args.normalize) == ("mean", True)  # from modules.json and 1_Pooling/config.json
-    hf = AutoModel.from_pretrained(str(MINILM)).eval()
+    hf = transformers.AutoModel.from_pretrained(str(MINILM)).eval()
     with torch.no_grad():
         theirs = hf(input_ids=ids, attention_mask=mask).last_hidden_state
         ours, embedded = model(ids, mask), model.embed(ids, mask)
@@ -78,9 +74,7 @@ def tiny(task: str, **overrides) -> Encoder:
 
 
 @pytest.mark.parametrize("task", ["embedding", "classification", "token_classification"])
-def test_bert_folder_loads_in_transformers(tmp_path, minilm, task):
-    import transformers
-
+def test_bert_folder_loads_in_transformers(tmp_path, minilm, transformers, task):
     _, pre, ids, mask = minilm
     model = tiny(task)
     folder = write_bert_folder(model, pre.tokenizer, pre.tokenizer_config, tmp_path / "hf")
@@ -144,32 +138,3 @@ def test_missing_tensor_is_a_user_error(tmp_path):
     shutil.copyfile(tmp_path / "small" / "model.safetensors", folder / "model.safetensors")  # 2 layers, config says 6
     with pytest.raises(UserError, match="lacks the tensor encoder.layer.2"):
         loader.read(folder)
-
-
-def _tp_worker(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from scalenlp.parallel.tensor_parallel import apply_tp
-
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    ids = torch.randint(0, 96, (3, 12), generator=torch.Generator().manual_seed(1))
-    mask = (torch.arange(12) < torch.tensor([[12], [7], [3]])).long()  # right-padded, three lengths
-    for task in ("classification", "token_classification"):
-        reference = tiny(task, vocab_size=96)
-        sharded = copy.deepcopy(reference)
-        with pytest.raises(ValueError, match="sequence parallelism is not implemented for encoders"):
-            apply_tp(sharded, mesh["tp"], sequence_parallel=True)
-        apply_tp(sharded, mesh["tp"], sequence_parallel=False)
-        for name in ("layers.0.attention.wq.weight", "layers.1.feed_forward.w2.weight", "tok_embeddings.weight"):
-            local = sharded.get_parameter(name).to_local()
-            assert local.numel() == reference.get_parameter(name).numel() // world, name
-        with torch.no_grad():
-            ours, theirs = sharded(ids, mask), reference(ids, mask)
-            keep = mask.bool() if ours.dim() == 3 else slice(None)
-            torch.testing.assert_close(ours[keep], theirs[keep], atol=1e-6, rtol=1e-5)
-            torch.testing.assert_close(sharded.embed(ids, mask), reference.embed(ids, mask), atol=1e-6, rtol=1e-5)
-
-
-def test_tensor_parallel_encoder_matches_one_process():
-    """Two gloo processes: column/row-parallel q/k/v/o and MLP, vocabulary-parallel embedding."""
-    spawn_ranks(_tp_worker, 2)
