@@ -1,0 +1,5 @@
+import sys
+
+from scalenlp.cli import main
+
+sys.exit(main())
