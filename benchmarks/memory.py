@@ -36,7 +36,7 @@ from benchmarks.parity import make_config  # noqa: E402
 from scalenlp.models.flavors import build_model, model_args  # noqa: E402
 from scalenlp.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from scalenlp.parallel.parallelize import apply_ac, loss_context, parallelize, shard_optimizer_state  # noqa: E402
-from scalenlp.train.trainer import cross_entropy  # noqa: E402
+from scalenlp.train.loss import cross_entropy  # noqa: E402
 from scalenlp.parallel.data_parallel import local_optimizer  # noqa: E402
 from scalenlp.testing.ranks import spawn_ranks  # noqa: E402
 

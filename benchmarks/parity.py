@@ -34,7 +34,7 @@ from scalenlp.parallel.parallelize import (check_layout, clip_grad_norm_, dp_mes
                                            shard_optimizer_state)
 from scalenlp.parallel.pipeline import build_pipeline
 from scalenlp.testing.ranks import spawn_ranks
-from scalenlp.train.trainer import cross_entropy, lm_loss
+from scalenlp.train.loss import cross_entropy, lm_loss
 
 # name -> (world size, overrides: [parallel] keys, or "section.key" for other sections)
 LAYOUTS: dict[str, tuple[int, dict]] = {

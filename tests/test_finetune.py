@@ -165,12 +165,12 @@ SFT = [*FINETUNE, "training.task=sft", "training.seq_len=64", "data.val_fraction
 
 def test_chat_rows_train_on_assistant_tokens_only(tmp_path, chats, hf_llama):
     from scalenlp.data import prepare_data
-    from scalenlp.data.sft import ChatDataset
+    from scalenlp.data.sft import CHAT_ROWS, ChatDataset
 
     cfg = load_config(None, [*SFT, f"data.path={chats}", f"model.init={hf_llama}"])
     pretrained = read(hf_llama)
     logs = []
-    files = prepare_data(cfg, tmp_path / "run", log=logs.append, pretrained=pretrained)
+    files = prepare_data(cfg, tmp_path / "run", log=logs.append, pretrained=pretrained, rows=CHAT_ROWS)
     skipped = [line for line in logs if "skipped" in line]
     assert len(skipped) == 1 and "skipped 3 line(s)" in skipped[0], logs
     for lineno, why in ((4, "not valid JSON"), (8, "no `messages` list"), (12, "'wizard'")):
@@ -198,11 +198,11 @@ def test_chat_rows_train_on_assistant_tokens_only(tmp_path, chats, hf_llama):
 def sft_batch_loss(init, run_dir, sets) -> tuple[float, float]:
     """The pretrained model's mean loss over the assistant tokens of the run's first global batch, and the
     share of its tokens that are the assistant's."""
-    from scalenlp.data.sft import ChatDataset
+    from scalenlp.data.sft import CHAT_ROWS, ChatDataset
 
     cfg = load_config(None, list(sets))
     model, pretrained = load(init)
-    files = open_data(cfg, run_dir, pretrained)
+    files = open_data(cfg, run_dir, pretrained, CHAT_ROWS)
     t = cfg.training
     inputs, targets = DataLoader(ChatDataset(files.train_tokens, t.seq_len), t.global_batch_size, 0, 1,
                                  t.seed).next_batch()

@@ -27,6 +27,7 @@ from scalenlp.config import RANGES, Config, ConfigError, load_config, save_confi
 from scalenlp.errors import UserError
 from scalenlp.models.io import load_pretrained
 from scalenlp.train import trainer as trainer_module
+from scalenlp.train.tasks import base as task_base
 from scalenlp.train.checkpoint import _SafePlanner, load_full_model, read_train_state
 from scalenlp.train.trainer import train
 from train_helpers import TINY, HANG_GUARD_S, cli_env, error_lines, read_metrics, run_train, write_corpus
@@ -121,7 +122,7 @@ def test_a_planted_checkpoint_index_runs_nothing(tmp_path, corpus, monkeypatch):
 def nan_at(steps: set[int] | None, after: int = 0):
     """lm_loss that answers NaN at the given steps (or every step after ``after``): one call per step."""
     calls = {"n": 0}
-    real = trainer_module.lm_loss
+    real = task_base.lm_loss
 
     def patched(*args, **kwargs):
         calls["n"] += 1
@@ -138,7 +139,7 @@ def assert_finite_export(run: Path) -> None:
 
 def test_nonfinite_step_stops_by_default_and_keeps_the_good_checkpoint(tmp_path, corpus, monkeypatch):
     run = tmp_path / "run"
-    monkeypatch.setattr(trainer_module, "lm_loss", nan_at({3}))
+    monkeypatch.setattr(task_base, "lm_loss", nan_at({3}))
     with pytest.raises(UserError, match=r"step 3: the loss is not finite on rank 0 .*step-2"):
         in_process(run, corpus, "training.steps=4", "checkpoint.every=2", "checkpoint.keep=1")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
@@ -147,7 +148,7 @@ def test_nonfinite_step_stops_by_default_and_keeps_the_good_checkpoint(tmp_path,
 
 def test_nonfinite_step_skip_drops_only_that_update(tmp_path, corpus, monkeypatch):
     run = tmp_path / "run"
-    monkeypatch.setattr(trainer_module, "lm_loss", nan_at({3}))
+    monkeypatch.setattr(task_base, "lm_loss", nan_at({3}))
     in_process(run, corpus, "training.steps=4", "training.on_nonfinite=skip")
     losses = [r["loss"] for r in read_metrics(run)]
     assert math.isnan(losses[2]) and all(math.isfinite(x) for x in losses[:2] + losses[3:])
@@ -156,7 +157,7 @@ def test_nonfinite_step_skip_drops_only_that_update(tmp_path, corpus, monkeypatc
 
 def test_nonfinite_step_rollback_reads_on_and_stops_if_it_recurs(tmp_path, corpus, monkeypatch):
     run = tmp_path / "run"
-    monkeypatch.setattr(trainer_module, "lm_loss", nan_at({3}))
+    monkeypatch.setattr(task_base, "lm_loss", nan_at({3}))
     in_process(run, corpus, "training.steps=4", "checkpoint.every=2", "training.on_nonfinite=rollback")
     records = read_metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # step 3 again, on the next batch
@@ -165,7 +166,7 @@ def test_nonfinite_step_rollback_reads_on_and_stops_if_it_recurs(tmp_path, corpu
     assert_finite_export(run)
 
     again = tmp_path / "again"
-    monkeypatch.setattr(trainer_module, "lm_loss", nan_at(None, after=2))
+    monkeypatch.setattr(task_base, "lm_loss", nan_at(None, after=2))
     with pytest.raises(UserError, match="happened again after rolling back to .*step-2"):
         in_process(again, corpus, "training.steps=6", "checkpoint.every=2", "training.on_nonfinite=rollback")
     assert sorted(p.name for p in (again / "checkpoints").iterdir()) == ["step-2"]

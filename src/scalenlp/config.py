@@ -19,10 +19,6 @@ from scalenlp.errors import ConfigError  # noqa: F401 (re-exported: callers impo
 from scalenlp.layout import DATA_PARALLEL, SCHEDULES, choice_problems
 
 
-# Classification scores checkpoint.keep_best may judge by (higher is better).
-KEEP_BEST = ("accuracy", "macro_f1")
-
-
 def opt(default: Any, help: str) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help})
@@ -255,7 +251,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-def _choice(value: str, allowed: tuple[str, ...], where: str) -> None:
+def check_choice(value: str, allowed: tuple[str, ...], where: str) -> None:
     if value not in allowed:
         raise ConfigError(f"{where}={value!r} is not one of {' | '.join(allowed)}")
 
@@ -337,12 +333,12 @@ def validate(cfg: Config) -> None:
     for name, value in _items(cfg):
         _check_value(name, value)
     t, p = cfg.training, cfg.parallel
-    _choice(t.on_nonfinite, ("stop", "skip", "rollback"), "training.on_nonfinite")
-    _choice(t.mixed_precision, ("fp32", "bf16"), "training.mixed_precision")
-    _choice(t.lr_decay, ("cosine", "linear"), "training.lr_decay")
-    _choice(t.param_dtype, ("float32", "bfloat16"), "training.param_dtype")
-    _choice(t.device, ("auto", "cpu", "cuda"), "training.device")
-    _choice(p.data_parallel, DATA_PARALLEL, "parallel.data_parallel")
+    check_choice(t.on_nonfinite, ("stop", "skip", "rollback"), "training.on_nonfinite")
+    check_choice(t.mixed_precision, ("fp32", "bf16"), "training.mixed_precision")
+    check_choice(t.lr_decay, ("cosine", "linear"), "training.lr_decay")
+    check_choice(t.param_dtype, ("float32", "bfloat16"), "training.param_dtype")
+    check_choice(t.device, ("auto", "cpu", "cuda"), "training.device")
+    check_choice(p.data_parallel, DATA_PARALLEL, "parallel.data_parallel")
     for problem in choice_problems(p.pp_schedule, t.activation_checkpointing):  # the layout check's own words
         raise ConfigError(problem)
     if p.dp_shard == 0:
@@ -355,7 +351,11 @@ def validate(cfg: Config) -> None:
                           f"s, the process-group timeout, which would end a hung step first without naming the rank; "
                           f"lower training.hang_timeout (0 derives it, at most half of training.timeout_s) or raise "
                           f"training.timeout_s")
-    _validate_task(cfg)
+    # training.task's own rules are its Task's (scalenlp.train.tasks), which sits above this module: the trainer,
+    # validate_run and `scalenlp train` check them after these.
+    if cfg.model.init and cfg.tokenizer.path:
+        raise ConfigError(f"tokenizer.path={cfg.tokenizer.path!r} contradicts model.init, which brings its own "
+                          f"tokenizer; remove tokenizer.path")
     profile_steps(cfg)
 
 
@@ -369,31 +369,6 @@ def profile_steps(cfg: Config) -> tuple[int, int] | None:
         raise ConfigError(f"profile.steps={text!r} is not a range FIRST-LAST of training steps with "
                           f"1 <= FIRST <= LAST <= training.steps ({steps}), e.g. 3-5")
     return int(match[1]), int(match[2])
-
-
-def _validate_task(cfg: Config) -> None:
-    _choice(cfg.training.task, ("lm", "sft", "classification"), "training.task")
-    if cfg.training.task == "classification":
-        if not cfg.model.init or not cfg.data.path:
-            raise ConfigError("training.task=\"classification\" needs model.init (an encoder checkpoint, e.g. a "
-                              "BERT folder) and data.path (a labelled .tsv/.csv/.jsonl/.parquet file)")
-        if cfg.checkpoint.keep_best and not cfg.data.eval_path:
-            raise ConfigError("checkpoint.keep_best needs data.eval_path: the best checkpoint is judged on it")
-    elif cfg.checkpoint.keep_best:
-        raise ConfigError("checkpoint.keep_best applies to training.task=\"classification\"; remove it")
-    if cfg.data.reset_positions and cfg.training.task != "lm":
-        raise ConfigError(f"data.reset_positions applies to packed text (training.task=\"lm\"); "
-                          f"training.task={cfg.training.task!r} starts every row at position 0 already: remove it")
-    _choice(cfg.checkpoint.keep_best, ("",) + KEEP_BEST, "checkpoint.keep_best")
-    if cfg.training.task == "sft":
-        if not cfg.model.init:
-            raise ConfigError("training.task=\"sft\" needs model.init: the chat template and tokenizer come from "
-                              "the pretrained checkpoint")
-        if not cfg.data.path:
-            raise ConfigError("training.task=\"sft\" needs data.path: a .jsonl file with a `messages` list per line")
-    if cfg.model.init and cfg.tokenizer.path:
-        raise ConfigError(f"tokenizer.path={cfg.tokenizer.path!r} contradicts model.init, which brings its own "
-                          f"tokenizer; remove tokenizer.path")
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -161,6 +161,9 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:  # workers receive it with the other overrides
         args.overrides.append(f"monitor.metrics_port={args.metrics_port}")
     cfg = load_config(args.config, args.overrides)
+    from scalenlp.train.tasks import task_for
+
+    task_for(cfg)  # training.task's own rules, which config.py (below the tasks) leaves to the task
     run_dir = Path(args.run_dir or Path("runs") / (cfg.model.flavor or "custom"))
     from scalenlp.loader import read
     from scalenlp.train.trainer import train, validate_run

@@ -7,8 +7,8 @@ Cache layout (``data.cache_dir``, default ``<run_dir>/../.token_cache``)::
     tokens-<key>/train.npy, val.npy       the token stream, split; key = corpus fingerprint + text field
                  meta.json                + tokenizer content + val_fraction
                                           (meta.json written last: its presence marks a complete entry)
-                                          With training.task="sft", chat rows instead (data/sft.py),
-                                          keyed by the chat template and training.seq_len too.
+                                          Or a task's own rows instead (``rows``: data/sft.py's
+                                          chat rows), keyed by what decides them too.
 
 A corpus fingerprint is the resolved path, size and modification time of each source file, so editing,
 adding or removing a file re-tokenizes. Entries are built in a temporary folder and renamed into place,
@@ -34,7 +34,6 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 import numpy as np
 
 from scalenlp.config import Config
-from scalenlp.data.sft import chat_cache_key, write_chat_rows
 from scalenlp.data.sources import Corpus, Piece, open_corpus
 from scalenlp.data.tokenizer import TOKENIZER_CONFIG, eos_token_id, load_tokenizer, tokenizer_file, train_bpe
 from scalenlp.errors import UserError
@@ -56,7 +55,7 @@ class DataFiles:
 
 
 @dataclass
-class _Plan:
+class Plan:
     """Everything prepare_data and open_data agree on before anything is read."""
     cache_dir: Path
     corpus: Corpus
@@ -80,7 +79,7 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _plan(cfg: Config, run_dir: Path, pretrained: Any) -> _Plan:
+def _plan(cfg: Config, run_dir: Path, pretrained: Any) -> Plan:
     cache_dir = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else \
         Path(run_dir).resolve().parent / ".token_cache"
     corpus = open_corpus(cfg.data.path, cfg.data.text_field)
@@ -88,21 +87,38 @@ def _plan(cfg: Config, run_dir: Path, pretrained: Any) -> _Plan:
         # Keyed by content: the token cache below is keyed by this file's hash, so the same data read
         # with another checkpoint's tokenizer gets its own entry.
         key = _key({"format": CACHE_FORMAT, "tokenizer": pretrained.tokenizer.to_str()})
-        return _Plan(cache_dir, corpus, cache_dir / f"tokenizer-{key}" / "tokenizer.json", False, 0, pretrained)
+        return Plan(cache_dir, corpus, cache_dir / f"tokenizer-{key}" / "tokenizer.json", False, 0, pretrained)
     if cfg.tokenizer.path:
-        return _Plan(cache_dir, corpus, tokenizer_file(cfg.tokenizer.path), False, 0)
+        return Plan(cache_dir, corpus, tokenizer_file(cfg.tokenizer.path), False, 0)
     if corpus.tokenized:
         raise UserError(f"data.path={cfg.data.path} holds token files (.npy), whose ids mean something only to the "
                         f"tokenizer that made them: name it with tokenizer.path (or model.init)")
     key = _key({"format": CACHE_FORMAT, "corpus": corpus.fingerprint(), "vocab_size": cfg.tokenizer.vocab_size})
-    return _Plan(cache_dir, corpus, cache_dir / f"tokenizer-{key}" / "tokenizer.json", True,
+    return Plan(cache_dir, corpus, cache_dir / f"tokenizer-{key}" / "tokenizer.json", True,
                  cfg.tokenizer.vocab_size)
 
 
-def _tokens_dir(plan: _Plan, cfg: Config) -> Path:
-    task = {"task": "sft", **chat_cache_key(plan.pretrained, cfg)} if cfg.training.task == "sft" else {}
+class PackedText:
+    """The rows of a cache entry by default: every document tokenized into one stream, EOS after each, its
+    last data.val_fraction held out. Another kind of rows (data/sft.py's ChatRows) has the same three members."""
+    unit = "tokens"  # what the entry's train and val counts count, in the log
+
+    def cache_key(self, plan: Plan, cfg: Config) -> dict:
+        """What decides the rows besides the corpus, the tokenizer and data.val_fraction."""
+        return {}
+
+    def build(self, plan: Plan, cfg: Config, tokens_dir: Path, log: Callable[[str], None]) -> None:
+        """Write the entry ``tokens_dir`` (through ``build_entry``)."""
+        _tokenize(plan, cfg.data.val_fraction, tokens_dir, log)
+
+
+PACKED_TEXT = PackedText()
+
+
+def _tokens_dir(plan: Plan, cfg: Config, rows: Any) -> Path:
     key = _key({"format": CACHE_FORMAT, "corpus": plan.corpus.fingerprint(),
-                "tokenizer": _file_sha256(plan.tokenizer_json), "val_fraction": cfg.data.val_fraction, **task})
+                "tokenizer": _file_sha256(plan.tokenizer_json), "val_fraction": cfg.data.val_fraction,
+                **rows.cache_key(plan, cfg)})
     return plan.cache_dir / f"tokens-{key}"
 
 
@@ -129,10 +145,10 @@ def _data_files(tokens_dir: Path, tokenizer_json: Path) -> DataFiles:
 
 
 def prepare_data(cfg: Config, run_dir: Path, log: Callable[[str], None] = print,
-                 pretrained: Any = None) -> DataFiles:
+                 pretrained: Any = None, rows: Any = PACKED_TEXT) -> DataFiles:
     """Resolve sources, train or load the tokenizer, tokenize once into cached token files (run on one rank).
-    With ``pretrained`` (model.init's checkpoint) its tokenizer is used, and ``training.task="sft"`` renders
-    chat conversations with its chat template instead of packing text."""
+    With ``pretrained`` (model.init's checkpoint) its tokenizer is used. ``rows``: what the files hold, packed
+    text or a task's own rows (data/sft.py's CHAT_ROWS: conversations rendered with the chat template)."""
     plan = _plan(cfg, run_dir, pretrained)
     plan.cache_dir.mkdir(parents=True, exist_ok=True)
     log(f"data: {plan.corpus.description}")
@@ -147,29 +163,24 @@ def prepare_data(cfg: Config, run_dir: Path, log: Callable[[str], None] = print,
         log(f"tokenizer: from {pretrained.path} ({plan.tokenizer_json})")
     else:
         log(f"tokenizer: {plan.tokenizer_json}")
-    tokens_dir = _tokens_dir(plan, cfg)
+    tokens_dir = _tokens_dir(plan, cfg, rows)
     if (tokens_dir / "meta.json").is_file():
         files = _data_files(tokens_dir, plan.tokenizer_json)
         log(f"tokens: cache hit {tokens_dir} ({_count(files.train_tokens):,} train, "
-            f"{_count(files.val_tokens):,} val {'conversations' if cfg.training.task == 'sft' else 'tokens'})")
+            f"{_count(files.val_tokens):,} val {rows.unit})")
         return files
-    if cfg.training.task == "sft":
-        if plan.corpus.tokenized:
-            raise UserError(f"training.task=sft renders conversations with the chat template, so it needs text; "
-                            f"data.path={cfg.data.path} holds token files (.npy)")
-        _build_entry(tokens_dir, lambda tmp: write_chat_rows(plan.corpus, pretrained, cfg, tmp, log))
-    else:
-        _tokenize(plan, cfg.data.val_fraction, tokens_dir, log)
+    rows.build(plan, cfg, tokens_dir, log)
     return _data_files(tokens_dir, plan.tokenizer_json)
 
 
-def open_data(cfg: Config, run_dir: Path, pretrained: Any = None) -> DataFiles:
-    """Find the token files prepare_data made for this config (cheap; every rank, after a barrier)."""
+def open_data(cfg: Config, run_dir: Path, pretrained: Any = None, rows: Any = PACKED_TEXT) -> DataFiles:
+    """Find the token files prepare_data made for this config and ``rows`` (cheap; every rank, after a
+    barrier)."""
     plan = _plan(cfg, run_dir, pretrained)
     if plan.trains_tokenizer and not plan.tokenizer_json.is_file():
         raise UserError(f"no trained tokenizer in {plan.cache_dir} for this corpus and vocab size: "
                         f"prepare_data must run (on rank 0) before open_data")
-    tokens_dir = _tokens_dir(plan, cfg)
+    tokens_dir = _tokens_dir(plan, cfg, rows)
     if not (tokens_dir / "meta.json").is_file():
         raise UserError(f"no token files in {plan.cache_dir} for this data and tokenizer: prepare_data must run "
                         f"(on rank 0) before open_data, with the same config and unchanged source files")
@@ -203,7 +214,7 @@ def _no_text(corpus: Corpus) -> UserError:
                      f"for .jsonl/.parquet/.tsv, data.text_field={corpus.text_field!r}")
 
 
-def _train_tokenizer(plan: _Plan, log: Callable[[str], None]) -> None:
+def _train_tokenizer(plan: Plan, log: Callable[[str], None]) -> None:
     start = time.perf_counter()
     counter = _TextCounter(plan.corpus.pieces())
     tokenizer = train_bpe((p.text for p in counter), plan.vocab_size)
@@ -258,7 +269,7 @@ def _copy_tokens(corpus: Corpus, vocab_size: int, eos: int, dtype, path: Path) -
                 raise UserError(f"token file {f} holds a {ids.ndim}-D {ids.dtype} array; it must be a 1-D integer "
                                 f"array of token ids (documents separated by EOS)")
             # One pass, in slices: the files may be larger than memory. A bad id found after some slices were
-            # written leaves only the temporary folder, which _build_entry removes.
+            # written leaves only the temporary folder, which build_entry removes.
             for start in range(0, len(ids), 1 << 24):
                 part = np.asarray(ids[start:start + (1 << 24)])
                 low, high = int(part.min()), int(part.max())
@@ -271,7 +282,7 @@ def _copy_tokens(corpus: Corpus, vocab_size: int, eos: int, dtype, path: Path) -
     return documents
 
 
-def _build_entry(final: Path, fill: Callable[[Path], T]) -> T:
+def build_entry(final: Path, fill: Callable[[Path], T]) -> T:
     """Let ``fill`` write a temporary folder, then publish it as ``final`` (nothing half-written is ever
     seen); returns what ``fill`` returns."""
     tmp = _new_tmp(final)
@@ -288,10 +299,10 @@ def _save_tokenizer(pretrained: Any, folder: Path) -> None:
     def fill(tmp: Path) -> None:
         pretrained.tokenizer.save(str(tmp / "tokenizer.json"))
         (tmp / TOKENIZER_CONFIG).write_text(json.dumps(pretrained.tokenizer_config, indent=2))
-    _build_entry(folder, fill)
+    build_entry(folder, fill)
 
 
-def _tokenize(plan: _Plan, val_fraction: float, tokens_dir: Path, log: Callable[[str], None]) -> None:
+def _tokenize(plan: Plan, val_fraction: float, tokens_dir: Path, log: Callable[[str], None]) -> None:
     start = time.perf_counter()
     tokenizer = load_tokenizer(plan.tokenizer_json)
     eos = eos_token_id(tokenizer, plan.tokenizer_json.parent)
@@ -321,6 +332,6 @@ def _tokenize(plan: _Plan, val_fraction: float, tokens_dir: Path, log: Callable[
         }, indent=2))
         return read, total, n_val
 
-    read, total, n_val = _build_entry(tokens_dir, fill)
+    read, total, n_val = build_entry(tokens_dir, fill)
     log(f"tokens: read {read}; {total:,} tokens ({total - n_val:,} train, "
         f"{n_val:,} val) in {time.perf_counter() - start:.1f}s (cached at {tokens_dir})")

@@ -30,6 +30,7 @@ import torch
 from scalenlp.config import Config
 from scalenlp.data.chat import ChatError, chat_template, end_of_turn_ids, render_with_assistant_mask, template_variables
 from scalenlp.data.dataset import open_tokens
+from scalenlp.data.prepare import Plan, build_entry
 from scalenlp.data.sources import Corpus
 from scalenlp.errors import UserError
 
@@ -37,12 +38,6 @@ from scalenlp.errors import UserError
 SFT_FORMAT = 1
 IGNORE_INDEX = -100  # targets the loss skips (F.cross_entropy's default ignore_index)
 REPORTED_PROBLEMS = 5  # skipped lines named in the log; the rest are counted
-
-
-def chat_cache_key(pretrained: Any, cfg: Config) -> dict:
-    """What decides the rows besides the files and the tokenizer: the template, its variables, the row length."""
-    return {"sft_format": SFT_FORMAT, "chat_template": chat_template(pretrained.tokenizer_config),
-            "variables": template_variables(pretrained.tokenizer_config), "seq_len": cfg.training.seq_len}
 
 
 def read_conversations(files: list[Path]) -> Iterator[tuple[str, list | str]]:
@@ -122,6 +117,27 @@ def write_chat_rows(corpus: Corpus, pretrained: Any, cfg: Config, out_dir: Path,
     }, indent=2))
     log(f"data: {len(rows):,} conversations ({len(rows) - n_val:,} train, {n_val:,} val), {truncated:,} cut at "
         f"{width} tokens, {learnt:,} assistant tokens to learn")
+
+
+class ChatRows:
+    """The token cache's entry of chat rows (``prepare_data(..., rows=CHAT_ROWS)``) instead of packed text."""
+    unit = "conversations"  # what the entry's train and val counts count, in the log
+
+    def cache_key(self, plan: Plan, cfg: Config) -> dict:
+        """What decides the rows besides the files and the tokenizer: the template, its variables, the row length."""
+        config = plan.pretrained.tokenizer_config
+        return {"task": "sft",  # (in the key since the first chat rows: their cache entries stay valid)
+                 "sft_format": SFT_FORMAT, "chat_template": chat_template(config),
+                "variables": template_variables(config), "seq_len": cfg.training.seq_len}
+
+    def build(self, plan: Plan, cfg: Config, tokens_dir: Path, log: Callable[[str], None]) -> None:
+        if plan.corpus.tokenized:
+            raise UserError(f"training.task=sft renders conversations with the chat template, so it needs text; "
+                            f"data.path={cfg.data.path} holds token files (.npy)")
+        build_entry(tokens_dir, lambda tmp: write_chat_rows(plan.corpus, plan.pretrained, cfg, tmp, log))
+
+
+CHAT_ROWS = ChatRows()
 
 
 class ChatDataset:

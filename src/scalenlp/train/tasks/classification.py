@@ -9,21 +9,27 @@ the data-parallel ranks, and reports accuracy and macro-F1 of the counts summed 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from scalenlp.config import Config, ConfigError
-from scalenlp.data.labeled import (IGNORE_LABEL, LabeledDataset, eval_batches, label_ids, label_names, read_labeled,
-                                   tokenize_labeled)
+from scalenlp.data.labeled import (IGNORE_LABEL, LabeledDataset, LabeledLoader, eval_batches, label_ids, label_names,
+                                   read_labeled, tokenize_labeled)
 from scalenlp.errors import UserError
+from scalenlp.models.decoder import ModelArgs
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.io import cast_state
 from scalenlp.models.pretrained import Pretrained
+from scalenlp.parallel.mesh import ParallelDims, dp_rank
+from scalenlp.train.loss import autocast
 from scalenlp.train.scores import all_reduce_counts, classification_scores, confusion_matrix
+from scalenlp.train.tasks.base import Task
 
 HEAD = ("classifier.weight", "classifier.bias")
 
@@ -56,7 +62,7 @@ def load_classification_data(cfg: Config, tokenizer: Tokenizer, log: Callable[[s
 def classifier_args(cfg: Config, pretrained: Pretrained, labels: list[str]) -> EncoderArgs:
     """model.init's encoder with a classification head over ``labels``."""
     args = pretrained.args
-    if args.task == "classification" and args.labels != labels:
+    if args.task == "classification" and args.labels != labels:  # the checkpoint's head already classifies
         raise ConfigError(f"model.init={cfg.model.init!r} classifies into {args.labels}, but {cfg.data.path} has "
                           f"labels {labels}; fine-tune from its encoder without the head, or use data with its labels")
     args = dataclasses.replace(args, task="classification", labels=labels, dropout=cfg.model.dropout)
@@ -104,3 +110,53 @@ def evaluate_classifier(model: torch.nn.Module, dataset: LabeledDataset, batch_s
     total = all_reduce_counts(torch.cat([counts.flatten(), loss]), group)
     counts = total[:-1].reshape(num_classes, num_classes)
     return {"eval_loss": (total[-1] / counts.sum()).item(), **classification_scores(counts)}
+
+
+class Classification(Task):
+    best_scores = ("accuracy", "macro_f1")
+    model_class = Encoder
+
+    def validate(self, cfg: Config) -> None:
+        if not cfg.model.init or not cfg.data.path:
+            raise ConfigError("training.task=\"classification\" needs model.init (an encoder checkpoint, e.g. a "
+                              "BERT folder) and data.path (a labelled .tsv/.csv/.jsonl/.parquet file)")
+        if cfg.checkpoint.keep_best and not cfg.data.eval_path:
+            raise ConfigError("checkpoint.keep_best needs data.eval_path: the best checkpoint is judged on it")
+        super().validate(cfg)
+
+    def check_checkpoint(self, cfg: Config, args: ModelArgs | EncoderArgs) -> None:
+        if not isinstance(args, EncoderArgs):
+            raise ConfigError(f"model.init={cfg.model.init!r} is a decoder; training.task=\"classification\" needs "
+                              f"an encoder (a BERT-family checkpoint)")
+
+    def build_data(self, cfg: Config, run_dir: Path, pretrained: Pretrained, dp_index: int, dp_size: int,
+                   log: Callable[[str], None]) -> LabeledLoader:
+        # Labelled rows are few and quick to tokenize: every rank reads them, nothing is cached.
+        self.data = load_classification_data(cfg, pretrained.tokenizer, log)
+        self.tokenizer = pretrained.tokenizer
+        t = cfg.training
+        return LabeledLoader(self.data.train, t.global_batch_size, dp_index, dp_size, t.seed, cfg.data.shuffle)
+
+    def build_model(self, cfg: Config, pretrained: Pretrained, device: torch.device) -> tuple[EncoderArgs, Encoder]:
+        args = classifier_args(cfg, pretrained, self.data.labels)
+        return args, build_classifier(args, pretrained, device, where=cfg.model.init)
+
+    def micro_batch_loss(self, model: torch.nn.Module, micro: tuple[torch.Tensor, ...],
+                         dims: ParallelDims) -> torch.Tensor:
+        return classification_loss(model, micro)
+
+    def evaluate(self, trainer: Any) -> dict[str, float] | None:
+        """eval_loss, accuracy and macro_f1 on the whole eval file; None without one."""
+        if self.data.eval is None:
+            return None
+        model, t = trainer.model_parts[0], trainer.cfg.training
+        model.eval()
+        scores = evaluate_classifier(model, self.data.eval, t.global_batch_size, dp_rank(trainer.mesh),
+                                     trainer.dims.dp, trainer.device, trainer.dp_group, len(self.data.labels),
+                                     lambda: autocast(trainer.device, t.mixed_precision))
+        model.train()
+        return scores
+
+    def describe(self, scores: dict[str, float]) -> str:
+        return (f"eval loss {scores['eval_loss']:.4f} | accuracy {scores['accuracy']:.4f} | "
+                f"macro-F1 {scores['macro_f1']:.4f}")
