@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +75,24 @@ def last_step(run_dir: Path) -> int:
     """The newest step in the run's metrics, 0 before the first (for watching a run that is under way)."""
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
     return records[-1]["step"] if records else 0
+
+
+COLLECTIVE = re.compile(r"^(gloo|nccl):|^c10d::")
+MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul"}
+
+
+def assert_traced(trace: Path, wanted: range, collectives: bool) -> None:
+    """A profile.steps trace holds training steps ``wanted``, each in one profiler iteration, and every matmul and
+    collective in it falls inside those iterations."""
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    span = lambda e: (e["ts"], e["ts"] + e["dur"])  # noqa: E731
+    iterations = [span(e) for e in events if e["name"].startswith("ProfilerStep#")]
+    steps = {int(e["name"].split()[1]): span(e) for e in events if re.fullmatch(r"step \d+", e["name"])}
+    assert sorted(steps) == list(wanted) and len(iterations) == len(wanted)
+    for start, end in steps.values():
+        assert sum(a <= start and end <= b for a, b in iterations) == 1
+    compute = [e for e in events if e["name"] in MATMUL]
+    comm = [e for e in events if COLLECTIVE.match(e["name"])]
+    assert compute and (comm if collectives else not comm)
+    for e in compute + comm:
+        assert any(a <= e["ts"] <= b for a, b in iterations), e
