@@ -12,14 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scalenlp.cli import main
 from scalenlp.testing.hosts import RDZV_PORT, Host, start_train, unavailable, virtual_hosts
-from train_helpers import HANG_GUARD_S, TINY, cli_env, last_step, read_metrics, run_train, write_corpus
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+from train_helpers import HANG_GUARD_S, TINY, cli_env, last_step, read_metrics, run_train
 
 
 def need_hosts() -> None:
@@ -71,33 +65,26 @@ def test_hosts_are_separate_machines_and_vanish_afterwards():
     assert a.namespace not in names and b.namespace not in names
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--nnodes", "2"], "needs --rdzv-endpoint"),
-    (["--nnodes", "1:2", "--rdzv-endpoint", "h:1"], "add --max-restarts"),
-    (["--nnodes", "3:2", "--rdzv-endpoint", "h:1", "--max-restarts", "1"], "write it as 2:3"),
-    (["--nnodes", "two"], "N or MIN:MAX"),
-    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-last-call", "5"], "an elastic --nnodes MIN:MAX"),
-    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--set", "training.global_batch_size=6"], "divisible"),
-    # 6 fits the 2 processes of one machine, not the 4 of two: an elastic job must fit both.
-    (["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--max-restarts", "1", "--set", "training.global_batch_size=6"],
-     "by the 4 data-parallel ranks"),
-])
-def test_bad_launch_flags_are_one_error_line(capsys, flags, expected):
-    assert main(["train", "--nproc", "2", *flags]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and expected in err
+STEPS = 3
 
 
-@pytest.mark.slow  # two nodes x 2 processes, then one node x 4
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, corpus):
+    """The metrics of STEPS steps in one process: what every layout on any number of machines must reproduce."""
+    run = tmp_path_factory.mktemp("one-process") / "run"
+    run_train(run, *TINY, f"data.path={corpus}", f"training.steps={STEPS}")
+    return read_metrics(run)
+
+
+@pytest.mark.slow  # two nodes x 2 processes
 @pytest.mark.parametrize("layout", ["ddp", "zero3"])
-def test_two_nodes_train_like_one_node(tmp_path, corpus, two_hosts, layout):
-    steps = 3
+def test_two_nodes_train_like_one_process(tmp_path, corpus, two_hosts, one_process, layout):
+    steps = STEPS
     sets = [*TINY, f"data.path={corpus}", f"training.steps={steps}", f"parallel.data_parallel={layout}"]
-    run_train(tmp_path / "one-node", *sets, nproc=4)
     before = [h.traffic() for h in two_hosts]
     finish([start_node(h, two_hosts, tmp_path / "two-nodes", sets, "--nnodes", "2") for h in two_hosts])
 
-    one, two = read_metrics(tmp_path / "one-node"), read_metrics(tmp_path / "two-nodes")
+    one, two = one_process, read_metrics(tmp_path / "two-nodes")
     assert [r["step"] for r in two] == list(range(1, steps + 1))
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
@@ -109,7 +96,7 @@ def test_two_nodes_train_like_one_node(tmp_path, corpus, two_hosts, layout):
         assert h.traffic()["rx_bytes"] - b["rx_bytes"] >= steps * weight_bytes / 2
 
 
-@pytest.mark.slow  # two nodes x 2 processes, one of them lost mid-run, then one node x 4 as the reference
+@pytest.mark.slow  # two nodes x 2 processes, one of them lost mid-run, then one process as the reference
 def test_losing_a_node_continues_from_the_checkpoint_with_nothing_lost(tmp_path, corpus, two_hosts):
     steps, every = 30, 5
     sets = [*TINY, f"data.path={corpus}", f"training.steps={steps}", f"checkpoint.every={every}",
@@ -127,7 +114,7 @@ def test_losing_a_node_continues_from_the_checkpoint_with_nothing_lost(tmp_path,
     lost.wait(timeout=HANG_GUARD_S)
     assert "on 2 x cpu" in out  # the second attempt ran on the remaining node's 2 processes
 
-    run_train(tmp_path / "reference", *sets, nproc=4)
+    run_train(tmp_path / "reference", *sets)
     reference = {r["step"]: r for r in read_metrics(tmp_path / "reference")}
     records = read_metrics(run)
     resumed = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
