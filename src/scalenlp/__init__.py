@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Config": "scalenlp.config", "ModelConfig": "scalenlp.config", "DataConfig": "scalenlp.config",
     "TokenizerConfig": "scalenlp.config", "TrainingConfig": "scalenlp.config", "CheckpointConfig": "scalenlp.config",
-    "ParallelConfig": "scalenlp.config", "ConfigError": "scalenlp.config", "load_config": "scalenlp.config",
+    "ParallelConfig": "scalenlp.config", "ConfigError": "scalenlp.config", "load_config": "scalenlp.train.tasks",
     "UserError": "scalenlp.errors",
     "Trainer": "scalenlp.train.trainer", "train": "scalenlp.train.trainer",
     "load": "scalenlp.loader", "read": "scalenlp.loader", "Pretrained": "scalenlp.models.pretrained",

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 
 
-from scalenlp.config import config_toml, load_config
+from scalenlp.config import config_toml
 from scalenlp.errors import UserError, require
 
 RDZV_PORT = 29400  # torchrun's default c10d rendezvous port
@@ -141,13 +141,15 @@ def _scrape(port: int) -> dict[str, str]:
 
 def training_manifests(args: argparse.Namespace) -> dict[str, dict]:
     """{file name: object} of a training job."""
+    from scalenlp.train.tasks import load_config  # torch: only for a training job
+
     cfg = load_config(args.train, args.overrides)
     cfg.checkpoint.resume = True  # a recreated pod continues the run
     name = args.name or default_name(args.train)
     nproc = args.nproc_per_node or args.gpus_per_node or 1
     world = args.nodes * nproc
     if not cfg.model.init or Path(cfg.model.init).exists():  # else the checkpoint is only in the container
-        from scalenlp.train.trainer import validate_run  # torch: only here
+        from scalenlp.train.trainer import validate_run
 
         validate_run(cfg, world)
     labels = {"app.kubernetes.io/name": "scalenlp", "app.kubernetes.io/instance": name,

@@ -146,7 +146,7 @@ def node_counts(args: argparse.Namespace) -> range:
 
 
 def run(args: argparse.Namespace) -> int:
-    from scalenlp.config import describe, load_config
+    from scalenlp.config import describe
 
     if args.help_config:
         print(describe())
@@ -160,10 +160,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.metrics_port is not None:  # workers receive it with the other overrides
         args.overrides.append(f"monitor.metrics_port={args.metrics_port}")
-    cfg = load_config(args.config, args.overrides)
-    from scalenlp.train.tasks import task_for
+    from scalenlp.train.tasks import load_config  # torch: after --help-config and --list-flavors
 
-    task_for(cfg)  # training.task's own rules, which config.py (below the tasks) leaves to the task
+    cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir or Path("runs") / (cfg.model.flavor or "custom"))
     from scalenlp.loader import read
     from scalenlp.train.trainer import train, validate_run

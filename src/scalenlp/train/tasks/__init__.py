@@ -18,6 +18,9 @@ Extractive question answering (a span head: start and end logits, exact match an
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from scalenlp import config
 from scalenlp.config import Config, check_choice
 from scalenlp.train.tasks.base import Task
 from scalenlp.train.tasks.classification import Classification
@@ -38,3 +41,12 @@ def task_for(cfg: Config) -> Task:
     task = get_task(cfg.training.task)
     task.validate(cfg)
     return task
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """A training config validated exactly as `scalenlp train` validates it: ``config.load_config`` (defaults, TOML,
+    overrides, the rules of every section), then training.task's own rules, which config.py (below the tasks)
+    cannot reach. ``scalenlp.load_config`` is this."""
+    cfg = config.load_config(path, overrides)
+    task_for(cfg)
+    return cfg
