@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from scalenlp.engine.config import SHARED_OPTIONS, EncoderEngineConfig, EngineConfig
-from scalenlp.errors import UserError
+from scalenlp.errors import UserError, require
 from scalenlp.serving.limits import ServeLimits
 
 
@@ -49,6 +49,8 @@ def run(args) -> int:
     config = engine_config(args)
     config.check()
     model_name = args.model_name or default_model_name(args.checkpoint)
+    for module in ("fastapi", "uvicorn"):  # before a model is loaded
+        require(module, "serve")
     if args.replicas:
         # Ray is an optional extra, and a heavy import: only --replicas needs it.
         from scalenlp.serving.cluster import serve_replicas

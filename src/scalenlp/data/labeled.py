@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 
 from scalenlp.data.dataset import GlobalBatchLoader
 from scalenlp.data.sources import _decode_error, _open_text, read_tsv, tsv_text_column
-from scalenlp.errors import UserError
+from scalenlp.errors import UserError, require
 
 LABELED_FORMATS = (".tsv", ".csv", ".jsonl", ".parquet")
 # Rows named one by one in a report of skipped rows; the rest are counted.
@@ -198,8 +198,8 @@ def _jsonl_rows(f: Path, text_field: str, label_field: str, text_pair_field: str
 
 def _parquet_rows(f: Path, text_field: str, label_field: str, text_pair_field: str,
                   skip: _Skip) -> Iterator[_Row]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa = require("pyarrow", "parquet")
+    pq = require("pyarrow.parquet", "parquet")
 
     try:
         pf = pq.ParquetFile(f)
