@@ -1,5 +1,11 @@
-"""The package's import graph has no cycle, counting imports inside functions too (a cycle hidden in a
-function is still two modules that need each other to be understood)."""
+"""The package's import graph holds the layout's rules, counting imports inside functions too (a cycle hidden in a
+function is still two modules that need each other to be understood):
+
+- no cycle between modules, nor between subpackages;
+- nothing imports a command module (``scalenlp.cli``): commands parse and print, the library does the work;
+- the inference side (``engine``, ``serving``) never imports training (``train``);
+- the models are plain PyTorch: ``models`` never imports ``torch.distributed`` (parallelism lives in ``parallel``).
+"""
 
 import ast
 from pathlib import Path
@@ -12,27 +18,39 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def modules() -> dict[str, Path]:
+    found = {module_name(p): p for p in SRC.rglob("*.py")}
+    assert "scalenlp.cli" in found, f"the package is not under {SRC}"  # an empty graph would have no cycle
+    return found
+
+
+def raw_imports(name: str, path: Path) -> list[str]:
+    """Every dotted name the module imports, anywhere in it (module level or inside a function), made absolute;
+    ``from a import b`` gives both ``a`` and ``a.b``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            targets += [base] + [f"{base}.{a.name}" for a in node.names]
+    return targets
+
+
 def import_graph() -> dict[str, set[str]]:
-    modules = {module_name(p): p for p in SRC.rglob("*.py")}
-    assert "scalenlp.cli" in modules, f"the package is not under {SRC}"  # an empty graph would have no cycle
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
-            for t in targets:
-                # an import of a.b.c needs a.b.c (or, for a name in a module, that module)
-                while t and t not in modules:
-                    t = t.rpartition(".")[0]
-                if t and t != name and t.startswith("scalenlp") and not name.startswith(t + "."):
-                    graph[name].add(t)
+    known = modules()
+    graph: dict[str, set[str]] = {m: set() for m in known}
+    for name, path in known.items():
+        for t in raw_imports(name, path):
+            # an import of a.b.c needs a.b.c (or, for a name in a module, that module)
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name and t.startswith("scalenlp") and not name.startswith(t + "."):
+                graph[name].add(t)
     return graph
 
 
@@ -64,8 +82,8 @@ def test_no_import_cycles():
 
 
 def test_subpackages_are_layered():
-    """No cycle between scalenlp's subpackages either (models, data, parallel, train, infer, plan): each
-    needs only those below it."""
+    """No cycle between scalenlp's subpackages either (models, compress, data, parallel, train, engine, serving,
+    plan, cli): each needs only those below it."""
     graph: dict[str, set[str]] = {}
     for module, targets in import_graph().items():
         graph.setdefault(".".join(module.split(".")[:2]), set()).update(
@@ -75,6 +93,37 @@ def test_subpackages_are_layered():
             graph.setdefault(t, set())
     cycle = find_cycle(graph)
     assert cycle is None, "subpackage cycle: " + " -> ".join(cycle)
+
+
+def importers_of(prefix: str, among: str = "scalenlp") -> list[str]:
+    """``module -> target`` for each module under ``among`` that imports ``prefix`` or something under it."""
+    return [f"{name} -> {t}" for name, path in modules().items() if name == among or name.startswith(among + ".")
+            for t in raw_imports(name, path) if t == prefix or t.startswith(prefix + ".")]
+
+
+def test_nothing_imports_the_commands():
+    offenders = [line for line in importers_of("scalenlp.cli")
+                 if not line.startswith(("scalenlp.cli ", "scalenlp.cli.", "scalenlp.__main__ "))]
+    assert offenders == [], "the library imports a command module: " + "; ".join(offenders)
+
+
+def test_inference_never_imports_training():
+    offenders = importers_of("scalenlp.train", "scalenlp.engine") + importers_of("scalenlp.train", "scalenlp.serving")
+    assert offenders == [], "inference imports training: " + "; ".join(offenders)
+
+
+def test_models_are_plain_pytorch():
+    offenders = importers_of("torch.distributed", "scalenlp.models")
+    assert offenders == [], "a model module imports torch.distributed: " + "; ".join(offenders)
+
+
+def test_the_rules_see_imports_inside_functions(tmp_path):
+    """The checks read nested and relative imports: a rule broken inside a function is still found."""
+    module = tmp_path / "scalenlp" / "engine" / "x.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("def f():\n    from ..train import trainer\n    import torch.distributed as dist\n")
+    assert set(raw_imports("scalenlp.engine.x", module)) >= {"scalenlp.train", "scalenlp.train.trainer",
+                                                                "torch.distributed"}
 
 
 def test_the_checker_finds_a_cycle():
