@@ -1,4 +1,5 @@
-"""Labelled data for classification: reading untidy files, labels, tokenizing, bucketed per-rank batches, scores."""
+"""Labelled data for classification: reading untidy files, labels, tokenizing, bucketed per-rank batches, scores
+(summed over ranks: tests/integration/test_classification_scores_over_ranks.py)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,24 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from scalenlp.data.labeled import (IGNORE_LABEL, LabeledLoader, eval_batches, label_ids, label_names, read_labeled,
-                                   tokenize_labeled)
+from scalenlp.data.labeled import (
+    IGNORE_LABEL,
+    LabeledLoader,
+    eval_batches,
+    label_ids,
+    label_names,
+    read_labeled,
+    tokenize_labeled,
+)
 from scalenlp.data.tokenizer import load_tokenizer
 from scalenlp.errors import UserError
 from scalenlp.models.packaged import packaged_model
-from scalenlp.testing.ranks import spawn_ranks
-from scalenlp.train.scores import all_reduce_counts, classification_scores, confusion_matrix
+from scalenlp.train.scores import classification_scores, confusion_matrix
+from train_helpers import SHARED_DATA
 
 torch.set_num_threads(1)
 
-# ../shared/data beside the repository (in CI), or beside a folder of worktrees the repository sits in.
-SST2 = next((p / "shared" / "data" / "sst2" for p in Path(__file__).resolve().parents[1:]
-             if (p / "shared" / "data").is_dir()), Path("shared/data/sst2"))
+SST2 = SHARED_DATA / "sst2"
 needs_sst2 = pytest.mark.skipif(not (SST2 / "train.tsv").is_file(), reason="../shared/data/sst2 is not here")
 
 
@@ -322,19 +328,3 @@ def test_scores_match_hand_computed_values():
     assert scores["macro_f1"] == pytest.approx(sum(f1) / 3)
     # A class that is neither a label nor a prediction here leaves the average alone.
     assert classification_scores(confusion_matrix(PREDICTIONS, LABELS, 4)) == scores
-
-
-def _reduce_counts(rank, world, out):
-    share = slice(0, 2) if rank == 0 else slice(2, None)  # shares of different sizes
-    counts = all_reduce_counts(confusion_matrix(PREDICTIONS[share], LABELS[share], 3))
-    torch.save(counts, out / f"rank{rank}.pt")
-
-
-def test_scores_over_ranks_are_those_of_the_whole_set(tmp_path):
-    spawn_ranks(_reduce_counts, 2, tmp_path)
-    whole = classification_scores(confusion_matrix(PREDICTIONS, LABELS, 3))
-    for rank in range(2):
-        assert classification_scores(torch.load(tmp_path / f"rank{rank}.pt")) == whole
-    per_rank = [classification_scores(confusion_matrix(PREDICTIONS[s], LABELS[s], 3))
-                for s in (slice(0, 2), slice(2, None))]
-    assert np.mean([s["macro_f1"] for s in per_rank]) != pytest.approx(whole["macro_f1"])  # why counts are summed
