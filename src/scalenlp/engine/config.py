@@ -121,8 +121,17 @@ class EncoderEngineConfig(BaseEngineConfig):
                                   help="how long a text waits for others to fill its forward pass (default 2)")
     max_batch_texts: int = option(2048, type=int,
                                   help="most inputs one request may carry; more is answered 400 (default 2048)")
+    max_text_chars: int = option(32768, type=int,
+                                 help="most characters in one input text, checked before it is tokenized; a longer "
+                                      "text is answered 400 (default 32768, far past any encoder's context)")
+    max_request_tokens: int = option(16384, type=int,
+                                     help="most tokens one served request may encode, counted after tokenizing and "
+                                          "truncating each text; more is answered 400 before any forward pass, so "
+                                          "that one request cannot hold the encoder for minutes (default 16384: 64 "
+                                          "texts of 256 tokens)")
 
     def check(self) -> None:
         if self.forward_batch < 1 or self.max_batch_texts < 1:
             raise UserError(f"the batch sizes must be at least 1, got {self.forward_batch} and {self.max_batch_texts}")
+        self.at_least(1, "max_text_chars", "max_request_tokens")
         super().check()

@@ -3,8 +3,10 @@
 Each request's texts become units in a queue. A worker thread takes up to ``forward_batch`` units of one
 kind (embed or classify), waiting at most ``batch_wait_ms`` after the oldest one arrived for more to come,
 pads them to the longest, runs one forward and hands each row back; a request's future completes
-when its last row does. With more texts queued than a batch holds, a batch gathers texts of similar
-lengths (little padding), as sentence-transformers sorts its input by length.
+when its last row does. A batch is filled round-robin across the waiting requests (each request's texts
+shortest first), so a one-text request behind a 2,048-text one is served within about one forward pass.
+A request whose future is cancelled (its client left) leaves the queue at once: its texts not yet taken
+into a batch are never encoded.
 """
 
 from __future__ import annotations
@@ -48,20 +50,26 @@ def sentence_max_len(folder: Path) -> int | None:
         raise UserError(f"cannot read max_seq_length from {file}: {e!r}") from None
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     kind: str
     ids: list[list[int]]
     future: Future = field(default_factory=Future)
     rows: list = field(default_factory=list)
     left: int = 0  # rows not computed yet
-    queued: int = 0  # rows not taken into a batch yet
+    pending: list[int] = field(default_factory=list)  # rows not taken into a batch yet, shortest first
     arrival: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self):
+        self.rows = [None] * len(self.ids)
+        self.left = len(self.ids)
+        self.pending = sorted(range(len(self.ids)), key=lambda i: len(self.ids[i]))
 
 
 class EncoderEngine:
     def __init__(self, model, tokenizer: Tokenizer, *, max_seq_len: int | None = None, forward_batch: int = 32,
-                 batch_wait_ms: float = 2.0, max_queue: int = 64, max_batch_texts: int = 2048):
+                 batch_wait_ms: float = 2.0, max_queue: int = 64, max_batch_texts: int = 2048,
+                 max_text_chars: int = 32768, max_request_tokens: int | None = None):
         """The options are ``EncoderEngineConfig``'s (checked there); ``max_seq_len`` is at most the model's."""
         self.model = model.eval()
         self.args: EncoderArgs = model.args
@@ -78,8 +86,8 @@ class EncoderEngine:
         self.prefix, self.suffix = probe.ids[:content[0]], probe.ids[content[-1] + 1:]
         self.forward_batch, self.batch_wait_ms = forward_batch, batch_wait_ms
         self.max_queue, self.max_batch_texts = max_queue, max_batch_texts
-        self.queues: dict[str, list[tuple[Job, int]]] = {k: [] for k in KINDS}  # (job, row), in arrival order
-        self.waiting_jobs = 0  # jobs with units still queued
+        self.max_text_chars, self.max_request_tokens = max_text_chars, max_request_tokens
+        self.queues: dict[str, list[Job]] = {k: [] for k in KINDS}  # jobs with texts still queued, served in turn
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
         self.stopping = False
@@ -109,7 +117,11 @@ class EncoderEngine:
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(q) for q in self.queues.values())
+        return sum(len(job.pending) for q in self.queues.values() for job in q)
+
+    @property
+    def waiting_jobs(self) -> int:
+        return sum(map(len, self.queues.values()))
 
     def encode(self, inputs: list[str | list[int]]) -> list[list[int]]:
         """Token ids per input, special tokens included, truncated to ``max_seq_len``. Text is tokenized; token
@@ -123,6 +135,9 @@ class EncoderEngine:
         for i, x in enumerate(inputs):
             if not x or (isinstance(x, str) and not x.strip()):
                 raise RequestError(f"input {i} is empty; every input must hold some text or token ids")
+            if len(x) > self.max_text_chars:
+                raise RequestError(f"input {i} holds {len(x)} {'characters' if isinstance(x, str) else 'token ids'}; "
+                                   f"this server takes at most {self.max_text_chars} per input (--max-text-chars)")
             if not isinstance(x, str) and not all(0 <= t < self.args.vocab_size for t in x):
                 raise RequestError(f"input {i} has token ids outside the vocabulary [0, {self.args.vocab_size})")
         encoded = iter(self.tokenizer.encode_batch(texts))
@@ -138,50 +153,62 @@ class EncoderEngine:
                 out.append(self.prefix + list(x[:room]) + self.suffix)
         return out
 
-    def submit(self, kind: str, ids: list[list[int]]) -> Future:
+    def price(self, ids: list[list[int]]) -> int:
+        """The tokens these encoded texts cost; RequestError past ``max_request_tokens`` (checked before queueing)."""
+        tokens = sum(map(len, ids))
+        if self.max_request_tokens is not None and tokens > self.max_request_tokens:
+            raise RequestError(f"the input holds {tokens} tokens ({len(ids)} texts); this server encodes at most "
+                               f"{self.max_request_tokens} per request (--max-request-tokens): split it")
+        return tokens
+
+    def submit(self, kind: str, ids: list[list[int]], *, bypass_queue_limit: bool = False) -> Future:
         """Queue encoded texts (see ``encode``); the future's result is a float32 tensor, one row per text:
-        the sentence embeddings, or the class probabilities."""
+        the sentence embeddings, or the class probabilities. Cancelling the future drops its queued texts."""
         if kind == "classify" and not self.labels:
             raise RequestError(f"this model is not a classifier (its task is {self.args.task!r}); classification "
                                "needs a checkpoint fine-tuned for it")
-        job = Job(kind, ids, rows=[None] * len(ids), left=len(ids), queued=len(ids))
+        job = Job(kind, ids)
         with self.cond:
             if not self.alive:
                 raise EngineDead(f"the encoder is not running: {self.error!r}")
-            if self.waiting_jobs >= self.max_queue:
+            if self.waiting_jobs >= self.max_queue and not bypass_queue_limit:
                 raise QueueFull(f"{self.waiting_jobs} requests are already waiting; retry later")
-            self.waiting_jobs += 1
-            self.requests += 1
-            self.queues[kind].extend((job, i) for i in range(len(ids)))
+            self.requests += not bypass_queue_limit
+            self.queues[kind].append(job)
             self.cond.notify()
+        job.future.add_done_callback(lambda f: f.cancelled() and self._drop(job))
         return job.future
+
+    def _drop(self, job: Job) -> None:
+        """A cancelled job leaves the queue: its texts not taken yet are never encoded."""
+        with self.cond:
+            if job in self.queues[job.kind]:
+                self.queues[job.kind].remove(job)
+            job.pending.clear()
 
     def run(self, kind: str, inputs: list[str | list[int]]) -> torch.Tensor:
         """Encode, queue and wait: the rows of ``submit`` for these inputs."""
         return self.submit(kind, self.encode(inputs)).result()
 
     def _take(self) -> tuple[str, list[tuple[Job, int]]] | None:
-        """The next batch: units of the kind waiting longest, once ``forward_batch`` of them are queued or the
+        """The next batch: texts of the kind waiting longest, once ``forward_batch`` of them are queued or the
         oldest has waited ``batch_wait_ms``. None when stopping."""
         with self.cond:
             while True:
                 if self.stopping:
                     return None
-                heads = [(q[0][0].arrival, kind) for kind, q in self.queues.items() if q]
+                heads = [(min(job.arrival for job in q), kind) for kind, q in self.queues.items() if q]
                 if not heads:
                     self.cond.wait()
                     continue
                 oldest, kind = min(heads)
                 queue = self.queues[kind]
                 wait = oldest + self.batch_wait_ms / 1000 - time.perf_counter()
-                if len(queue) < self.forward_batch and wait > 0:
+                if sum(len(job.pending) for job in queue) < self.forward_batch and wait > 0:
                     self.cond.wait(wait)
                     continue
-                batch, self.queues[kind] = split_batch(queue, self.forward_batch)
-                for job, _ in batch:
-                    job.queued -= 1
-                    self.waiting_jobs -= job.queued == 0
-                return kind, [(job, i) for job, i in batch if not job.future.cancelled()]
+                batch, self.queues[kind] = fair_batch(queue, self.forward_batch)
+                return kind, batch
 
     def _forward(self, kind: str, batch: list[tuple[Job, int]]) -> torch.Tensor:
         rows = [job.ids[i] for job, i in batch]
@@ -223,31 +250,25 @@ class EncoderEngine:
         finally:
             with self.cond:
                 for queue in self.queues.values():
-                    for job, _ in queue:
+                    for job in queue:
                         _settle(job.future, exception=EngineDead(f"the encoder stopped: {self.error!r}"))
                     queue.clear()
 
 
-def split_batch(queue: list[tuple[Job, int]], size: int) -> tuple[list, list]:
-    """(the next batch, what stays queued). The oldest request's texts go first, shortest first: requests then
-    finish one after another (a client waits for its whole request) and a batch holds similar lengths (little
-    padding). When fewer than ``size`` of them are left, the queued texts nearest their longest fill the batch."""
-    if len(queue) <= size:
-        return queue, []
-
-    def length(u: int) -> int:
-        job, row = queue[u]
-        return len(job.ids[row])
-
-    own = [u for u, (job, _) in enumerate(queue) if job is queue[0][0]]
-    if len(own) >= size:
-        chosen = set(sorted(own, key=length)[:size])
-    else:
-        longest = max(map(length, own))
-        others = sorted((u for u, (job, _) in enumerate(queue) if job is not queue[0][0]),
-                        key=lambda u: abs(length(u) - longest))
-        chosen = set(own) | set(others[:size - len(own)])
-    return [queue[u] for u in sorted(chosen)], [unit for u, unit in enumerate(queue) if u not in chosen]
+def fair_batch(queue: list[Job], size: int) -> tuple[list[tuple[Job, int]], list[Job]]:
+    """(the next batch of (job, row), the jobs left queued, in their new turn order). The batch takes one text
+    from each job in turn (each job's shortest first) until it holds ``size``; the jobs it served go behind
+    those it did not reach, so that over successive batches every waiting request moves forward."""
+    batch: list[tuple[Job, int]] = []
+    served: list[Job] = []
+    while len(batch) < size and any(job.pending for job in queue):
+        for job in queue:
+            if job.pending and len(batch) < size:
+                batch.append((job, job.pending.pop(0)))
+                if job not in served:
+                    served.append(job)
+    unserved = [job for job in queue if job not in served]
+    return batch, unserved + [job for job in served if job.pending]
 
 
 def _settle(future: Future, result=None, exception: BaseException | None = None) -> None:
@@ -274,4 +295,5 @@ def encoder_from_checkpoint(config: EncoderEngineConfig) -> EncoderEngine:
     model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, config.dtype), quantize=spec)
     return EncoderEngine(model, pre.tokenizer, max_seq_len=config.max_seq_len or sentence_max_len(pre.path),
                          forward_batch=config.forward_batch, batch_wait_ms=config.batch_wait_ms,
-                         max_queue=config.max_queue, max_batch_texts=config.max_batch_texts).start()
+                         max_queue=config.max_queue, max_batch_texts=config.max_batch_texts,
+                         max_text_chars=config.max_text_chars, max_request_tokens=config.max_request_tokens).start()

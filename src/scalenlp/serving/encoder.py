@@ -75,21 +75,24 @@ class EncoderOnly:
 class EncoderBackend(EncoderOnly):
     """Requests go to an ``EncoderEngine`` in this process; its counters are the /metrics."""
 
-    def __init__(self, engine, model_name: str):
+    def __init__(self, engine, model_name: str, health_timeout: float = 10.0):
         from prometheus_client import CollectorRegistry
 
         self.engine = engine
+        self.health_timeout = health_timeout
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineCounters(engine))
 
     async def _run(self, kind: str, inputs: list[str | list[int]]):
-        """(rows of the engine's output, the token ids they came from)."""
+        """(rows of the engine's output, the token ids they came from). The request is priced (characters per
+        text, then tokens) before it is queued; cancelling this coroutine (the client left) drops its texts."""
         from scalenlp.engine.decoder_engine import EngineDead, QueueFull, RequestError
 
         try:
             # Tokenizing thousands of texts takes a while, and the tokenizer lets go of the GIL meanwhile.
             ids = await asyncio.to_thread(self.engine.encode, inputs)
+            self.engine.price(ids)
             future = self.engine.submit(kind, ids)
         except RequestError as e:
             raise APIError(400, str(e), param="input") from None
@@ -120,7 +123,31 @@ class EncoderBackend(EncoderOnly):
         return {"object": "list", "data": data, "model": self.model_name, "usage": usage_of(ids)}
 
     async def health(self) -> tuple[bool, str]:
-        return (True, "ok") if self.engine.alive else (False, f"encoder stopped: {self.engine.error!r}")
+        """Send a one-token text through the batcher, as a request would go; healthy if it comes back within
+        ``health_timeout``, or if the batcher is busy and still running forward passes. Dead or wedged:
+        unhealthy."""
+        from scalenlp.engine.decoder_engine import EngineDead
+
+        engine = self.engine
+        if not engine.alive:
+            return False, f"encoder stopped: {engine.error!r}"
+        forwards_before = engine.forwards
+        try:
+            probe = engine.submit("embed", [engine.prefix + [engine.args.pad_token_id] + engine.suffix],
+                                  bypass_queue_limit=True)
+        except EngineDead as e:
+            return False, str(e)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(probe)), self.health_timeout)
+            return True, "ok"
+        except TimeoutError:
+            if engine.forwards > forwards_before + 1:
+                return True, "ok (busy)"
+            return False, f"the encoder made no progress in {self.health_timeout:g}s"
+        except EngineDead as e:
+            return False, str(e)
+        finally:
+            probe.cancel()
 
     def metrics(self) -> bytes:
         from prometheus_client import generate_latest
@@ -156,27 +183,32 @@ def vector(row, encoding_format: str) -> list[float] | str:
 
 def add_encoder_routes(app, backend, check_model) -> None:
     """/v1/embeddings and /v1/classify on the server's app; ``check_model`` answers a wrong model name."""
+    from fastapi import Request
     from fastapi.responses import JSONResponse
+
+    from scalenlp.serving.app import _unless_disconnected as unless_disconnected
 
     EmbeddingRequest, ClassifyRequest = request_models()
 
-    def served(req, route: str) -> Any:
+    async def served(req, request, route: str) -> Any:
+        """The backend's answer as JSON; if the client leaves first, its texts leave the queue."""
         check_model(req)
         method = getattr(backend, route, None)
         if method is None:
             raise APIError(400, DECODER_ONLY, param="model")
-        return method(req)
+        answer = await unless_disconnected(request, method(req))
+        return JSONResponse(answer) if isinstance(answer, dict) else answer
 
     # JSONResponse serialises with json.dumps; FastAPI's default encoder walks every float, slow for vectors.
     responses = error_responses(400, 401, 404, 413, 429, 500, 503)
 
     @app.post("/v1/embeddings", responses=responses)
-    async def embeddings(req: EmbeddingRequest):
-        return JSONResponse(await served(req, "embeddings"))
+    async def embeddings(req: EmbeddingRequest, request: Request):
+        return await served(req, request, "embeddings")
 
     @app.post("/v1/classify", responses=responses)
-    async def classify(req: ClassifyRequest):
-        return JSONResponse(await served(req, "classify"))
+    async def classify(req: ClassifyRequest, request: Request):
+        return await served(req, request, "classify")
 
 
 def build_encoder_backend(config: EncoderEngineConfig, model_name: str) -> EncoderBackend:
