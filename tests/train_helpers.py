@@ -1,4 +1,4 @@
-"""Running `scalenlp train` as a user does (a subprocess per run) and reading what it wrote."""
+"""Running `scalenlp train` as a user does (a subprocess per run), or in this process, and reading what it wrote."""
 
 from __future__ import annotations
 
@@ -50,6 +50,22 @@ def run_train(run_dir: Path, *sets: str, nproc: int = 1, extra: list[str] | None
     if check and proc.returncode != 0:
         raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
+
+
+def train_here(run_dir: Path, *sets: str) -> list[dict]:
+    """One training run in this process (trainer.train on a config validated as the CLI validates it): its records."""
+    from scalenlp.train.tasks import load_config
+    from scalenlp.train.trainer import train
+
+    return train(load_config(None, list(sets)), run_dir)
+
+
+def main_train(run_dir: Path, *sets: str, nproc: int = 1) -> int:
+    """`scalenlp train` through the CLI's main in this process, its exit status: with one process it trains here;
+    with more it checks the layout here, then launches them."""
+    from scalenlp.cli import main
+
+    return main(["train", "--run-dir", str(run_dir), "--nproc", str(nproc), *[w for s in sets for w in ("--set", s)]])
 
 
 def _records(run_dir: Path) -> list[dict]:
