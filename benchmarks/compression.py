@@ -42,16 +42,16 @@ import torch
 from classify import head_rows
 from pruning import DATA as WIKITEXT
 from pruning import calibration_batches, prune_row, recover
-from scalenlp.data.labeled import read_labeled
-from scalenlp.compress.awq import awq
-from scalenlp.engine.encoder_engine import EncoderEngine
-from scalenlp.engine.decoder_engine import Engine
 from scalenlp.cli.evaluate import perplexity
-from scalenlp.engine.sampling import SamplingParams
-from scalenlp.models.io import save_pretrained
-from scalenlp.loader import instantiate, load, read
-from scalenlp.models.packaged import packaged_model
+from scalenlp.compress.awq import awq
 from scalenlp.compress.quantized import Quantization, build_quantized
+from scalenlp.data.labeled import read_labeled
+from scalenlp.engine.decoder_engine import Engine
+from scalenlp.engine.encoder_engine import EncoderEngine
+from scalenlp.engine.sampling import SamplingParams
+from scalenlp.loader import instantiate, load, read
+from scalenlp.models.io import save_pretrained
+from scalenlp.models.packaged import packaged_model
 
 DATA = WIKITEXT.parent  # shared/data, found beside the repository or above it
 # (row name, dtype of the floating layers when serving, quantization)

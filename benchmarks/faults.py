@@ -29,10 +29,9 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from train_helpers import TINY, read_metrics, write_corpus  # noqa: E402  (the tests' tiny run and corpus)
-
-from scalenlp import faults  # noqa: E402
 import node_kill  # noqa: E402  (benchmarks/node_kill.py, beside this script: two test hosts, one killed)
+from scalenlp import faults  # noqa: E402
+from train_helpers import TINY, read_metrics, write_corpus  # noqa: E402  (the tests' tiny run and corpus)
 
 RESUMED = node_kill.RESUMED  # the trainer's "resumed from ..." line
 STOPPED = re.compile(r"stopped by SIGTERM after step (\d+)")

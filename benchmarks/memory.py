@@ -21,10 +21,10 @@ forward + loss + backward, with the logits gathered on every rank and kept shard
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
-import json
 from pathlib import Path
 
 import torch
@@ -33,12 +33,13 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.parity import make_config  # noqa: E402
+
 from scalenlp.models.flavors import build_model, model_args  # noqa: E402
+from scalenlp.parallel.data_parallel import local_optimizer  # noqa: E402
 from scalenlp.parallel.mesh import ParallelDims, build_mesh  # noqa: E402
 from scalenlp.parallel.parallelize import apply_ac, loss_context, parallelize, shard_optimizer_state  # noqa: E402
-from scalenlp.train.loss import cross_entropy  # noqa: E402
-from scalenlp.parallel.data_parallel import local_optimizer  # noqa: E402
 from scalenlp.testing.ranks import spawn_ranks  # noqa: E402
+from scalenlp.train.loss import cross_entropy  # noqa: E402
 
 MODES = ("ddp", "zero1", "zero2", "zero3")
 # Big enough that per-tensor rounding of shards is noise, small enough for 4 processes on 2 cores.

@@ -30,9 +30,8 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from train_helpers import TINY, last_step, read_metrics, write_corpus  # noqa: E402  (the tests' tiny run)
-
 from scalenlp.testing.hosts import start_train, unavailable, virtual_hosts  # noqa: E402
+from train_helpers import TINY, last_step, read_metrics, write_corpus  # noqa: E402  (the tests' tiny run)
 
 RESUMED = re.compile(r"resumed from \S*step-(\d+) at step")
 NAME = "node kill (every process of 1 of 2 hosts)"

@@ -30,8 +30,14 @@ from scalenlp.config import Config
 from scalenlp.models.flavors import build_model, model_args
 from scalenlp.parallel.data_parallel import skip_gradient_sync
 from scalenlp.parallel.mesh import ParallelDims, build_mesh, dp_rank
-from scalenlp.parallel.parallelize import (check_layout, clip_grad_norm_, dp_mesh, loss_context, parallelize,
-                                           shard_optimizer_state)
+from scalenlp.parallel.parallelize import (
+    check_layout,
+    clip_grad_norm_,
+    dp_mesh,
+    loss_context,
+    parallelize,
+    shard_optimizer_state,
+)
 from scalenlp.parallel.pipeline import build_pipeline
 from scalenlp.testing.ranks import spawn_ranks
 from scalenlp.train.loss import cross_entropy, lm_loss

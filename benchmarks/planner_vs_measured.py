@@ -27,11 +27,11 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # every process gets one core, the planner measures one thread
 
-from scalenlp.plan.planner import train_command  # noqa: E402
 from scalenlp.layout import Layout  # noqa: E402
 from scalenlp.plan.cost import Workload, memory_by_stage, model_shape, predict  # noqa: E402
-from scalenlp.plan.search import check_layout  # noqa: E402
 from scalenlp.plan.measure import measure_cpu  # noqa: E402
+from scalenlp.plan.planner import train_command  # noqa: E402
+from scalenlp.plan.search import check_layout  # noqa: E402
 
 SEQ, GLOBAL_BATCH = 128, 16
 LAYOUTS = {

@@ -31,13 +31,13 @@ from pathlib import Path
 
 import torch
 
-from scalenlp.engine.decoder_engine import Engine
 from scalenlp.cli.evaluate import perplexity
 from scalenlp.compress.calibration import calibration_batches
 from scalenlp.compress.prune import prune
+from scalenlp.engine.decoder_engine import Engine
 from scalenlp.engine.sampling import SamplingParams
-from scalenlp.models.io import save_pretrained
 from scalenlp.loader import load
+from scalenlp.models.io import save_pretrained
 from scalenlp.models.packaged import packaged_model
 
 DATA = next((p / "shared" / "data" for p in Path(__file__).resolve().parents[1:] if (p / "shared" / "data").is_dir()),

@@ -87,8 +87,8 @@ def decode(args) -> None:
 
     from scalenlp.engine.decoder_engine import Engine, pick_dtype
     from scalenlp.engine.sampling import SamplingParams
-    from scalenlp.models.hf import to_hf
     from scalenlp.loader import load
+    from scalenlp.models.hf import to_hf
 
     # One intra-op thread by default: on a machine shared with other work, OpenMP's barriers wait for
     # descheduled threads and make each small op cost milliseconds (both sides get the same setting).

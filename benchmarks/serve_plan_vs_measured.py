@@ -91,8 +91,8 @@ def main() -> None:
     torch.manual_seed(0)
 
     from scalenlp.engine.decoder_engine import Engine, pick_dtype
-    from scalenlp.models.flavors import build_model, model_args
     from scalenlp.loader import load
+    from scalenlp.models.flavors import build_model, model_args
     from scalenlp.models.packaged import packaged_model
     from scalenlp.plan.cost import shape_of
     from scalenlp.plan.measure import measure_cpu

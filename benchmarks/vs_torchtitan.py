@@ -50,8 +50,8 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import statistics
+import subprocess
 import sys
 import time
 from datetime import datetime

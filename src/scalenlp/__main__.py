@@ -1,3 +1,5 @@
-from scalenlp.cli import main
 import sys
+
+from scalenlp.cli import main
+
 sys.exit(main())

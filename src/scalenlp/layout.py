@@ -30,7 +30,7 @@ class ModelSizes:
     encoder: bool = False  # encoders pool over the whole sequence: no pipeline, no sequence parallelism
 
     @classmethod
-    def of(cls, args, encoder: bool = False) -> "ModelSizes":
+    def of(cls, args, encoder: bool = False) -> ModelSizes:
         """From a decoder's ModelArgs or (``encoder``) an EncoderArgs, whose attention has no separate kv heads."""
         return cls(heads=args.n_heads, kv_heads=getattr(args, "n_kv_heads", args.n_heads), ffn=args.ffn_dim,
                    layers=args.n_layers, encoder=encoder)
@@ -75,7 +75,7 @@ class Layout:
         return " ".join(parts)
 
     @classmethod
-    def from_config(cls, cfg, world_size: int) -> "Layout":
+    def from_config(cls, cfg, world_size: int) -> Layout:
         """The layout a Config runs on ``world_size`` processes: dp_shard=-1 resolved, the batch keys turned
         into sequences per microbatch. A config no layout describes (degrees that do not multiply to the world
         size, a batch that does not split) is a ConfigError; whether the model can run it is ``check``'s."""

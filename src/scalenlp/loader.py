@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from scalenlp.compress.quantized import Quantization, build_quantized, read_quantization
 from scalenlp.errors import UserError
 from scalenlp.models.gguf import read_gguf
 from scalenlp.models.hf import read_hf_config, read_hf_folder
 from scalenlp.models.hf_bert import read_bert_folder
 from scalenlp.models.io import ARGS, build, read_export
 from scalenlp.models.pretrained import Pretrained
-from scalenlp.compress.quantized import Quantization, build_quantized, read_quantization
 
 
 def checkpoint_kind(path: str | Path) -> tuple[str, Path]:

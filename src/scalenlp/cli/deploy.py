@@ -21,7 +21,6 @@ import argparse
 import re
 from pathlib import Path
 
-
 from scalenlp.config import config_toml
 from scalenlp.errors import UserError, require
 

@@ -38,11 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import logging
 
+    from scalenlp.cli.export import new_output
     from scalenlp.compress.calibration import calibration_batches
     from scalenlp.compress.prune import describe, prune
-    from scalenlp.cli.export import new_output
-    from scalenlp.models.io import save_pretrained
     from scalenlp.loader import instantiate, read
+    from scalenlp.models.io import save_pretrained
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # prune() says which kernels 2:4 gets
     out = new_output(args.out)

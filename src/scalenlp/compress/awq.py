@@ -17,9 +17,9 @@ import logging
 import torch
 from torch import nn
 
+from scalenlp.compress.quantized import Quantization, check_shapes, dequantize_int4, int4_grouped, linears_of
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import Transformer
-from scalenlp.compress.quantized import Quantization, check_shapes, dequantize_int4, int4_grouped, linears_of
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ class Quantization:
     method: str
     group_size: int | None = None  # int4 only
 
-    def check(self) -> "Quantization":
+    def check(self) -> Quantization:
         if self.method not in METHODS:
             raise UserError(f"quantization method {self.method!r} is not one of {', '.join(METHODS)}")
         if self.method == "int4" and self.group_size not in GROUP_SIZES:
@@ -231,7 +232,7 @@ class Int8Linear(QuantizedLinear):
         return self.kernel
 
     @classmethod
-    def stacked(cls, parts: tuple["Int8Linear", ...]) -> "Int8Linear":
+    def stacked(cls, parts: tuple[Int8Linear, ...]) -> Int8Linear:
         """One int8 linear whose output is the parts' outputs side by side (inference packing fuses q/k/v and
         gate/up with it): per-channel scales stack with their rows, so the products are the parts' exactly."""
         first = parts[0]
@@ -361,7 +362,7 @@ class Int8Embedding(nn.Module):
         self.dtype = torch.float32  # of the vectors it returns: build_quantized sets the model's
 
     @classmethod
-    def tied_to(cls, output: QuantizedLinear, dtype: torch.dtype) -> "Int8Embedding":
+    def tied_to(cls, output: QuantizedLinear, dtype: torch.dtype) -> Int8Embedding:
         embedding = cls(*output.weight.shape, device="meta")
         # Not persistent: the state dict holds the table once, as the output projection's.
         embedding.register_buffer("weight", output.weight, persistent=False)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-from typing import Any, Collection
+from collections.abc import Collection
+from typing import Any
 
 import jinja2
 import jinja2.ext

@@ -22,9 +22,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import torch

@@ -21,8 +21,9 @@ last ``data.val_fraction`` of the conversations is the held-out split.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch

@@ -13,9 +13,9 @@ import glob
 import json
 import os
 import sysconfig
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 from scalenlp.errors import UserError, require
 

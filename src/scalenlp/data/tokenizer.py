@@ -8,8 +8,8 @@ give the same tokenizer, which is what lets it be cached by the corpus' fingerpr
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

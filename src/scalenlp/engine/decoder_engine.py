@@ -22,14 +22,14 @@ import random
 import threading
 import time
 import weakref
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Callable, Collection
 
 import torch
 
-from scalenlp.errors import UserError
 from scalenlp.engine.packing import can_pack, pack_linears
 from scalenlp.engine.sampling import InvalidParam, SamplingBatch, SamplingParams, sample
+from scalenlp.errors import UserError
 from scalenlp.parallel.mesh import device_type
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class Engine:
 
     # ---- public API (any thread) ----
 
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         self._thread = threading.Thread(target=self._loop, name="scalenlp-engine", daemon=True)
         self._thread.start()
         return self

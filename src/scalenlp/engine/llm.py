@@ -79,7 +79,7 @@ class LLM:
     def close(self) -> None:
         self.engine.stop()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -95,7 +95,7 @@ class SamplingBatch:
     any_truncated: bool
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], device) -> "SamplingBatch":
+    def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], device) -> SamplingBatch:
         want = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),

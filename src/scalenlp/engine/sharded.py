@@ -30,10 +30,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import RowwiseParallel
 
+from scalenlp import faults
 from scalenlp.errors import UserError
 from scalenlp.layout import Layout, ModelSizes, check
 from scalenlp.parallel.mesh import free_port
-from scalenlp import faults
 
 FORWARD, SETUP_CACHE, STOP = 0, 1, 2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

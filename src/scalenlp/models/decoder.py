@@ -188,7 +188,7 @@ class CacheIndex:
     mask: torch.Tensor  # (B, 1, T, kv_len): each query sees the keys up to its own position
 
     @classmethod
-    def build(cls, input_pos: torch.Tensor, slots: torch.Tensor | None, kv_len: int) -> "CacheIndex":
+    def build(cls, input_pos: torch.Tensor, slots: torch.Tensor | None, kv_len: int) -> CacheIndex:
         """input_pos: (B, T) positions; slots: (B,) cache rows or None for 0..B-1. kv_len: a bound on
         every position in ``input_pos`` (exclusive), known to the caller without a device sync; only
         that many leading cache positions are read, which is what makes decode cost grow with the

@@ -14,8 +14,8 @@ import dataclasses
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file

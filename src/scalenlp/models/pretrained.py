@@ -16,6 +16,7 @@ from scalenlp.data.chat import special_token
 from scalenlp.data.tokenizer import TOKENIZER_CONFIG
 from scalenlp.errors import UserError
 
+
 @dataclass
 class Pretrained:
     args: Any  # ModelArgs for decoders, EncoderArgs for encoders

@@ -47,7 +47,7 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
+    def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
         """Resolve dp_shard=-1 and check that the degrees multiply to the world size."""
         dims = cls(p.dp_replicate, resolve_dp_shard(p, world_size), p.tp, p.pp, world_size)
         if problem := degrees_problem(dims, world_size):

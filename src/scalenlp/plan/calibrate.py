@@ -12,9 +12,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from scalenlp.hardware import DeviceSpec, get_device
 from scalenlp.layout import Layout
 from scalenlp.plan.cost import Workload, model_shape, predict, step_flops
-from scalenlp.hardware import DeviceSpec, get_device
 from scalenlp.plan.search import search
 
 

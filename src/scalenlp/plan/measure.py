@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from scalenlp.plan.comms import ring_time
 from scalenlp.hardware import GPU_ELEMENTWISE_TRAFFIC, DeviceSpec
 from scalenlp.parallel.mesh import free_port
+from scalenlp.plan.comms import ring_time
 
 # (m, n, k): thin shapes like a small model's projections, up to square ones.
 MATMUL_SHAPES = ((2048, 64, 64), (2048, 256, 64), (2048, 64, 256), (512, 512, 512), (1024, 1024, 1024),

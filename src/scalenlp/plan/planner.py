@@ -11,7 +11,6 @@ from typing import Any
 from scalenlp.errors import UserError
 from scalenlp.layout import DATA_PARALLEL, Layout
 
-
 _ZERO_WORDS = {name: stage for stage, name in enumerate(DATA_PARALLEL)}
 
 

@@ -14,8 +14,14 @@ from dataclasses import asdict, dataclass
 from scalenlp.errors import UserError
 from scalenlp.hardware import DeviceSpec
 from scalenlp.plan import comms
-from scalenlp.plan.cost import (ELEMENT_BYTES, ModelShape, _gemm_time, activation_bytes_per_layer, gemm_efficiency,
-                                layer_matmuls)
+from scalenlp.plan.cost import (
+    ELEMENT_BYTES,
+    ModelShape,
+    _gemm_time,
+    activation_bytes_per_layer,
+    gemm_efficiency,
+    layer_matmuls,
+)
 
 # Bytes per weight: the serving precision's, or a quantized width: int8 one byte (a scale per output channel is
 # negligible), int4 two weights a byte plus a bf16 scale and zero per group of 64 (`scalenlp quantize`'s default).

@@ -8,7 +8,8 @@ chat completions; the Ray backend in ``cluster.py`` forwards to replicas instead
 import asyncio
 import dataclasses
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from scalenlp.engine.config import EngineConfig
 from scalenlp.serving.limits import ServeLimits
@@ -212,7 +213,7 @@ class LocalBackend:
                 try:
                     await asyncio.wait_for(done.wait(), 0.05)
                     return probe.finish_reason != "abort", "ok" if probe.finish_reason != "abort" else "engine stopped"
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if engine.steps > steps_before + 1:
                         return True, "ok (busy)"
             return False, f"engine made no progress in {self.health_timeout:.0f}s"

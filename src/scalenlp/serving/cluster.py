@@ -33,7 +33,7 @@ import signal
 import sys
 import threading
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import torch
 

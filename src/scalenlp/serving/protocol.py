@@ -9,7 +9,8 @@ import dataclasses
 import functools
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 MAX_N = 64
 MAX_TEMPERATURE = 2.0  # as the OpenAI API

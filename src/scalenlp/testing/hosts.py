@@ -18,8 +18,8 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 PREFIX = "scalenlp-"
 INTERFACE = "eth0"

@@ -29,22 +29,22 @@ import pickle
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from scalenlp.errors import UserError
-from scalenlp.parallel.mesh import barrier
 from scalenlp.parallel.data_parallel import local_optimizer, restore_hyperparameters
+from scalenlp.parallel.mesh import barrier
 
 STATE_FILE = "train_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")

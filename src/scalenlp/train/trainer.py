@@ -21,26 +21,26 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from scalenlp import faults
 from scalenlp.config import Config, ConfigError, profile_steps, save_config, validate
 from scalenlp.errors import UserError
 from scalenlp.layout import Layout
+from scalenlp.loader import read
 from scalenlp.models.flavors import shape_spec
 from scalenlp.models.io import save_pretrained
-from scalenlp.loader import read
 from scalenlp.models.pretrained import Pretrained
-from scalenlp.parallel.mesh import ParallelDims, barrier, build_mesh, device_type, dp_rank, init_distributed
 from scalenlp.parallel.data_parallel import skip_gradient_sync
+from scalenlp.parallel.mesh import ParallelDims, barrier, build_mesh, device_type, dp_rank, init_distributed
 from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, loss_context, parallelize
 from scalenlp.parallel.pipeline import build_pipeline
-from scalenlp import faults
 from scalenlp.train import recovery, watchdog
 from scalenlp.train.checkpoint import STATE_FILE, Checkpointer, load_full_model, read_train_state
 from scalenlp.train.guard import StepCheck, StopRequest, check_step, weights_finite
 from scalenlp.train.loss import autocast, cross_entropy, sum_over
 from scalenlp.train.metrics import MetricsWriter, peak_memory_bytes
 from scalenlp.train.monitor import Monitor
-from scalenlp.train.peak import peak_flops
 from scalenlp.train.optim import build_optimizer, build_scheduler, lr_factor
+from scalenlp.train.peak import peak_flops
 from scalenlp.train.profile import StepProfiler
 from scalenlp.train.tasks import task_for
 

@@ -19,8 +19,16 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from scalenlp.config import Config, ConfigError
-from scalenlp.data.labeled import (IGNORE_LABEL, LabeledDataset, LabeledLoader, eval_batches, label_ids, label_names,
-                                   read_labeled, tokenize_labeled)
+from scalenlp.data.labeled import (
+    IGNORE_LABEL,
+    LabeledDataset,
+    LabeledLoader,
+    eval_batches,
+    label_ids,
+    label_names,
+    read_labeled,
+    tokenize_labeled,
+)
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs
 from scalenlp.models.encoder import Encoder, EncoderArgs
