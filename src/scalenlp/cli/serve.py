@@ -70,8 +70,11 @@ def run(args) -> int:
     else:
         backend = generation_backend(config, limits, model_name)
     engine = backend.engine
+    # SIGTERM: uvicorn stops accepting, waits --drain-timeout seconds for the requests in flight, then cancels
+    # them (a cancelled encoder or decoder request leaves the engine's queue) and returns.
     server = uvicorn.Server(uvicorn.Config(create_app(backend, limits.api_key, limits.max_body_bytes), host=args.host,
-                                           port=args.port, log_level="warning"))
+                                           port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=limits.drain_timeout))
     if isinstance(backend, LocalBackend):  # the generation engine tells when its loop dies
         engine.on_death = lambda error: setattr(server, "should_exit", True)
         if not engine.alive:  # it died before it could be told

@@ -30,6 +30,10 @@ class ServeLimits(Options):
                                         help="most tokens one choice may generate; a larger max_tokens gets 400, and "
                                              "a request without max_tokens stops there (default: the end of the "
                                              "context)")
+    drain_timeout: float = option(30.0, type=float,
+                                  help="on SIGTERM (or Ctrl-C) the server stops accepting and lets the requests "
+                                       "in flight finish for at most this many seconds, then cancels them (their "
+                                       "queued work is dropped) and exits (default 30)")
     api_key: str | None = option(None, repr=False,
                                  help="require `Authorization: Bearer KEY` on every route but /health; other users "
                                       f"see it in `ps`, so prefer --api-key-file or the {API_KEY_ENV} environment "
@@ -47,6 +51,7 @@ class ServeLimits(Options):
 
     def check(self) -> None:
         self.at_least(1, "max_body_bytes", "max_prompt_tokens", "max_tokens_cap")
+        self.at_least(0, "drain_timeout")
 
 
 def api_key_of(api_key: str | None, api_key_file: str | None) -> str | None:
