@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from infer_helpers import make_export
+from infer_helpers import make_export, make_hf_chat_model
 from train_helpers import SHARED_DATA, write_corpus
 
 
@@ -48,6 +48,13 @@ def tiny_export(tmp_path_factory):
     """A debug decoder exported with its own byte-level BPE tokenizer, built once per session: read it, never
     write into it (tests that change a model make their own with ``make_export``)."""
     return make_export(tmp_path_factory.mktemp("tiny_export"))
+
+
+@pytest.fixture(scope="session")
+def hf_chat_model(tmp_path_factory, transformers):
+    """A tiny random Llama saved as a Hugging Face folder with a ChatML template whose end of turn is not its end
+    of text (infer_helpers.make_hf_chat_model), built once per session: read it, never write into it."""
+    return make_hf_chat_model(tmp_path_factory.mktemp("hf_chat"))
 
 
 @pytest.fixture(scope="session")

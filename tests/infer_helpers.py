@@ -1,8 +1,11 @@
-"""Fixtures for the inference tests: a tiny exported model with its own byte-level BPE tokenizer,
-built here so that the tests depend on neither the trainer nor the data pipeline."""
+"""Fixtures for the inference tests: a tiny exported model with its own byte-level BPE tokenizer (and a tiny
+Hugging Face chat model), built here so that the tests depend on neither the trainer nor the data pipeline;
+servers in a thread of the test process or in a process of their own."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 from pathlib import Path
 
 import torch
@@ -46,6 +49,89 @@ def make_export(root: Path, flavor: str = "debug", seed: int = 0, logit_scale: f
     return save_pretrained(model, root / "export", tok_path)
 
 
+def quantizable_decoder(root: Path, tie: bool = True, loud_channels: int = 0) -> Path:
+    """A random Llama-shaped export (GQA, tied embeddings unless ``tie`` is false) whose widths every int4 group
+    size divides but 128. ``loud_channels``: that many input channels of every norm's output made 20 times larger
+    than the rest, as trained models have them (what activation-aware scales are for)."""
+    tok = train_tokenizer(root / "tok.json")
+    torch.manual_seed(0)
+    model = build_model(model_args("debug", vocab_size=320, ffn_dim=128, tie_embeddings=tie))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if loud_channels and name.endswith("norm.weight"):
+                p[torch.randperm(len(p))[:loud_channels]] *= 20
+    return save_pretrained(model, root / "export", tok)
+
+
+CLASSIFIER_LABELS = ["negative", "neutral", "positive"]
+
+
+def minilm_classifier(root: Path) -> Path:
+    """An export of a small random classifier (labels ``CLASSIFIER_LABELS``) with the packaged MiniLM's tokenizer;
+    its head is scaled so that the probabilities are far from uniform."""
+    from scalenlp.models.encoder import Encoder, EncoderArgs
+    from scalenlp.models.packaged import packaged_model
+
+    torch.manual_seed(0)
+    model = Encoder(EncoderArgs(dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=64,
+                                task="classification", labels=CLASSIFIER_LABELS))
+    with torch.no_grad():
+        model.classifier.weight.mul_(200)
+    return save_pretrained(model, root / "export", packaged_model("minilm") / "tokenizer.json")
+
+
+# SmolLM2-Instruct's template (ChatML with a default system message).
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+          "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# The special tokens of ChatML and of Llama 3's template, added to the byte-level BPE.
+CHAT_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                "<|eot_id|>"]
+
+
+def chat_tokenizer(root: Path) -> Tokenizer:
+    tok = Tokenizer.from_file(str(train_tokenizer(root / "base.json")))
+    tok.add_special_tokens(CHAT_SPECIAL)
+    return tok
+
+
+def make_hf_chat_model(root: Path, template: str | None = CHATML, logit_scale: float = 8.0) -> Path:
+    """A tiny random LlamaForCausalLM saved as a Hugging Face folder with a ChatML tokenizer config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer = chat_tokenizer(root)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # spread the logits so that greedy choices are not decided by rounding noise
+        model.model.norm.weight.mul_(logit_scale)
+    folder = root / "hf"
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    # The end-of-text token is not the end-of-turn token, so that stopping at <|im_end|> shows the template's.
+    config = {"eos_token": "<|endoftext|>", "bos_token": None}
+    if template:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def run_request(engine, ids: list[int], params) -> tuple[str, list[int], str]:
+    """One request through a started engine: (its text, its token ids, its finish reason)."""
+    import queue
+
+    events = queue.Queue()
+    engine.submit(ids, params, events.put)
+    deltas = [events.get()]
+    while deltas[-1].finish_reason is None:
+        deltas.append(events.get())
+    return "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids], deltas[-1].finish_reason
+
+
 class ServerThread:
     """uvicorn serving an app on a free localhost port, in a thread of the test process."""
 
@@ -68,6 +154,29 @@ class ServerThread:
     def stop(self):
         self.server.should_exit = True
         self.thread.join()
+
+
+@contextlib.contextmanager
+def serve_process(checkpoint: Path, *flags: str, env: dict | None = None):
+    """`scalenlp serve --checkpoint CHECKPOINT FLAGS` in a process of its own on a free port: (its URL, the
+    process) once /health answers; the process is terminated on leaving."""
+    import os
+    import subprocess
+    import sys
+
+    from scalenlp.parallel.mesh import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "scalenlp", "serve", "--checkpoint", str(checkpoint),
+                             "--port", str(port), *flags], env=env or {**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield url, proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
 
 
 def wait_healthy(url: str, proc) -> None:
