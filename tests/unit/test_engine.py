@@ -5,16 +5,16 @@ import threading
 
 import pytest
 import torch
-from infer_helpers import make_export
 
+from infer_helpers import make_export
+from scalenlp.compress.prune import prune
+from scalenlp.compress.quantized import Quantization, build_quantized
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.engine.decoder_engine import Engine, QueueFull, RequestError
-from scalenlp.errors import UserError
 from scalenlp.engine.packing import can_pack, pack_linears
-from scalenlp.compress.prune import prune
 from scalenlp.engine.sampling import SamplingBatch, SamplingParams, sample, uniform_from
+from scalenlp.errors import UserError
 from scalenlp.models.io import load_pretrained, save_pretrained
-from scalenlp.compress.quantized import Quantization, build_quantized
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -22,6 +22,9 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module", params=["debug", "debug-gpt2"])
 def export(request, tmp_path_factory):
+    """The session's tiny export (a Llama), and a GPT-2 (biases, learned positions) built alike; read, never written."""
+    if request.param == "debug":
+        return request.getfixturevalue("tiny_export")
     return make_export(tmp_path_factory.mktemp(request.param), request.param)
 
 
@@ -163,9 +166,10 @@ def test_counter_based_uniforms_are_uniform():
     assert torch.histc(u.float(), bins=10, min=0, max=1).min() > 1800
 
 
+@pytest.mark.slow  # Inductor compiles the decode step: 25-35 s here for the first dtype, 6-8 s for the second
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_decode_step_matches_eager(tmp_path, dtype):
-    export = make_export(tmp_path, "debug")
+def test_compiled_decode_step_matches_eager(tiny_export, dtype):
+    export = tiny_export
     prompts = ["hello", "the quick brown", "a"]
     eager = start_engine(export, max_batch=4, dtype=dtype)  # bf16 on CPU: oneDNN-packed weights
     try:
