@@ -5,12 +5,12 @@ import queue
 
 import pytest
 import torch
-from infer_helpers import make_export
 
+from infer_helpers import make_export
 from scalenlp.cli import main
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
-from scalenlp.engine.decoder_engine import Engine
 from scalenlp.engine.config import EngineConfig
+from scalenlp.engine.decoder_engine import Engine
 from scalenlp.engine.llm import engine_from_checkpoint
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.models.io import load_pretrained, save_pretrained
@@ -18,24 +18,23 @@ from scalenlp.models.io import load_pretrained, save_pretrained
 torch.set_num_threads(1)
 
 
-def test_generate_streams_the_greedy_text(tmp_path, capsys):
-    export = make_export(tmp_path)
+def test_generate_streams_the_greedy_text(tiny_export, capsys):
+    export = tiny_export
     tok = load_tokenizer(export)
     engine = Engine(load_pretrained(export), tok, eos_id=find_eos_token_id(tok)).start()
     expected = engine.generate(["the quick"], SamplingParams(max_tokens=8, temperature=0))[0]
     engine.stop()
     # The run folder (export/ inside) is accepted as well as the export folder.
-    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "the quick", "--max-tokens", "8",
+    assert main(["generate", "--checkpoint", str(export.parent), "--prompt", "the quick", "--max-tokens", "8",
                  "--temperature", "0", "--dtype", "float32"]) == 0
     assert capsys.readouterr().out == "the quick" + expected + "\n"
 
 
-def test_generate_user_errors(tmp_path, capsys):
+def test_generate_user_errors(tmp_path, tiny_export, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: checkpoint") and "does not exist" in err
-    export = make_export(tmp_path)
-    assert main(["generate", "--checkpoint", str(export), "--prompt", "x", "--max-tokens", "5000"]) == 2
+    assert main(["generate", "--checkpoint", str(tiny_export), "--prompt", "x", "--max-tokens", "5000"]) == 2
     assert "maximum context length" in capsys.readouterr().err
 
 
