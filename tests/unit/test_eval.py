@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
-from infer_helpers import SENTENCES, make_export
 
+from infer_helpers import SENTENCES, make_export
 from scalenlp.cli import main
+from scalenlp.loader import read
 from scalenlp.models.hf import to_hf
 from scalenlp.models.io import load_pretrained
-from scalenlp.loader import read
 from scalenlp.models.packaged import packaged_model
 
 torch.set_num_threads(1)
@@ -38,11 +38,17 @@ def hf_guide_perplexity(model, ids: torch.Tensor, max_length: int, stride: int) 
     return float(torch.exp(torch.tensor(nll_sum / n_tokens))), n_tokens
 
 
+@pytest.fixture(scope="module")
+def unscaled_export(tmp_path_factory):
+    """A tiny export whose logits are not spread (logit_scale 1), built once for the three windowings."""
+    return make_export(tmp_path_factory.mktemp("eval"), "debug", logit_scale=1.0)
+
+
 @pytest.mark.parametrize("seq, stride", [(32, 16), (32, 32), (64, 7)])
-def test_perplexity_equals_the_hf_guide(tmp_path, capsys, seq, stride):
-    export = make_export(tmp_path, "debug", logit_scale=1.0)
+def test_perplexity_equals_the_hf_guide(tmp_path, capsys, unscaled_export, transformers, seq, stride):
+    export = unscaled_export
     text = tmp_path / "text.txt"
-    text.write_text(" ".join(SENTENCES) * 3)
+    text.write_text(" ".join(SENTENCES[:4]) * 3)  # 339 tokens: 11 to 48 windows
     assert main(["eval", "--checkpoint", str(export), "--data", str(text), "--seq", str(seq), "--stride", str(stride),
                  "--json"]) == 0
     ours = json.loads(capsys.readouterr().out)
@@ -56,15 +62,15 @@ def test_perplexity_equals_the_hf_guide(tmp_path, capsys, seq, stride):
     (["--seq", "100000"], "between 2 and the model's context length"),
     (["--seq", "16", "--stride", "17"], "--stride 17 must be between 1"),
 ])
-def test_bad_windows_are_one_error_line(tmp_path, capsys, extra, match):
-    export = make_export(tmp_path)
+def test_bad_windows_are_one_error_line(tmp_path, capsys, tiny_export, extra, match):
+    export = tiny_export
     (tmp_path / "t.txt").write_text(" ".join(SENTENCES))
     assert main(["eval", "--checkpoint", str(export), "--data", str(tmp_path / "t.txt"), *extra]) == 2
     assert match in capsys.readouterr().err
 
 
-def test_missing_or_binary_data_is_one_error_line(tmp_path, capsys):
-    export = make_export(tmp_path)
+def test_missing_or_binary_data_is_one_error_line(tmp_path, capsys, tiny_export):
+    export = tiny_export
     assert main(["eval", "--checkpoint", str(export), "--data", str(tmp_path / "nope.txt")]) == 2
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00abc")
     assert main(["eval", "--checkpoint", str(export), "--data", str(tmp_path / "bin.txt")]) == 2
@@ -72,6 +78,7 @@ def test_missing_or_binary_data_is_one_error_line(tmp_path, capsys):
     assert "is not a file" in err and "is not UTF-8" in err
 
 
+@pytest.mark.slow  # reads SmolLM2-135M: 10-30 s here
 def test_chat_accuracy_of_a_real_chat_model(tmp_path, capsys):
     smollm2 = packaged_model("smollm2")
     questions = tmp_path / "q.jsonl"
@@ -88,8 +95,8 @@ def test_chat_accuracy_of_a_real_chat_model(tmp_path, capsys):
     ('{"messages": [], "expect": "x"}', "not a question"),
     ("not json", "q.jsonl:1: not a question"),
 ])
-def test_bad_question_files_are_one_error_line(tmp_path, capsys, line, match):
-    export = make_export(tmp_path)
+def test_bad_question_files_are_one_error_line(tmp_path, capsys, tiny_export, line, match):
+    export = tiny_export
     (tmp_path / "q.jsonl").write_text(line + "\n")
     assert main(["eval", "--checkpoint", str(export), "--chat", str(tmp_path / "q.jsonl")]) == 2
     assert match in capsys.readouterr().err
