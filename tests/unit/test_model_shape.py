@@ -11,14 +11,14 @@ import torch
 from scalenlp.cli import main
 from scalenlp.config import ConfigError, load_config
 from scalenlp.models.flavors import FLAVORS, parse_shape, shape_args
-from train_helpers import TINY, read_metrics
+from train_helpers import TINY, main_train, read_metrics
 
 
 def test_model_keys_train_a_custom_shape(tmp_path, corpus):
     torch.set_num_threads(1)
     sets = [*TINY, f"data.path={corpus}", "training.steps=2", "checkpoint.every=0", "model.layers=3",
             "model.hidden=96", "model.heads=6", "model.kv_heads=3", "model.ffn=160"]
-    assert main(["train", "--run-dir", str(tmp_path / "run"), *[w for s in sets for w in ("--set", s)]]) == 0
+    assert main_train(tmp_path / "run", *sets) == 0
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
     args = json.loads((tmp_path / "run" / "export" / "model_args.json").read_text())
     assert (args["dim"], args["n_layers"], args["n_heads"], args["n_kv_heads"], args["ffn_dim"]) == (96, 3, 6, 3, 160)
@@ -44,7 +44,7 @@ def test_a_shape_without_a_flavor_is_the_planners_custom_shape():
     (["model.flavor=tiny"], "model.flavor='tiny' is unknown"),
 ])
 def test_a_bad_shape_is_one_line_in_train_and_in_plan(tmp_path, capsys, keys, message):
-    code = main(["train", "--run-dir", str(tmp_path / "run"), *[w for k in keys for w in ("--set", k)]])
+    code = main_train(tmp_path / "run", *keys)
     train_err = capsys.readouterr().err
     spec = ",".join(k.removeprefix("model.") for k in keys)
     code_plan = main(["plan", "--model", spec if "flavor=" in spec else f"flavor=debug,{spec}", "--seq", "64",

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scalenlp.cli import main
 from scalenlp.config import ConfigError, load_config
 from scalenlp.train.profile import StepProfiler
-from train_helpers import TINY, assert_traced
+from train_helpers import TINY, assert_traced, main_train
 
 
 @pytest.mark.parametrize("steps", ["5-3", "0-2", "x-3", "2-", "3-7", "", " "])
@@ -22,13 +21,8 @@ def test_a_bad_range_is_one_config_error(steps):
         load_config(None, sets)
 
 
-def train(run_dir, *sets: str) -> int:
-    """`scalenlp train` with one process, in this one."""
-    return main(["train", "--run-dir", str(run_dir), *[w for s in sets for w in ("--set", s)]])
-
-
 def test_the_cli_answers_a_bad_range_with_one_error_line(tmp_path, capsys):
-    assert train(tmp_path / "run", "training.steps=4", "profile.steps=3-5") == 2
+    assert main_train(tmp_path / "run", "training.steps=4", "profile.steps=3-5") == 2
     err = capsys.readouterr().err
     assert err.startswith("error: profile.steps=") and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
@@ -36,8 +30,8 @@ def test_the_cli_answers_a_bad_range_with_one_error_line(tmp_path, capsys):
 
 def test_one_process_traces_the_requested_steps_up_to_the_last(tmp_path, corpus):
     torch.set_num_threads(1)
-    assert train(tmp_path / "run", *TINY, f"data.path={corpus}", "training.steps=3", "profile.steps=2-3",
-                 "checkpoint.export=false") == 0
+    assert main_train(tmp_path / "run", *TINY, f"data.path={corpus}", "training.steps=3", "profile.steps=2-3",
+                      "checkpoint.export=false") == 0
     assert [p.name for p in (tmp_path / "run" / "traces").iterdir()] == ["rank0.json"]
     assert_traced(tmp_path / "run" / "traces" / "rank0.json", range(2, 4), collectives=False)
 
