@@ -112,3 +112,18 @@ def assert_traced(trace: Path, wanted: range, collectives: bool) -> None:
     assert compute and (comm if collectives else not comm)
     for e in compute + comm:
         assert any(a <= e["ts"] <= b for a, b in iterations), e
+
+def assert_same_checkpoints(sync: Path, not_sync: Path, kept: tuple[str, ...] = ("step-3", "step-4")) -> None:
+    """Two runs of the same training, one saving its checkpoints synchronously (``sync``) and one asynchronously,
+    kept the same checkpoints, byte for byte, and logged the same losses."""
+    from scalenlp.train.checkpoint import read_train_state
+
+    saved, saved_async = sync / "checkpoints", not_sync / "checkpoints"
+    assert sorted(p.name for p in saved_async.iterdir()) == sorted(p.name for p in saved.iterdir()) == list(kept)
+    for step in kept:
+        a, b = read_train_state(saved / step), read_train_state(saved_async / step)
+        # DCP's index records a save id of its own; every shard and RNG state is byte for byte the same.
+        assert {k: v for k, v in a.pop("sha256").items() if k != ".metadata"} == \
+            {k: v for k, v in b.pop("sha256").items() if k != ".metadata"}
+        assert a == b
+    assert [r["loss"] for r in read_metrics(not_sync)] == [r["loss"] for r in read_metrics(sync)]

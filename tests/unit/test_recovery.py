@@ -1,73 +1,24 @@
-"""Failure as a non-event: torchrun's restarts resume by themselves from the newest whole checkpoint, and the
-job ends with the losses and weights of a run that never failed."""
+"""Failure as a non-event, its parts in one process: a restart tells itself from a relaunch, sets damaged checkpoints
+aside, hashes what it resumes from once and keeps the global batch on fewer ranks; the watchdog's timeout and
+diagnosis, the fault injector, a torn metrics record, asynchronous saves (whole jobs restarted by torchrun:
+tests/integration/test_fault_recovery.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 
 import pytest
-from safetensors.torch import load_file
 
 from scalenlp.config import load_config
 from scalenlp.parallel.mesh import ParallelDims
 from scalenlp import faults
 from scalenlp.train import checkpoint, recovery, watchdog
-from scalenlp.train.checkpoint import Checkpointer, read_train_state
+from scalenlp.train.checkpoint import Checkpointer
 from scalenlp.train.metrics import MetricsWriter
 from scalenlp.train.trainer import train
-from train_helpers import TINY, read_metrics, run_train, write_corpus
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
-
-
-def final_records(run_dir):
-    """The last record of every step: a restart appends the steps it recomputes again."""
-    return {r["step"]: r for r in read_metrics(run_dir)}
-
-
-def weights(run_dir):
-    return load_file(run_dir / "export" / "model.safetensors")
-
-
-def faulty_run(run_dir, sets, fault, restarts=1):
-    env = {faults.ENV: fault}
-    os.environ.update(env)
-    try:
-        return run_train(run_dir, *sets, nproc=2, extra=["--max-restarts", str(restarts)], check=False)
-    finally:
-        os.environ.pop(faults.ENV)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, corpus):
-    sets = [*TINY, f"data.path={corpus}", "training.steps=8", "checkpoint.every=2", "checkpoint.keep=2"]
-    run = tmp_path_factory.mktemp("uninterrupted") / "run"
-    run_train(run, *sets, nproc=2)
-    return sets, run
-
-
-@pytest.mark.slow  # multi-process
-@pytest.mark.parametrize("fault, resumed_from", [("kill@1:5", "step-4"), ("damage@0:5", "step-2")])
-def test_a_killed_rank_restarts_and_ends_as_if_nothing_happened(tmp_path, uninterrupted, fault, resumed_from):
-    sets, reference = uninterrupted
-    run = tmp_path / "run"
-    proc = faulty_run(run, sets, fault)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert f"resumed from {run / 'checkpoints' / resumed_from} at step" in proc.stderr
-    if fault.startswith("damage"):
-        assert "is damaged" in proc.stderr and "sets it aside as step-4.damaged" in proc.stderr
-        assert (run / "checkpoints" / "step-4.damaged").is_dir()
-    got, want = final_records(run), final_records(reference)
-    assert sorted(got) == list(range(1, 9))
-    assert [got[s]["loss"] for s in got] == [want[s]["loss"] for s in got]
-    a, b = weights(run), weights(reference)
-    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+from train_helpers import TINY, assert_same_checkpoints, train_here
 
 
 def test_a_relaunch_is_not_a_restart(tmp_path, monkeypatch):
@@ -119,42 +70,6 @@ def test_a_restart_hashes_the_checkpoint_it_resumes_from_once(tmp_path, corpus, 
     train(load_config(None, [*sets, "training.steps=4"]), run)
     assert hashed.count("step-2") == 1  # set aside nothing, then resumed from it
     assert "step-4.tmp" in hashed  # what it saved, before the rename
-
-
-@pytest.mark.slow  # multi-process
-def test_a_hung_rank_is_named_its_stacks_written_and_the_job_restarted(tmp_path, uninterrupted):
-    sets, reference = uninterrupted
-    run = tmp_path / "run"
-    proc = faulty_run(run, [*sets, "training.hang_timeout=5"], "hang@1:5")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    named = [line for line in proc.stderr.splitlines() if line.startswith("error: hang:")]
-    assert len(named) == 1, proc.stderr[-4000:]
-    assert "exceeded 5.0 s" in named[0] and "rank 1 has not joined gloo:all_reduce" in named[0]
-    assert "rank 1 is at faults.py" in named[0]
-    (folder,) = (p for p in (run / "hang").iterdir() if p.is_dir())
-    for rank in (0, 1):
-        assert "(most recent call first)" in (folder / f"stacks-rank{rank}.txt").read_text()
-    assert "in inject" in (folder / "stacks-rank1.txt").read_text()  # the sleeping rank's own stack
-    report = json.loads((folder / "report.json").read_text())
-    assert report["message"] in named[0]
-    got, want = final_records(run), final_records(reference)
-    assert [got[s]["loss"] for s in sorted(got)] == [want[s]["loss"] for s in sorted(want)]
-
-
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_async_save_writes_the_checkpoints_a_sync_save_writes(tmp_path, corpus, nproc):
-    sets = [*TINY, f"data.path={corpus}", "training.steps=4", "checkpoint.every=1", "checkpoint.keep=2"]
-    for mode in ("sync", "async"):
-        run_train(tmp_path / mode, *sets, f"checkpoint.async_save={mode == 'async'}", nproc=nproc)
-    sync, not_sync = tmp_path / "sync" / "checkpoints", tmp_path / "async" / "checkpoints"
-    assert sorted(p.name for p in not_sync.iterdir()) == sorted(p.name for p in sync.iterdir()) == ["step-3", "step-4"]
-    for step in ("step-3", "step-4"):
-        a, b = read_train_state(sync / step), read_train_state(not_sync / step)
-        # DCP's index records a save id of its own; every shard and RNG state is byte for byte the same.
-        assert {k: v for k, v in a.pop("sha256").items() if k != ".metadata"} == \
-            {k: v for k, v in b.pop("sha256").items() if k != ".metadata"}
-        assert a == b
-    assert [r["loss"] for r in read_metrics(tmp_path / "async")] == [r["loss"] for r in read_metrics(tmp_path / "sync")]
 
 
 def test_the_hang_timeout_follows_the_steps_within_its_floor_and_ceiling():
@@ -210,3 +125,11 @@ def test_a_record_torn_by_a_killed_process_is_cut_before_the_resumed_run_appends
     writer.write({"step": 3})
     writer.close()
     assert path.read_bytes() == kept + b'{"step": 3}\n'
+
+
+def test_async_save_writes_the_checkpoints_a_sync_save_writes(tmp_path, corpus):
+    """One process (two ranks: tests/integration/test_fault_recovery.py)."""
+    sets = [*TINY, f"data.path={corpus}", "training.steps=4", "checkpoint.every=1", "checkpoint.keep=2"]
+    for mode in ("sync", "async"):
+        train_here(tmp_path / mode, *sets, f"checkpoint.async_save={mode == 'async'}")
+    assert_same_checkpoints(tmp_path / "sync", tmp_path / "async")
