@@ -1,29 +1,27 @@
 """Replicas on Ray Serve: both receive traffic under concurrent load; killing one under load fails
 no request (streams resume on another replica with the same text); chat and the request limits answer
-as one process does; no Ray -> how to install it."""
+as one process does. (Without Ray running: unit/test_ray_replicas.py.)"""
 
 import json
 import os
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 import torch
-from infer_helpers import EOS, RAY_INIT, ServerThread, make_export
 
+from infer_helpers import EOS, RAY_INIT, ServerThread, make_export
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.engine.config import EngineConfig
-from scalenlp.errors import UserError
-from scalenlp.serving.cluster import LOCAL_RAY_ENV, METRICS_PERIOD_S
 from scalenlp.engine.decoder_engine import Engine
 from scalenlp.engine.sampling import SamplingParams
-from scalenlp.serving.backend import generation_backend
-from scalenlp.serving.app import create_app
-from scalenlp.serving.limits import ServeLimits
 from scalenlp.models.io import load_pretrained
 from scalenlp.parallel.mesh import free_port
+from scalenlp.serving.app import create_app
+from scalenlp.serving.backend import generation_backend
+from scalenlp.serving.cluster import LOCAL_RAY_ENV, METRICS_PERIOD_S
+from scalenlp.serving.limits import ServeLimits
 
 pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
 
@@ -244,23 +242,3 @@ def test_chat_and_request_limits_answer_as_one_process_does(cluster):
         backend.engine.stop()
     assert [status for status, _ in expected] == [200, 200, 200, 400, 400, 400, 400, 400, 413]
     assert [answer(url, path, body) for path, body in cases] == expected
-
-
-def test_without_ray_says_how_to_install(monkeypatch):
-    from scalenlp.serving import cluster
-
-    monkeypatch.setitem(sys.modules, "ray", None)
-    with pytest.raises(UserError, match=r"pip install 'scalenlp\[cluster\]'"):
-        cluster._import_ray()
-
-
-def test_replica_options_fixed_or_autoscaling():
-    from scalenlp.serving.cluster import replica_options
-
-    fixed = replica_options(2, None, max_batch=4, replica_cpus=0.5)
-    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
-    assert fixed["max_ongoing_requests"] == 8 and fixed["ray_actor_options"] == {"num_cpus": 0.5}
-    scaling = replica_options(1, 3, max_batch=4, replica_cpus=1)["autoscaling_config"]
-    assert (scaling["min_replicas"], scaling["max_replicas"], scaling["target_ongoing_requests"]) == (1, 3, 4)
-    with pytest.raises(UserError, match="max-replicas"):
-        replica_options(3, 2, max_batch=4, replica_cpus=1)
