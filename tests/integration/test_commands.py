@@ -1,12 +1,47 @@
-"""The `scalenlp` command in a process of its own, as a user runs it: a byte that is not UTF-8 among the
-arguments is one error line and exit code 2."""
+"""The `scalenlp` command in a process of its own, as a user runs it: `chat` on piped stdin, and a byte that is
+not UTF-8 among the arguments (one error line, exit code 2)."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
+from infer_helpers import run_request
+from scalenlp.data.chat import encode_chat
+from scalenlp.engine.config import EngineConfig
+from scalenlp.engine.llm import engine_from_checkpoint
+from scalenlp.engine.sampling import SamplingParams
+
 pytestmark = pytest.mark.slow  # each starts the command in a new interpreter (torch imported there): 13-27 s here
+
+
+def test_chat_command_with_piped_stdin(hf_chat_model):
+    folder = hf_chat_model
+    engine = engine_from_checkpoint(EngineConfig(folder, dtype="float32", device="cpu", max_batch=2))
+    system = {"role": "system", "content": "be brief"}
+
+    def answer(messages):
+        ids = encode_chat(engine.tokenizer, messages, engine.tokenizer_config)
+        return run_request(engine, ids, SamplingParams(max_tokens=6, temperature=0))[0]
+
+    try:
+        first = answer([system, {"role": "user", "content": "hello"}])
+        # The second turn sees the first; after /reset the third sees only the system message.
+        second = answer([system, {"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
+                         {"role": "user", "content": "the quick"}])
+        third = answer([system, {"role": "user", "content": "the quick"}])
+    finally:
+        engine.stop()
+    assert second != third  # else the test could not tell whether the history was kept
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "scalenlp", "chat", "--checkpoint", str(folder), "--dtype", "float32",
+                          "--device", "cpu", "--temperature", "0", "--max-tokens", "6", "--system", "be brief"],
+                         input="hello\nthe quick\n\n/reset\nthe quick\n/exit\nnever read\n", capture_output=True,
+                         text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"{first}\n{second}\n{third}\n"
+    assert "new conversation" in out.stderr
 
 
 def test_generate_invalid_utf8_argv_is_one_error_line(tiny_export):

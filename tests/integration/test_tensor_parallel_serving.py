@@ -1,4 +1,5 @@
-"""`scalenlp serve --tp 2`: two gloo processes, greedy output token-for-token identical to TP=1."""
+"""`scalenlp serve --tp 2`: two gloo processes answer as one does, token for token on a Llama and a GPT-2 with an
+odd vocabulary, and chat on a Hugging Face chat model."""
 
 import json
 
@@ -6,9 +7,12 @@ import httpx
 import pytest
 import torch
 
-from infer_helpers import make_export, serve_process
+from infer_helpers import make_export, run_request, serve_process
+from scalenlp.data.chat import encode_chat
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
+from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.decoder_engine import Engine
+from scalenlp.engine.llm import engine_from_checkpoint
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.models.io import load_pretrained
 
@@ -34,3 +38,20 @@ def test_tp2_greedy_identical_to_tp1(tmp_path, flavor):
                        json={"model": "m", "prompt": PROMPTS, "max_tokens": 16, **GREEDY})
     assert r.status_code == 200, r.text
     assert [c["text"] for c in r.json()["choices"]] == expected
+
+
+@pytest.mark.slow  # a multi-process run: `make test` runs it, `make test-fast` leaves it out
+def test_chat_on_a_tensor_parallel_hf_model(hf_chat_model):
+    """`serve --tp 2` reads a Hugging Face folder on every rank and answers chat as one process does."""
+    question = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"}]
+    engine = engine_from_checkpoint(EngineConfig(hf_chat_model, dtype="float32", device="cpu", max_batch=2))
+    try:
+        ids = encode_chat(engine.tokenizer, question, engine.tokenizer_config)
+        expected = run_request(engine, ids, SamplingParams(max_tokens=12, temperature=0))[0]
+    finally:
+        engine.stop()
+    with serve_process(hf_chat_model, "--tp", "2", "--dtype", "float32", "--model-name", "m") as (url, _):
+        r = httpx.post(url + "/v1/chat/completions", timeout=300,
+                       json={"model": "m", "messages": question, "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == expected

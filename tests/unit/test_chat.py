@@ -1,40 +1,34 @@
-"""Chat: templates rendered as transformers renders them, the assistant mask for fine-tuning, the
-/v1/chat/completions route through the official `openai` client, and `scalenlp chat` on piped stdin."""
-
-import json
-import os
-import queue
-import subprocess
-import sys
-from pathlib import Path
+"""Chat: templates rendered as transformers renders them, the assistant mask for fine-tuning, generation that
+ends at the end of a turn, the /v1/chat/completions route through the official `openai` client, and `scalenlp
+chat` refusing a model without a template. (`scalenlp chat` on piped stdin: integration/test_commands.py; a
+tensor-parallel chat model: integration/test_tensor_parallel_serving.py.)"""
 
 import httpx
 import openai
 import pytest
 import torch
-from infer_helpers import ServerThread, make_export, train_tokenizer, wait_healthy
-from tokenizers import Tokenizer
 
-from scalenlp.data.chat import (ChatError, chat_template, encode_chat, end_of_turn_ids, render_chat,
-                                render_with_assistant_mask)
-from scalenlp.serving.backend import LocalBackend
+from infer_helpers import CHATML, ServerThread, chat_tokenizer, make_hf_chat_model, run_request
+from scalenlp.data.chat import (
+    ChatError,
+    chat_template,
+    encode_chat,
+    end_of_turn_ids,
+    render_chat,
+    render_with_assistant_mask,
+)
 from scalenlp.data.tokenizer import load_tokenizer
-from scalenlp.engine.decoder_engine import Engine
 from scalenlp.engine.config import EngineConfig
+from scalenlp.engine.decoder_engine import Engine
 from scalenlp.engine.llm import engine_from_checkpoint
 from scalenlp.engine.sampling import SamplingParams
-from scalenlp.serving.app import create_app
 from scalenlp.models.io import load_pretrained
 from scalenlp.models.packaged import packaged_model
-from scalenlp.parallel.mesh import free_port
+from scalenlp.serving.app import create_app
+from scalenlp.serving.backend import LocalBackend
 
 torch.set_num_threads(1)
 
-# SmolLM2-Instruct's template (ChatML with a default system message).
-CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-          "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
-          "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 # Llama 3's shape: BOS from the template, headers, <|eot_id|> with no text after it, whitespace control.
 LLAMA3 = ("{{- bos_token }}\n{%- for message in messages %}\n"
           "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim "
@@ -47,16 +41,9 @@ STRICT = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 
           "{% if m['content'] == 'skip' %}{% continue %}{% endif %}"
           "[{{ m['role'] }}] {{ m | tojson }}{{ eos_token if m['role'] == 'assistant' }}\n{% endfor %}"
           "{% if add_generation_prompt %}[assistant] {% endif %}")
-SPECIAL = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"},
                 {"role": "assistant", "content": "the quick brown fox, déjà vu"},
                 {"role": "user", "content": "and the lazy dog?"}, {"role": "assistant", "content": "jumps over"}]
-
-
-def chat_tokenizer(root: Path) -> Tokenizer:
-    tok = Tokenizer.from_file(str(train_tokenizer(root / "base.json")))
-    tok.add_special_tokens(SPECIAL)
-    return tok
 
 
 @pytest.fixture(scope="module")
@@ -64,49 +51,16 @@ def tok(tmp_path_factory):
     return chat_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def make_hf_chat_model(root: Path, template: str | None = CHATML, logit_scale: float = 8.0) -> Path:
-    """A tiny random LlamaForCausalLM saved as a Hugging Face folder with a ChatML tokenizer config."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    root.mkdir(parents=True, exist_ok=True)
-    tokenizer = chat_tokenizer(root)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # spread the logits so that greedy choices are not decided by rounding noise
-        model.model.norm.weight.mul_(logit_scale)
-    folder = root / "hf"
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    # The end-of-text token is not the end-of-turn token, so that stopping at <|im_end|> shows the template's.
-    config = {"eos_token": "<|endoftext|>", "bos_token": None}
-    if template:
-        config["chat_template"] = template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
-
-
 def engine_config(checkpoint, **kw) -> EngineConfig:
     return EngineConfig(checkpoint, dtype="float32", device="cpu", max_batch=2, **kw)
-
-
-def run_request(engine, ids, params) -> tuple[str, list[int], str]:
-    events = queue.Queue()
-    engine.submit(ids, params, events.put)
-    deltas = [events.get()]
-    while deltas[-1].finish_reason is None:
-        deltas.append(events.get())
-    return "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids], deltas[-1].finish_reason
 
 
 # ---- rendering ----
 
 @pytest.mark.parametrize("template", [CHATML, LLAMA3, STRICT])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_render_matches_transformers(tok, template, add_generation_prompt):
-    from transformers import PreTrainedTokenizerFast
+def test_render_matches_transformers(tok, transformers, template, add_generation_prompt):
+    PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast  # noqa: N806 (the class, by its name)
 
     messages = CONVERSATION
     if template == STRICT:  # no system message, and a skipped turn
@@ -189,9 +143,8 @@ def test_assistant_mask_refuses_a_template_that_rewrites_earlier_turns(tok):
 
 # ---- the engine stops at the end of a turn ----
 
-def test_generation_stops_at_the_end_of_turn_token(tmp_path):
-    folder = make_hf_chat_model(tmp_path)
-    engine = engine_from_checkpoint(engine_config(folder))
+def test_generation_stops_at_the_end_of_turn_token(hf_chat_model):
+    engine = engine_from_checkpoint(engine_config(hf_chat_model))
     try:
         ids = encode_chat(engine.tokenizer, [{"role": "user", "content": "hello"}], engine.tokenizer_config)
         im_end = engine.tokenizer.token_to_id("<|im_end|>")
@@ -208,8 +161,8 @@ def test_generation_stops_at_the_end_of_turn_token(tmp_path):
 # ---- /v1/chat/completions ----
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    engine = engine_from_checkpoint(engine_config(make_hf_chat_model(tmp_path_factory.mktemp("chat")), max_queue=8))
+def served(hf_chat_model):
+    engine = engine_from_checkpoint(engine_config(hf_chat_model, max_queue=8))
     server = ServerThread(create_app(LocalBackend(engine, "tiny")))
     yield server, engine
     server.stop()
@@ -285,8 +238,8 @@ def test_openai_client_raises_on_bad_messages(client):
         client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "hi"}])
 
 
-def test_model_without_template_is_a_400(tmp_path):
-    export = make_export(tmp_path)
+def test_model_without_template_is_a_400(tiny_export):
+    export = tiny_export
     engine = Engine(load_pretrained(export), load_tokenizer(export), max_batch=1).start()
     server = ServerThread(create_app(LocalBackend(engine, "tiny")))
     try:
@@ -298,64 +251,9 @@ def test_model_without_template_is_a_400(tmp_path):
     assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
 
 
-
-@pytest.mark.slow  # a multi-process run: `make test` runs it, `make test-fast` leaves it out
-def test_chat_on_a_tensor_parallel_hf_model(tmp_path):
-    """`serve --tp 2` reads a Hugging Face folder on every rank and answers chat as one process does."""
-    folder = make_hf_chat_model(tmp_path)
-    engine = engine_from_checkpoint(engine_config(folder))
-    try:
-        ids = encode_chat(engine.tokenizer, QUESTION, engine.tokenizer_config)
-        expected = run_request(engine, ids, SamplingParams(max_tokens=12, temperature=0))[0]
-    finally:
-        engine.stop()
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "scalenlp", "serve", "--checkpoint", str(folder), "--tp", "2",
-                             "--port", str(port), "--dtype", "float32", "--model-name", "m"],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
-        r = httpx.post(url + "/v1/chat/completions", timeout=300,
-                       json={"model": "m", "messages": QUESTION, "max_tokens": 12, "temperature": 0})
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["message"]["content"] == expected
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
-
 # ---- scalenlp chat ----
 
-def test_chat_command_with_piped_stdin(tmp_path):
-    folder = make_hf_chat_model(tmp_path)
-    engine = engine_from_checkpoint(engine_config(folder))
-    system = {"role": "system", "content": "be brief"}
-
-    def answer(messages):
-        ids = encode_chat(engine.tokenizer, messages, engine.tokenizer_config)
-        return run_request(engine, ids, SamplingParams(max_tokens=6, temperature=0))[0]
-
-    try:
-        first = answer([system, {"role": "user", "content": "hello"}])
-        # The second turn sees the first; after /reset the third sees only the system message.
-        second = answer([system, {"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
-                         {"role": "user", "content": "the quick"}])
-        third = answer([system, {"role": "user", "content": "the quick"}])
-    finally:
-        engine.stop()
-    assert second != third  # else the test could not tell whether the history was kept
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "scalenlp", "chat", "--checkpoint", str(folder), "--dtype", "float32",
-                          "--device", "cpu", "--temperature", "0", "--max-tokens", "6", "--system", "be brief"],
-                         input="hello\nthe quick\n\n/reset\nthe quick\n/exit\nnever read\n", capture_output=True,
-                         text=True, env=env)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout == f"{first}\n{second}\n{third}\n"
-    assert "new conversation" in out.stderr
-
-
-def test_chat_command_without_template_fails_in_one_line(tmp_path, capsys):
+def test_chat_command_without_template_fails_in_one_line(tmp_path, capsys, transformers):
     from scalenlp.cli import main
 
     folder = make_hf_chat_model(tmp_path, template=None)
@@ -367,6 +265,7 @@ def test_chat_command_without_template_fails_in_one_line(tmp_path, capsys):
 
 # ---- a real chat model ----
 
+@pytest.mark.slow  # reads SmolLM2-135M: 10-30 s here
 def test_smollm2_knows_the_capital_of_france():
     gguf = packaged_model("smollm2")
     engine = engine_from_checkpoint(engine_config(gguf, max_queue=4))
