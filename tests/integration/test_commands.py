@@ -1,13 +1,14 @@
-"""The `scalenlp` command in a process of its own, as a user runs it: `chat` on piped stdin, and a byte that is
-not UTF-8 among the arguments (one error line, exit code 2)."""
+"""The `scalenlp` command in a process of its own, as a user runs it: `chat` on piped stdin, `serve` on a classifier,
+and a byte that is not UTF-8 among the arguments (one error line, exit code 2)."""
 
 import os
 import subprocess
 import sys
 
+import httpx
 import pytest
 
-from infer_helpers import run_request
+from infer_helpers import CLASSIFIER_LABELS, minilm_classifier, run_request, serve_process
 from scalenlp.data.chat import encode_chat
 from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.llm import engine_from_checkpoint
@@ -42,6 +43,15 @@ def test_chat_command_with_piped_stdin(hf_chat_model):
     assert out.returncode == 0, out.stderr
     assert out.stdout == f"{first}\n{second}\n{third}\n"
     assert "new conversation" in out.stderr
+
+
+def test_serve_command_picks_the_encoder(tmp_path):
+    classifier = minilm_classifier(tmp_path)
+    headers = {"Authorization": "Bearer sk-enc"}
+    with serve_process(classifier, "--api-key", "sk-enc", "--dtype", "float32", "--model-name", "cls") as (url, _):
+        r = httpx.post(url + "/v1/classify", json={"model": "cls", "input": "good"}, headers=headers)
+        assert r.status_code == 200 and list(r.json()["data"][0]["probabilities"]) == CLASSIFIER_LABELS
+        assert httpx.post(url + "/v1/classify", json={"model": "cls", "input": "good"}).status_code == 401
 
 
 def test_generate_invalid_utf8_argv_is_one_error_line(tiny_export):

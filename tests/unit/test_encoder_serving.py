@@ -1,40 +1,35 @@
 """Encoders served: /v1/embeddings through the official `openai` client (MiniLM, equal to
 sentence-transformers), /v1/classify on a small random classifier (equal to a direct forward), the
 batcher sharing forward passes between concurrent requests, bad requests answered 4xx, and the
-`scalenlp classify` / `embed` / `serve` commands."""
+`scalenlp classify` / `embed` commands. (`scalenlp serve` on a classifier: integration/test_commands.py; encoder
+replicas on Ray Serve: integration/test_ray_serve_encoders.py.)"""
 
 import base64
 import json
-import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
 import torch
-from infer_helpers import RAY_INIT, ServerThread, make_export, wait_healthy
 
+from infer_helpers import CLASSIFIER_LABELS as LABELS
+from infer_helpers import ServerThread, minilm_classifier
+from scalenlp import loader
 from scalenlp.cli import main
+from scalenlp.engine.config import EncoderEngineConfig, EngineConfig
+from scalenlp.engine.decoder_engine import QueueFull
+from scalenlp.engine.encoder_engine import EncoderEngine, encoder_from_checkpoint
+from scalenlp.models.packaged import packaged_model
+from scalenlp.serving.app import create_app
 from scalenlp.serving.backend import LocalBackend
 from scalenlp.serving.encoder import EncoderBackend
-from scalenlp.engine.config import EncoderEngineConfig, EngineConfig
-from scalenlp.engine.encoder_engine import EncoderEngine, encoder_from_checkpoint
-from scalenlp.engine.decoder_engine import QueueFull
-from scalenlp.serving.app import create_app
-from scalenlp.serving.limits import ServeLimits
-from scalenlp import loader
-from scalenlp.models.encoder import Encoder, EncoderArgs
-from scalenlp.models.io import save_pretrained
-from scalenlp.models.packaged import packaged_model
 
 torch.set_num_threads(1)
 
 MINILM = packaged_model("minilm")
 KEY = "sk-enc"
-LABELS = ["negative", "neutral", "positive"]
 SENTENCES = ["A man is playing a guitar.", "The quick brown fox jumps over the lazy dog near the riverbank today.",
              "Hi", "Sentence embeddings compare meanings.", "it 's a charming and often affecting journey .",
              "unflinchingly bleak and desperate", "the movie is a disaster", "a gorgeous, witty, seductive movie."]
@@ -51,14 +46,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory):
-    """An export folder of a small random classifier with MiniLM's tokenizer; its head is scaled so that the
-    probabilities are far from uniform."""
-    torch.manual_seed(0)
-    model = Encoder(EncoderArgs(dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=64,
-                                task="classification", labels=LABELS))
-    with torch.no_grad():
-        model.classifier.weight.mul_(200)
-    return save_pretrained(model, tmp_path_factory.mktemp("cls") / "export", MINILM / "tokenizer.json")
+    """infer_helpers.minilm_classifier: read, never written."""
+    return minilm_classifier(tmp_path_factory.mktemp("cls"))
 
 
 def serve(engine, name):
@@ -185,10 +174,10 @@ def test_api_key_and_dimensions_equal(minilm):
     assert len(r.json()["data"][0]["embedding"]) == 384
 
 
-def test_encoder_routes_on_a_decoder(tmp_path):
+def test_encoder_routes_on_a_decoder(tiny_export):
     from scalenlp.engine.llm import engine_from_checkpoint
 
-    engine = engine_from_checkpoint(EngineConfig(make_export(tmp_path), dtype="float32", max_batch=1))
+    engine = engine_from_checkpoint(EngineConfig(tiny_export, dtype="float32", max_batch=1))
     server = ServerThread(create_app(LocalBackend(engine, "dec")))
     try:
         for route in ("/v1/embeddings", "/v1/classify"):
@@ -255,27 +244,6 @@ def test_classify_and_embed_commands(classifier, capsys):
     assert "not a classifier" in capsys.readouterr().err
 
 
-def test_serve_command_picks_the_encoder(classifier, tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "scalenlp", "serve", "--checkpoint", str(classifier), "--port",
-                             str(port), "--api-key", KEY, "--dtype", "float32", "--model-name", "cls"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
-        headers = {"Authorization": f"Bearer {KEY}"}
-        r = httpx.post(url + "/v1/classify", json={"model": "cls", "input": "good"}, headers=headers)
-        assert r.status_code == 200 and list(r.json()["data"][0]["probabilities"]) == LABELS
-        assert httpx.post(url + "/v1/classify", json={"model": "cls", "input": "good"}).status_code == 401
-    finally:
-        proc.terminate()
-        proc.wait()
-
-
 def test_a_batch_takes_the_oldest_requests_shortest_texts():
     from scalenlp.engine.encoder_engine import Job, split_batch
 
@@ -286,58 +254,3 @@ def test_a_batch_takes_the_oldest_requests_shortest_texts():
     batch, rest = split_batch(rest, 3)  # the first request's last text, and the two nearest it in length
     assert [(job, len(job.ids[i])) for job, i in batch] == [(first, 30), (second, 29), (second, 31)]
     assert split_batch(rest, 3) == (rest, [])
-
-
-@pytest.mark.slow
-def test_replicas_on_ray_serve(classifier):
-    """Two encoder replicas behind the router: concurrent classify and embeddings requests are answered (as one
-    process answers them), both replicas serve, the generation routes are refused and the key is required."""
-    import os
-
-    pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
-    from scalenlp.serving import cluster
-    from scalenlp.parallel.mesh import free_port
-
-    os.environ.update(cluster.LOCAL_RAY_ENV)
-    config = EncoderEngineConfig(classifier, dtype="float32", device="cpu", forward_batch=4, max_batch_texts=8)
-    url, owns_serve = cluster.start(config, ServeLimits(api_key=KEY), "cls", replicas=2, replica_cpus=0.5,
-                                    port=free_port(), ray_init_kwargs=RAY_INIT)
-    headers = {"Authorization": f"Bearer {KEY}"}
-    try:
-        engine = encoder_from_checkpoint(EncoderEngineConfig(classifier, dtype="float32"))
-        expected = engine.run("classify", SENTENCES)
-        engine.stop()
-        results = [None] * 16
-
-        def one(i):
-            body = {"model": "cls", "input": SENTENCES[i % len(SENTENCES)]}
-            results[i] = httpx.post(url + "/v1/classify", json=body, headers=headers, timeout=600)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(results))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert all(r.status_code == 200 for r in results), [r.text for r in results if r.status_code != 200]
-        for i, r in enumerate(results):
-            got = torch.tensor(list(r.json()["data"][0]["probabilities"].values()))
-            torch.testing.assert_close(got, expected[i % len(SENTENCES)], atol=1e-6, rtol=0)
-        out = httpx.post(url + "/v1/embeddings", json={"model": "cls", "input": SENTENCES[:2]}, headers=headers,
-                         timeout=600)
-        assert out.status_code == 200 and len(out.json()["data"]) == 2
-        too_many = httpx.post(url + "/v1/embeddings", json={"model": "cls", "input": ["a"] * 9}, headers=headers)
-        assert too_many.status_code == 400 and "--max-batch-texts" in too_many.json()["error"]["message"]
-        refused = httpx.post(url + "/v1/completions", json={"model": "cls", "prompt": "a"}, headers=headers)
-        assert refused.status_code == 400 and "encoder" in refused.json()["error"]["message"]
-        assert httpx.post(url + "/v1/classify", json={"model": "cls", "input": "a"}).status_code == 401
-        # Each replica reports its batcher's counters to the router; both took requests.
-        while True:
-            served = {line.split('replica="')[1].split('"')[0]: float(line.split()[-1])
-                      for line in httpx.get(url + "/metrics", headers=headers).text.splitlines()
-                      if line.startswith("scalenlp_encoder_requests_total{")}
-            if sum(served.values()) >= len(results) + 1:
-                break
-            time.sleep(0.5)
-        assert len(served) == 2 and all(served.values()), served
-    finally:
-        cluster.stop(owns_serve)
