@@ -1,5 +1,6 @@
 """`scalenlp serve --tp 2`: two gloo processes answer as one does, token for token on a Llama and a GPT-2 with an
-odd vocabulary, and chat on a Hugging Face chat model."""
+odd vocabulary, and chat on a Hugging Face chat model; quantized models (at load, and an export) under
+`LLM(tp=2)` as on one process."""
 
 import json
 
@@ -8,11 +9,12 @@ import pytest
 import torch
 
 from infer_helpers import make_export, run_request, serve_process
+from scalenlp.cli import main
 from scalenlp.data.chat import encode_chat
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.decoder_engine import Engine
-from scalenlp.engine.llm import engine_from_checkpoint
+from scalenlp.engine.llm import LLM, engine_from_checkpoint
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.models.io import load_pretrained
 
@@ -55,3 +57,20 @@ def test_chat_on_a_tensor_parallel_hf_model(hf_chat_model):
                        json={"model": "m", "messages": question, "max_tokens": 12, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == expected
+
+
+@pytest.mark.slow  # two processes
+def test_tp2_quantized_greedy_equals_tp1(tmp_path):
+    """Quantized at load (int8) and a quantized export (int4, group 32), sharded over two ranks: both quantize the
+    whole model, then slice it, so the ranks multiply by the single-process weights and only the order of the
+    sums differs; greedy tokens match the single process's. GPT-2's shape: biases, the row-parallel one added once."""
+    export = make_export(tmp_path / "m", "debug-gpt2")
+    assert main(["quantize", "--checkpoint", str(export), "--method", "int4", "--group-size", "32",
+                 "--out", str(tmp_path / "q")]) == 0
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    for checkpoint, options in ((export, {"quantize": "int8"}), (tmp_path / "q", {})):
+        outputs = []
+        for tp in (1, 2):
+            with LLM(checkpoint, dtype="float32", tp=tp, **options) as llm:
+                outputs.append(llm.generate(PROMPTS, params))
+        assert outputs[0] == outputs[1]

@@ -1,35 +1,45 @@
 """Quantization: each quantized linear against its float version within the error its rounding allows,
 quantize -> save -> load giving bitwise the same outputs as quantizing at load, the bad-input lines, and
-quantized models served through the engine (a real SmolLM2 among them)."""
+quantized models served through the engine (a real SmolLM2 among them) and by a Ray Serve replica's backend.
+(Sharded over two processes: integration/test_tensor_parallel_serving.py.)"""
 
 from __future__ import annotations
 
 import json
-import os
+import pickle
 import shutil
 
 import gguf
-import httpx
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from infer_helpers import RAY_INIT, make_export, train_tokenizer
+from infer_helpers import quantizable_decoder, train_tokenizer
 from scalenlp.cli import main
+from scalenlp.compress.quantized import (
+    METHODS,
+    QUANTIZATION,
+    Int4Linear,
+    Int8DynamicLinear,
+    Int8Linear,
+    Quantization,
+    QuantizedLinear,
+    empty_linear,
+    int4_from_gguf,
+    quantize_weight,
+    unpack_int4,
+)
 from scalenlp.engine.config import METHOD_CHOICES, EngineConfig
 from scalenlp.engine.llm import LLM
 from scalenlp.engine.packing import PackedInt8Linear, pack_linears
 from scalenlp.engine.sampling import SamplingParams
-from scalenlp.serving.limits import ServeLimits
-from scalenlp.models.encoder import Encoder, EncoderArgs
-from scalenlp.models.flavors import build_model, model_args
-from scalenlp.models.io import save_pretrained
 from scalenlp.loader import instantiate, load, read
+from scalenlp.models.encoder import Encoder, EncoderArgs
+from scalenlp.models.io import save_pretrained
 from scalenlp.models.packaged import packaged_model
-from scalenlp.compress.quantized import (METHODS, QUANTIZATION, Int4Linear, Int8DynamicLinear, Int8Linear, Quantization,
-                                       QuantizedLinear, empty_linear, int4_from_gguf, quantize_weight, unpack_int4)
+from scalenlp.serving.limits import ServeLimits
 
 torch.set_num_threads(1)
 U_BF16 = 2.0 ** -8  # bf16's unit roundoff: 8 significant bits, round to nearest
@@ -58,6 +68,12 @@ def dequantized(module: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
         return w, scales.repeat_interleave(g, dim=1)
     scales = module.scales.float()
     return module.weight.float() * scales[:, None], scales[:, None].expand(-1, module.in_features)
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    """infer_helpers.quantizable_decoder, tied: read, never written."""
+    return quantizable_decoder(tmp_path_factory.mktemp("decoder"))
 
 
 def activation_steps(x: torch.Tensor, spec: Quantization) -> torch.Tensor:
@@ -119,7 +135,7 @@ def test_each_quantized_linear_is_within_its_rounding_bound(spec):
             assert 0.9 < ratio < 1.2
 
 
-def test_int8_packed_for_cpu_inference_computes_what_the_int8_kernel_does(tmp_path, capsys):
+def test_int8_packed_for_cpu_inference_computes_what_the_int8_kernel_does(decoder, capsys):
     """The engine's packing fuses int8 projections that share an input (exactly: scales stack with their rows)
     and can run one on the CPU int4 kernel as two 4-bit halves, whose products are the int8 kernel's exactly; only
     the order of float32 sums differs, so the two bf16 outputs differ by at most a rounding of each."""
@@ -134,7 +150,7 @@ def test_int8_packed_for_cpu_inference_computes_what_the_int8_kernel_does(tmp_pa
         magnitude = x.abs() @ dequantized(fused)[0].abs().T
         assert ((packed(x) - y).abs() <= 2 * U_BF16 * y.abs() + 2 * K * U_FP32 * magnitude).all()
 
-    model = instantiate(read(tiny_decoder(tmp_path)), dtype=torch.bfloat16, quantize=Quantization("int8"))
+    model = instantiate(read(decoder), dtype=torch.bfloat16, quantize=Quantization("int8"))
     tokens = torch.randint(0, 320, (2, 9))
     expected = model(tokens).float()
     pack_linears(model)
@@ -184,7 +200,7 @@ def test_a_gguf_models_q4_blocks_are_taken_as_they_are_at_load(tmp_path, capsys)
     """Through the loader: a Llama whose linears are Q4_1 blocks runs int4 group 32 on the file's codes, so its
     logits stay as close to the dequantized model as bf16 allows; group 64 rounds the dequantized weights again.
     The load line says which was done and why (a Q8_0 output projection under int8: its block scales do not fit)."""
-    pre = read(tiny_decoder(tmp_path, tie=False))
+    pre = read(quantizable_decoder(tmp_path, tie=False))
 
     def as_gguf(key: str, kind) -> None:
         raw = gguf.quants.quantize(pre.state[key].numpy(), kind)
@@ -219,14 +235,6 @@ def test_a_gguf_models_q4_blocks_are_taken_as_they_are_at_load(tmp_path, capsys)
                       "output channel, and Q8_0's scale per 32 inputs does not fit it)")
 
 
-def tiny_decoder(root, tie: bool = True):
-    """A random Llama-shaped export (GQA, tied embeddings) whose widths every int4 group size divides but 128."""
-    tok = train_tokenizer(root / "tok.json")
-    torch.manual_seed(0)
-    model = build_model(model_args("debug", vocab_size=320, ffn_dim=128, tie_embeddings=tie))
-    return save_pretrained(model, root / "export", tok)
-
-
 def tiny_classifier(root):
     """A random BERT classifier with a pooler (whose input is a strided view); its 3-class head fits no int4
     kernel tile and takes the fallback."""
@@ -237,8 +245,8 @@ def tiny_classifier(root):
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "int8dyn"])
-def test_quantize_save_load_round_trips_bitwise(tmp_path, method, capsys):
-    export = tiny_decoder(tmp_path)
+def test_quantize_save_load_round_trips_bitwise(tmp_path, decoder, method, capsys):
+    export = decoder
     assert main(["quantize", "--checkpoint", str(export), "--method", method, "--group-size", "32",
                  "--out", str(tmp_path / "q")]) == 0
     assert json.loads((tmp_path / "q" / QUANTIZATION).read_text())["method"] == method
@@ -263,7 +271,7 @@ def test_an_export_with_a_floating_embedding_table_loads_as_a_new_one(tmp_path):
     load to what a new export stores; tied, the output projection's int8 copy is used as a new export does."""
     for tie in (False, True):
         (tmp_path / str(tie)).mkdir()
-        export = tiny_decoder(tmp_path / str(tie), tie=tie)
+        export = quantizable_decoder(tmp_path / str(tie), tie=tie)
         assert main(["quantize", "--checkpoint", str(export), "--method", "int8", "--out", str(tmp_path / "q")]) == 0
         new, _ = load(tmp_path / "q", dtype=torch.float32)
         weights = tmp_path / "q" / "model.safetensors"
@@ -296,15 +304,15 @@ def test_an_encoder_quantizes_and_a_head_no_kernel_tiles_falls_back(tmp_path, ca
                                                   "layers.0.attention.wq; use 32 or 64 for this model"),
     (["--method", "int4", "--group-size", "48"], "--group-size 48 is not one of 32, 64, 128"),
 ])
-def test_quantize_bad_input_is_one_line(tmp_path, capsys, argv, says):
-    export = tiny_decoder(tmp_path)
+def test_quantize_bad_input_is_one_line(tmp_path, decoder, capsys, argv, says):
+    export = decoder
     assert main(["quantize", "--checkpoint", str(export), "--out", str(tmp_path / "q"), *argv]) == 2
     err = capsys.readouterr().err
     assert err == f"error: {says}\n"
 
 
-def test_a_quantized_checkpoint_is_not_quantized_again_exported_or_trained(tmp_path, capsys):
-    export = tiny_decoder(tmp_path)
+def test_a_quantized_checkpoint_is_not_quantized_again_exported_or_trained(tmp_path, decoder, capsys):
+    export = decoder
     q = tmp_path / "q"
     assert main(["quantize", "--checkpoint", str(export), "--method", "int8", "--out", str(q)]) == 0
     capsys.readouterr()
@@ -326,26 +334,8 @@ def test_a_quantized_checkpoint_is_not_quantized_again_exported_or_trained(tmp_p
         assert capsys.readouterr().err.splitlines()[-1] == f"error: {says}"
 
 
-@pytest.mark.slow  # two processes
-def test_tp2_quantized_greedy_equals_tp1(tmp_path):
-    """Quantized at load (int8) and a quantized export (int4, group 32), sharded over two ranks: both quantize the
-    whole model, then slice it, so the ranks multiply by the single-process weights and only the order of the
-    sums differs; greedy tokens match the single process's. GPT-2's shape: biases, the row-parallel one added once."""
-    export = make_export(tmp_path / "m", "debug-gpt2")
-    assert main(["quantize", "--checkpoint", str(export), "--method", "int4", "--group-size", "32",
-                 "--out", str(tmp_path / "q")]) == 0
-    prompts = ["the quick brown fox", "hello", "continuous batching lets requests join", "a"]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    for checkpoint, options in ((export, {"quantize": "int8"}), (tmp_path / "q", {})):
-        outputs = []
-        for tp in (1, 2):
-            with LLM(checkpoint, dtype="float32", tp=tp, **options) as llm:
-                outputs.append(llm.generate(prompts, params))
-        assert outputs[0] == outputs[1]
-
-
-def test_eval_quantized_close_to_float(tmp_path, capsys):
-    export = tiny_decoder(tmp_path)
+def test_eval_quantized_close_to_float(tmp_path, decoder, capsys):
+    export = decoder
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
     figures = {}
@@ -386,24 +376,19 @@ def test_the_command_lists_the_methods_the_models_module_has():
     assert METHOD_CHOICES == METHODS
 
 
-@pytest.mark.slow  # starts Ray
-def test_quantized_replicas_on_ray_serve_answer_as_the_local_engine(tmp_path):
-    """`serve --replicas` with --quantize: each replica quantizes at load, and answers as a local engine does."""
-    pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'scalenlp[cluster]'")
-    from scalenlp.serving import cluster
-    from scalenlp.parallel.mesh import free_port
+def test_a_quantized_replica_answers_as_the_local_engine(decoder):
+    """`serve --replicas` with --quantize: the config a Ray Serve replica receives (pickled) builds its backend, the
+    replica's own, quantized at load, and it answers as a local engine does. Built here, in this process: Ray itself
+    runs replicas in integration/test_ray_serve.py (float) and test_ray_serve_encoders.py."""
+    from scalenlp.serving.cluster import EngineReplica
 
-    os.environ.update(cluster.LOCAL_RAY_ENV)
-    export = tiny_decoder(tmp_path)
-    with LLM(export, dtype="float32", quantize="int4", group_size=32) as llm:
-        expected = llm.generate(["the quick brown fox"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    config = EngineConfig(export, dtype="float32", device="cpu", max_batch=2, quantize="int4", group_size=32)
-    url, owns_serve = cluster.start(config, ServeLimits(), "m", replicas=1, replica_cpus=0.5, port=free_port(),
-                                    ray_init_kwargs=RAY_INIT)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with LLM(decoder, dtype="float32", quantize="int4", group_size=32) as llm:
+        expected = llm.generate(["the quick brown fox"], params)
+    config = EngineConfig(decoder, dtype="float32", device="cpu", max_batch=2, quantize="int4", group_size=32)
+    backend = EngineReplica.local_backend(pickle.loads(pickle.dumps(config)), ServeLimits(), "m")
     try:
-        answer = httpx.post(url + "/v1/completions", timeout=600, json={
-            "model": "m", "prompt": "the quick brown fox", "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+        assert sum(isinstance(m, Int4Linear) for m in backend.engine.model.modules()) == 2 * 7
+        assert backend.engine.generate(["the quick brown fox"], params) == expected
     finally:
-        cluster.stop(owns_serve)
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["choices"][0]["text"] == expected[0]
+        backend.engine.stop()
