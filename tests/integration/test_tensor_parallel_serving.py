@@ -1,6 +1,6 @@
 """`scalenlp serve --tp 2`: two gloo processes answer as one does, token for token on a Llama and a GPT-2 with an
-odd vocabulary, and chat on a Hugging Face chat model; quantized models (at load, and an export) under
-`LLM(tp=2)` as on one process."""
+odd vocabulary, and chat on a Hugging Face chat model; quantized models (at load, as an export, and
+activation-aware) under `LLM(tp=2)` as on one process."""
 
 import json
 
@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from infer_helpers import make_export, run_request, serve_process
+from infer_helpers import SENTENCES, make_export, quantizable_decoder, run_request, serve_process
 from scalenlp.cli import main
 from scalenlp.data.chat import encode_chat
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
@@ -74,3 +74,21 @@ def test_tp2_quantized_greedy_equals_tp1(tmp_path):
             with LLM(checkpoint, dtype="float32", tp=tp, **options) as llm:
                 outputs.append(llm.generate(PROMPTS, params))
         assert outputs[0] == outputs[1]
+
+
+@pytest.mark.slow  # two processes
+def test_calibrated_export_serves_under_tp2_as_on_one_process(tmp_path):
+    """The folded norms and the scaled, rounded weights of an activation-aware int4 export shard like any int4
+    export: greedy tokens on two ranks are the single process's."""
+    export = quantizable_decoder(tmp_path, loud_channels=4)
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(SENTENCES * 8))
+    out = tmp_path / "q"
+    assert main(["quantize", "--checkpoint", str(export), "--method", "int4", "--group-size", "32",
+                 "--calibration", str(text), "--calibration-samples", "4", "--calibration-seq", "32",
+                 "--out", str(out)]) == 0
+    outputs = []
+    for tp in (1, 2):
+        with LLM(out, dtype="float32", tp=tp) as llm:
+            outputs.append(llm.generate(["the quick brown fox", "hello"], SamplingParams(max_tokens=12, **GREEDY)))
+    assert outputs[0] == outputs[1]
