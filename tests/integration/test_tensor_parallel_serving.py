@@ -1,6 +1,6 @@
-"""`scalenlp serve --tp 2`: two gloo processes answer as one does, token for token on a Llama and a GPT-2 with an
-odd vocabulary, and chat on a Hugging Face chat model; quantized models (at load, as an export, and
-activation-aware) under `LLM(tp=2)` as on one process."""
+"""Tensor parallelism over two gloo processes answers as one process does: `scalenlp serve --tp 2` token for token
+on a Llama and a GPT-2 with an odd vocabulary, on a Hugging Face chat model and on a structurally pruned export;
+quantized (at load, as an export, and activation-aware) under `LLM(tp=2)`."""
 
 import json
 
@@ -57,6 +57,21 @@ def test_chat_on_a_tensor_parallel_hf_model(hf_chat_model):
                        json={"model": "m", "messages": question, "max_tokens": 12, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == expected
+
+
+@pytest.mark.slow  # two serving processes
+def test_structured_export_serves_under_tp2_as_on_one_process(tmp_path):
+    export = make_export(tmp_path, "small-llama")  # 8 heads in 4 KV groups, ffn 688: 0.5 keeps 2 groups, 344
+    out = tmp_path / "pruned"
+    assert main(["prune", "--checkpoint", str(export), "--method", "structured", "--out", str(out)]) == 0
+    prompts = ["the quick brown fox", "hello"]
+    params = dict(max_tokens=8, **GREEDY)
+    with LLM(out, dtype="float32", max_batch=2) as llm:
+        expected = llm.generate(prompts, SamplingParams(**params))
+    with serve_process(out, "--tp", "2", "--dtype", "float32", "--max-batch", "2", "--model-name", "m") as (url, _):
+        r = httpx.post(url + "/v1/completions", timeout=300, json={"model": "m", "prompt": prompts, **params})
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == expected
 
 
 @pytest.mark.slow  # two processes
