@@ -1,4 +1,5 @@
-"""`scalenlp plan --serve`: memory per device, latency from the cost model, targets, and one-line refusals."""
+"""`scalenlp plan --serve`: memory per device, latency from the cost model, targets, and one-line refusals. (A plan
+for this machine's CPU, measured with two processes: integration/test_serving_planner_measures_cpu.py.)"""
 
 from __future__ import annotations
 
@@ -14,8 +15,15 @@ from scalenlp.hardware import get_device
 from scalenlp.plan import measure
 from scalenlp.plan.calibrate import SERVING_FIT, SERVING_HELD_OUT, served_latency
 from scalenlp.plan.cost import model_shape
-from scalenlp.plan.serving import (decode_time, host_time, kv_bytes_per_token, max_batch, plan_serving, prefill_time,
-                                   weight_bytes)
+from scalenlp.plan.serving import (
+    decode_time,
+    host_time,
+    kv_bytes_per_token,
+    max_batch,
+    plan_serving,
+    prefill_time,
+    weight_bytes,
+)
 
 
 def test_kv_cache_and_weights_per_device():
@@ -34,8 +42,8 @@ def test_kv_cache_and_weights_per_device():
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # untied; tied, with learned positions
 def test_quantized_weight_bytes_are_those_scalenlp_quantize_writes(method, family):
-    from scalenlp.models.flavors import build_model, parse_shape, shape_args
     from scalenlp.compress.quantized import linears_of, quantization_of, quantize_embedding, quantize_state
+    from scalenlp.models.flavors import build_model, parse_shape, shape_args
 
     # Wide enough that what the planner leaves out (scales per output channel, biases) is under 2%.
     spec = f"hidden=512,layers=2,heads=4,ffn=1024,vocab_size=512,family={family}"
@@ -178,12 +186,3 @@ def test_published_gpu_serving_rows_held_out_within_25_percent(run):
 @pytest.mark.parametrize("run", SERVING_FIT, ids=lambda r: r.source.split("static inference, ")[1])
 def test_serving_fit_rows_stay_matched(run):
     assert served_latency(run)[1] == pytest.approx(run.tpot_s, rel=0.15)
-
-
-@pytest.mark.slow
-def test_serving_on_this_cpu_is_measured(capsys):
-    code = main(["plan", "--serve", "--model", "debug", "--device", "cpu", "--devices", "1", "--context", "128",
-                 "--concurrency", "4"])
-    out = capsys.readouterr().out
-    assert code == 0
-    assert "#1 tp=1 replicas=1 (1 devices), batch 4" in out and "TTFT" in out and "KV cache" in out
