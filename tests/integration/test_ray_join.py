@@ -20,10 +20,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from infer_helpers import make_export
 
-from scalenlp.serving.cluster import LOCAL_RAY_ENV
 from scalenlp.parallel.mesh import free_port, free_ports
+from scalenlp.serving.cluster import LOCAL_RAY_ENV
 
 pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
 
@@ -102,19 +101,18 @@ result = {"replicas": sorted(a["name"].rsplit("#", 1)[-1] for a in actors if "#E
 """
 
 
-def serve_command(export: Path, address: str, port: int) -> list:
-    return [BIN / "scalenlp", "serve", "--checkpoint", str(export), "--replicas", "2", "--replica-cpus", "0.5",
+def serve_command(export: Path, address: str, port: int, replicas: int = 2) -> list:
+    return [BIN / "scalenlp", "serve", "--checkpoint", str(export), "--replicas", str(replicas), "--replica-cpus", "0.5",
             "--ray-address", address, "--port", str(port), "--dtype", "float32", "--device", "cpu",
             "--max-batch", "2", "--model-name", "m"]
 
 
-def test_serve_joins_a_cluster_and_leaves_it_running(head):
+def test_serve_joins_a_cluster_and_leaves_it_running(head, tiny_export):
     address, env, work = head
-    export = make_export(work / "model", max_seq_len=256)
     port = free_port()
     log = work / "serve.log"
     with open(log, "w") as out:
-        server = subprocess.Popen(serve_command(export, address, port), env=env, stdout=out,
+        server = subprocess.Popen(serve_command(tiny_export, address, port), env=env, stdout=out,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for_line(log, "serving 2 replica(s) at", server)
@@ -146,11 +144,13 @@ def test_serve_joins_a_cluster_and_leaves_it_running(head):
     assert after == {"replicas": [], "serve": False, "cpus": 2.0}
 
 
-def test_joining_without_the_token_is_one_clear_error(head, tmp_path):
+def test_joining_without_the_token_is_one_clear_error(head, tiny_export):
     address, env, _ = head
-    export = make_export(tmp_path, max_seq_len=256)
-    no_token = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"} | {"RAY_AUTH_MODE": "disabled"}
-    out = subprocess.run(serve_command(export, address, free_port()), env=no_token, capture_output=True, text=True)
+    # Ray retries a refused connection for 60 s before it gives up (gcs_rpc_server_reconnect_timeout_s); 5 s
+    # shows the same refusal.
+    no_token = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"} | {"RAY_AUTH_MODE": "disabled",
+                                                                          "RAY_gcs_rpc_server_reconnect_timeout_s": "5"}
+    out = subprocess.run(serve_command(tiny_export, address, free_port()), env=no_token, capture_output=True, text=True)
     assert out.returncode == 2
     assert f"error: cannot join the Ray cluster at {address}" in out.stderr and "RAY_AUTH_MODE=token" in out.stderr
 
@@ -171,19 +171,18 @@ result = True
 SERVE_APPS = "from ray import serve\nresult = sorted(serve.status().applications)"
 
 
-def test_joining_a_running_serve_uses_its_address_and_leaves_its_apps(head):
+def test_joining_a_running_serve_uses_its_address_and_leaves_its_apps(head, tiny_export):
     address, env, work = head
-    export = make_export(work / "model2", max_seq_len=256)
     theirs = free_port()
     on_cluster(address, env, OPERATOR_SERVE.format(port=theirs))  # an operator's Serve, with an application
     log = work / "serve2.log"
     try:
         with open(log, "w") as out:
-            server = subprocess.Popen(serve_command(export, address, free_port()), env=env, stdout=out,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_for_line(log, "serving 2 replica(s) at", server)
-            assert f"serving 2 replica(s) at http://127.0.0.1:{theirs} " in log.read_text()
+            server = subprocess.Popen(serve_command(tiny_export, address, free_port(), replicas=1), env=env,
+                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:  # one replica: what is checked here is where Serve listens and which applications stay
+            wait_for_line(log, "serving 1 replica(s) at", server)
+            assert f"serving 1 replica(s) at http://127.0.0.1:{theirs} " in log.read_text()
             assert "--host and --port apply only where scalenlp starts Serve" in log.read_text()
             body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 4}
             assert httpx.post(f"http://127.0.0.1:{theirs}/v1/completions", json=body, timeout=600).status_code == 200
