@@ -244,13 +244,16 @@ def test_classify_and_embed_commands(classifier, capsys):
     assert "not a classifier" in capsys.readouterr().err
 
 
-def test_a_batch_takes_the_oldest_requests_shortest_texts():
-    from scalenlp.engine.encoder_engine import Job, split_batch
+def test_a_batch_takes_each_requests_shortest_texts_in_turn():
+    """Batches serve the waiting requests in turn (fair), each its shortest texts first (less padding), and a
+    request served goes behind those the batch did not reach."""
+    from scalenlp.engine.encoder_engine import Job, fair_batch
 
     first, second = Job("embed", [[0] * n for n in (9, 1, 30, 8)]), Job("embed", [[0] * n for n in (29, 2, 10, 31)])
-    queue = [(first, i) for i in range(4)] + [(second, i) for i in range(4)]
-    batch, rest = split_batch(queue, 3)
-    assert [(job, len(job.ids[i])) for job, i in batch] == [(first, 9), (first, 1), (first, 8)]
-    batch, rest = split_batch(rest, 3)  # the first request's last text, and the two nearest it in length
-    assert [(job, len(job.ids[i])) for job, i in batch] == [(first, 30), (second, 29), (second, 31)]
-    assert split_batch(rest, 3) == (rest, [])
+    third = Job("embed", [[0] * 5])
+    batch, rest = fair_batch([first, second, third], 2)
+    assert [(job, len(job.ids[i])) for job, i in batch] == [(first, 1), (second, 2)]
+    assert rest == [third, first, second]
+    batch, rest = fair_batch(rest, 4)
+    assert [(job, len(job.ids[i])) for job, i in batch] == [(third, 5), (first, 8), (second, 10), (first, 9)]
+    assert rest == [first, second]  # third is done; the others keep the order they were served in
