@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from train_helpers import TINY, read_metrics, run_train, write_corpus
+from train_helpers import TINY, read_metrics, run_train, train_here
 
 pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
 
@@ -23,9 +23,13 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+def train(run_dir, layout: str, *sets: str) -> None:
+    """A run under one of LAYOUTS: through `scalenlp train --nproc N`, or in this process where N is 1."""
+    nproc, keys = LAYOUTS[layout]
+    if nproc == 1:
+        train_here(run_dir, *sets, *keys)
+    else:
+        run_train(run_dir, *sets, *keys, nproc=nproc)
 
 
 @pytest.mark.parametrize("saved, resumed", [("zero3x4", "dp2xtp2"), ("pp2", "single"), ("ddp2", "zero3x2"),
@@ -33,17 +37,15 @@ def corpus(tmp_path_factory):
 def test_resume_under_another_layout_continues_the_loss_curve(tmp_path, corpus, saved, resumed):
     sets = [*TINY, f"data.path={corpus}", "training.steps=6", "checkpoint.every=3", "checkpoint.keep=3",
             "checkpoint.export=false"]
-    nproc, layout = LAYOUTS[saved]
     full = tmp_path / "full"
-    run_train(full, *sets, *layout, nproc=nproc)
+    train(full, saved, *sets)
     reference = {r["step"]: r for r in read_metrics(full)}
 
     cut = tmp_path / "cut"
     shutil.copytree(full, cut)
     shutil.rmtree(cut / "checkpoints" / "step-6")
     (cut / "metrics.jsonl").write_text("")
-    nproc, layout = LAYOUTS[resumed]
-    run_train(cut, *sets, *layout, "checkpoint.resume=true", nproc=nproc)
+    train(cut, resumed, *sets, "checkpoint.resume=true")
     continued = read_metrics(cut)
     assert [r["step"] for r in continued] == [4, 5, 6]
     for r in continued:
