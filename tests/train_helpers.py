@@ -113,6 +113,7 @@ def assert_traced(trace: Path, wanted: range, collectives: bool) -> None:
     for e in compute + comm:
         assert any(a <= e["ts"] <= b for a, b in iterations), e
 
+
 def assert_same_checkpoints(sync: Path, not_sync: Path, kept: tuple[str, ...] = ("step-3", "step-4")) -> None:
     """Two runs of the same training, one saving its checkpoints synchronously (``sync``) and one asynchronously,
     kept the same checkpoints, byte for byte, and logged the same losses."""
@@ -127,3 +128,26 @@ def assert_same_checkpoints(sync: Path, not_sync: Path, kept: tuple[str, ...] = 
             {k: v for k, v in b.pop("sha256").items() if k != ".metadata"}
         assert a == b
     assert [r["loss"] for r in read_metrics(not_sync)] == [r["loss"] for r in read_metrics(sync)]
+
+
+def tiny_encoder(folder: Path) -> Path:
+    """A small random BERT with MiniLM's tokenizer, exported as model.init reads it."""
+    import torch
+
+    from scalenlp.data.tokenizer import load_tokenizer
+    from scalenlp.models.encoder import Encoder, EncoderArgs
+    from scalenlp.models.io import save_pretrained
+    from scalenlp.models.packaged import packaged_model
+
+    tokenizer = load_tokenizer(packaged_model("minilm"))
+    torch.manual_seed(0)
+    args = EncoderArgs(vocab_size=tokenizer.get_vocab_size(), dim=32, n_layers=2, n_heads=2, ffn_dim=64,
+                       max_seq_len=64)
+    return save_pretrained(Encoder(args), folder, tokenizer)
+
+
+def classify_sets(init: Path, train: Path, dev: Path | None, *extra: str) -> list[str]:
+    """training.task=classification from ``init`` on labelled rows (``dev`` held out), on the CPU, logging each step."""
+    sets = ["training.task=classification", f"model.init={init}", f"data.path={train}",
+            "training.device=cpu", "training.log_every=1", "checkpoint.every=0"]
+    return sets + ([f"data.eval_path={dev}"] if dev else []) + list(extra)
