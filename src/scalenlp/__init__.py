@@ -14,6 +14,7 @@ Names are imported on first use, so ``import scalenlp`` (and ``scalenlp --help``
 """
 
 import importlib
+import types
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,11 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'scalenlp' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value  # later lookups skip this function
+    # `train` and `plan` name both a function here and a subpackage; importing the subpackage (load_config comes
+    # from scalenlp.train.tasks) binds the package over the function, so unbind it and the next lookup lands here.
+    for shadowed in ("train", "plan"):
+        if isinstance(globals().get(shadowed), types.ModuleType):
+            del globals()[shadowed]
     return value
 
 

@@ -5,10 +5,9 @@ FastAPI is imported inside the functions that build and run the app: `scalenlp -
 command, and so this module.
 """
 
-import asyncio
 import hmac
 import json
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from scalenlp.serving.encoder import add_encoder_routes
 from scalenlp.serving.limits import DEFAULT_MAX_BODY_BYTES
@@ -22,6 +21,7 @@ from scalenlp.serving.protocol import (
     completion_for_chat,
     error_responses,
     stream_chat,
+    unless_disconnected,
 )
 
 
@@ -149,12 +149,12 @@ def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAUL
             chunks = chunks()
             # Wait for the first chunk before answering, so that errors before any output (queue full,
             # prompt too long) get their status code instead of a 200 stream.
-            first = await _unless_disconnected(request, _first(chunks))
+            first = await unless_disconnected(request, _first(chunks))
             if not isinstance(first, (dict, type(None))):  # the client left while waiting
                 await chunks.aclose()
                 return first
             return StreamingResponse(_sse(first, chunks), media_type="text/event-stream")
-        return await _unless_disconnected(request, complete())
+        return await unless_disconnected(request, complete())
 
     @app.post("/v1/completions", responses=completion_responses)
     async def completions(req: CompletionRequest, request: Request):
@@ -214,27 +214,3 @@ async def _sse(first: dict | None, chunks: AsyncIterator[dict]) -> AsyncIterator
     finally:
         await chunks.aclose()
     yield "data: [DONE]\n\n"
-
-
-async def _unless_disconnected(request, work):
-    """Run ``work``; if the client disconnects first, cancel it (freeing its slots) and give up."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done():  # the client left: a cancelled task is done only once its cleanup has run
-        await asyncio.wait({task})
-    if task.cancelled():
-        from fastapi.responses import Response
-
-        return Response(status_code=499)
-    return task.result()

@@ -186,7 +186,7 @@ def add_encoder_routes(app, backend, check_model) -> None:
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
-    from scalenlp.serving.app import _unless_disconnected as unless_disconnected
+    from scalenlp.serving.protocol import unless_disconnected
 
     EmbeddingRequest, ClassifyRequest = request_models()
 

@@ -5,6 +5,7 @@ pydantic is imported where the schemas are first built, so that `scalenlp --help
 command and so this module) stays light.
 """
 
+import asyncio
 import dataclasses
 import functools
 import time
@@ -246,3 +247,27 @@ def error_responses(*statuses: int) -> dict:
     """OpenAPI ``responses`` entries for errors answered in OpenAI's shape."""
     return {s: {"description": ERRORS[s], "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
             for s in statuses}
+
+
+async def unless_disconnected(request, work):
+    """Run ``work``; if the client disconnects first, cancel it (freeing its slots) and give up."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done():  # the client left: a cancelled task is done only once its cleanup has run
+        await asyncio.wait({task})
+    if task.cancelled():
+        from fastapi.responses import Response
+
+        return Response(status_code=499)
+    return task.result()
