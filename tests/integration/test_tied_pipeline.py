@@ -19,8 +19,11 @@ from train_helpers import TINY, read_evaluations, read_metrics, run_train, train
 
 pytestmark = pytest.mark.slow  # multi-process runs of minutes: `make test-fast` leaves them out
 
-STEPS = ["training.steps=10", "checkpoint.every=5", "checkpoint.keep=2"]
-GPT2 = [*TINY, "model.flavor=debug-gpt2", *STEPS, "training.eval_every=5", "training.eval_batches=2"]
+# Six steps, a checkpoint and an evaluation every three: a resume at 3 continues for three steps. (Ten, every five,
+# checked nothing more: a copy that drifts or a misplaced gradient shows in the first steps.)
+LAST, HALF = 6, 3
+STEPS = [f"training.steps={LAST}", f"checkpoint.every={HALF}", "checkpoint.keep=2"]
+GPT2 = [*TINY, "model.flavor=debug-gpt2", *STEPS, f"training.eval_every={HALF}", "training.eval_batches=2"]
 # Two stages per rank need four layers: the small GPT-2 flavor (tied, learned positions) has them.
 SMALL = [*TINY, "model.flavor=small", *STEPS, "checkpoint.export=false"]
 PP2_1F1B = ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=2"]
@@ -76,29 +79,29 @@ def _checkpoint(run_dir, step: int, tmp_path) -> dict:
                                                ("tp2 x pp2", "single"), ("zero3 dp2 x pp2", "single"),
                                                ("pp4 small", "single small")])
 def test_pipelined_tied_model_trains_like_one_process(runs, layout, reference):
-    """10 steps: per-step loss and gradient norm (the tied weight counted once) within 1e-4 of one process."""
+    """Every step's loss and gradient norm (the tied weight counted once) within 1e-4 of one process."""
     ref = read_metrics(runs(reference))
     _assert_follows(read_metrics(runs(layout)), ref)
-    assert len(ref) == 10 and ref[-1]["loss"] < ref[0]["loss"]  # a moving optimisation, not a flat line
+    assert len(ref) == LAST and ref[-1]["loss"] < ref[0]["loss"]  # a moving optimisation, not a flat line
 
 
 @pytest.mark.parametrize("layout", ["pp2 1f1b", "pp2 interleaved small", "tp2 x pp2", "zero3 dp2 x pp2", "pp4 small"])
 def test_tied_copies_stay_identical_on_their_ranks(runs, layout, tmp_path):
     """After the last step, the first stage's embedding and the last stage's output projection (saved by
     different ranks, gathered from their TP / FSDP shards) are bit-identical, and so is their Adam state."""
-    state = _checkpoint(runs(layout), 10, tmp_path)
+    state = _checkpoint(runs(layout), LAST, tmp_path)
     model, optim = state["model"], state["optim"]
     assert torch.equal(model["tok_embeddings.weight"], model["output.weight"])
     for key in ("exp_avg", "exp_avg_sq", "step"):
         assert torch.equal(optim[f"state.tok_embeddings.weight.{key}"], optim[f"state.output.weight.{key}"]), key
-    first = _checkpoint(runs(layout), 5, tmp_path)["model"]
+    first = _checkpoint(runs(layout), HALF, tmp_path)["model"]
     assert not torch.equal(first["output.weight"], model["output.weight"])  # the copies did train
 
 
 def test_pipelined_tied_model_evaluates_and_exports_like_one_process(runs):
     """Held-out loss under pp2 follows one process, and the exported model is tied again."""
     evals = {name: read_evaluations(runs(name)) for name in ("single", "pp2 1f1b")}
-    assert [r["step"] for r in evals["pp2 1f1b"]] == [5, 10]
+    assert [r["step"] for r in evals["pp2 1f1b"]] == [HALF, LAST]
     for r, ref in zip(evals["pp2 1f1b"], evals["single"]):
         assert r["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-4)
     exported, reference = (load_pretrained(runs(name) / "export") for name in ("pp2 1f1b", "single"))
@@ -109,17 +112,17 @@ def test_pipelined_tied_model_evaluates_and_exports_like_one_process(runs):
 
 @pytest.mark.parametrize("saved, resumed", [("pp2 1f1b", "single"), ("single", "pp2 1f1b")])
 def test_tied_checkpoint_resumes_under_the_other_layout(runs, corpus, tmp_path, saved, resumed):
-    """Save at step 5 under one layout, resume under the other: steps 6-10 continue the saved run's curve
+    """Save halfway under one layout, resume under the other: the steps after it continue the saved run's curve
     (one process keys the tied weight's Adam state by its embedding name only; the last stage reads it)."""
     cut = tmp_path / "cut"
     shutil.copytree(runs(saved), cut)
-    shutil.rmtree(cut / "checkpoints" / "step-10")
+    shutil.rmtree(cut / "checkpoints" / f"step-{LAST}")
     (cut / "metrics.jsonl").write_text("")
     sets = [*GPT2, f"data.path={corpus}", "checkpoint.resume=true", "checkpoint.export=false"]
     if resumed == "pp2 1f1b":
         run_train(cut, *sets, *PP2_1F1B, nproc=2)
     else:
         train_here(cut, *sets)
-    reference = [r for r in read_metrics(runs(saved)) if r["step"] > 5]
+    reference = [r for r in read_metrics(runs(saved)) if r["step"] > HALF]
     # Another layout sums in another order: equal up to float32 rounding, not bit for bit.
     _assert_follows(read_metrics(cut), reference, loss_rel=1e-5)
