@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from infer_helpers import make_export, make_hf_chat_model
-from train_helpers import SHARED_DATA, write_corpus
+from train_helpers import SHARED_DATA, make_hf_llama, write_chats, write_corpus
 
 
 def pytest_addoption(parser):
@@ -41,6 +41,20 @@ def shared_data():
 def corpus(tmp_path_factory):
     """A text file of ~60k characters (Tiny Shakespeare where ../shared/data has it, else generated words)."""
     return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tmp_path_factory, corpus, transformers):
+    """A random Llama (GQA, tied embeddings) saved by transformers with a BPE of the corpus and a ChatML template
+    whose end of turn is its end of text (train_helpers.make_hf_llama), the model.init of the fine-tuning tests,
+    built once per session: read it, never write into it."""
+    return make_hf_llama(tmp_path_factory.mktemp("hf_llama"), corpus)
+
+
+@pytest.fixture(scope="session")
+def chats(tmp_path_factory):
+    """Chat-format training data (train_helpers.write_chats: 43 conversations, 3 unusable lines)."""
+    return write_chats(tmp_path_factory.mktemp("chats") / "chats.jsonl")
 
 
 @pytest.fixture(scope="session")

@@ -151,3 +151,53 @@ def classify_sets(init: Path, train: Path, dev: Path | None, *extra: str) -> lis
     sets = ["training.task=classification", f"model.init={init}", f"data.path={train}",
             "training.device=cpu", "training.log_every=1", "checkpoint.every=0"]
     return sets + ([f"data.eval_path={dev}"] if dev else []) + list(extra)
+
+
+# Fine-tuning from model.init: ChatML, as SmolLM2 and Qwen write it.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TOKENIZER_CONFIG = {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}
+# The model keys of TINY are the checkpoint's business under model.init.
+FINETUNE = [s for s in TINY if not s.startswith(("model.", "tokenizer."))]
+SFT = [*FINETUNE, "training.task=sft", "training.seq_len=64", "data.val_fraction=0.2"]
+
+
+def make_hf_llama(folder: Path, corpus: Path) -> Path:
+    """A random LlamaForCausalLM (GQA, tied embeddings) saved by transformers, with a byte-level BPE trained on
+    ``corpus`` (tokenizer.json) and a ChatML template beside it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from scalenlp.data import train_bpe
+
+    tokenizer = train_bpe([corpus.read_text()], 400)
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=176,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, tie_word_embeddings=True, initializer_range=0.1)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
+    return folder
+
+
+def write_chats(path, n=43):
+    """Conversations of varied lengths (so counted tokens differ between micro-batches and ranks), some
+    with a system turn or two exchanges, and a few lines that cannot be used."""
+    words = "red green blue amber violet silver golden".split()
+    lines = []
+    for i in range(n):
+        a, b = i % 7, (i * 3) % 5
+        messages = [{"role": "system", "content": "Answer briefly."}] if i % 3 == 0 else []
+        messages += [{"role": "user", "content": f"What is {a} plus {b}?"},
+                     {"role": "assistant", "content": f"{a} plus {b} is {a + b}" + " and so on" * (i % 4) + "."}]
+        if i % 5 == 0:
+            messages += [{"role": "user", "content": f"Name colour {a}."},
+                         {"role": "assistant", "content": " ".join(words[:a + 1])}]
+        lines.append(json.dumps({"messages": messages}))
+    lines[3] = "{not json"
+    lines[7] = json.dumps({"text": "no messages here"})
+    lines[11] = json.dumps({"messages": [{"role": "wizard", "content": "hi"}]})
+    path.write_text("\n".join(lines) + "\n")
+    return path
