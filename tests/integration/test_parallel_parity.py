@@ -36,6 +36,7 @@ def _tp_matches_unsharded(rank, world):
 def _check_tp(world, flavor, sequence_parallel):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
+
     from scalenlp.parallel.tensor_parallel import apply_tp
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -59,6 +60,7 @@ def _check_tp(world, flavor, sequence_parallel):
 
 def _loss_parallel_matches_gathered_logits(rank, world):
     from torch.distributed.tensor import DTensor, Shard
+
     from scalenlp.parallel.mesh import build_mesh
     from scalenlp.parallel.parallelize import loss_context, parallelize
     from scalenlp.train.trainer import cross_entropy
@@ -93,6 +95,7 @@ def _loss_parallel_matches_gathered_logits(rank, world):
 
 def _fsdp_shards(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
+
     from scalenlp.parallel.data_parallel import apply_fsdp
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
@@ -123,6 +126,7 @@ def test_two_ranks_shard_layers_and_compute_as_one_process():
 
 def _offload_trains_like_resident(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
+
     from scalenlp.parallel.data_parallel import apply_fsdp
 
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("dp_shard",))
@@ -151,6 +155,7 @@ def test_offload_keeps_shards_on_the_cpu_and_trains_like_gpu_resident_shards():
 
 def _zero1_shards_state_under_tp(rank, world):
     from torch.distributed.tensor import DTensor
+
     from scalenlp.parallel.data_parallel import local_optimizer
     from scalenlp.parallel.mesh import build_mesh
     from scalenlp.parallel.parallelize import dp_mesh, parallelize, shard_optimizer_state

@@ -15,8 +15,8 @@ import yaml
 from referencing import Registry, Resource
 
 from scalenlp.cli import build_parser, main
-from scalenlp.config import load_config
 from scalenlp.cli.deploy import RDZV_PORT
+from scalenlp.config import load_config
 
 K8S_VERSION = "1.35"  # the Kubernetes release the JobSet schema's references name (v1.35.3)
 DATA = Path(__file__).resolve().parents[1] / "data"

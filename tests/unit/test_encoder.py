@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scalenlp.errors import UserError
 from scalenlp import loader
+from scalenlp.errors import UserError
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.hf_bert import write_bert_folder
 from scalenlp.models.io import save_pretrained

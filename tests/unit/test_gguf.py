@@ -12,9 +12,9 @@ from tokenizers import Tokenizer, processors
 
 from scalenlp.data.tokenizer import EOS, train_bpe
 from scalenlp.errors import UserError
+from scalenlp.loader import instantiate, load
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
 from scalenlp.models.gguf import read_gguf, write_gguf
-from scalenlp.loader import instantiate, load
 from scalenlp.models.packaged import packaged_model
 
 torch.set_num_threads(1)
@@ -323,7 +323,6 @@ def test_write_refuses_what_gguf_cannot_express(own, tmp_path):
 def test_export_command_writes_a_gguf_that_reads_back(tmp_path):
     """`scalenlp export --format gguf` from a run's export folder: the same logits after reading it back."""
     from infer_helpers import make_export
-
     from scalenlp.cli import main
 
     export = make_export(tmp_path / "run", "debug")

@@ -5,14 +5,14 @@ import json
 
 import pytest
 import torch
-from infer_helpers import make_export
 
+from infer_helpers import make_export
 from scalenlp.cli import main
 from scalenlp.errors import UserError
+from scalenlp.loader import load
 from scalenlp.models.flavors import build_model, model_args
 from scalenlp.models.hf import from_hf, to_hf
 from scalenlp.models.io import load_pretrained
-from scalenlp.loader import load
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.usefixtures("transformers")  # every test here converts to or from it

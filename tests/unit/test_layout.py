@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from scalenlp.config import ConfigError, load_config
-from scalenlp.errors import UserError
 from scalenlp.engine.sharded import check_tp
+from scalenlp.errors import UserError
 from scalenlp.layout import SCHEDULES, Layout
 from scalenlp.models.flavors import model_args
 from scalenlp.parallel.pipeline import SCHEDULES as SCHEDULE_CLASSES
@@ -78,7 +78,7 @@ def test_trainer_server_and_planner_give_the_same_answer(layout, flavor, global_
 
 
 def test_config_and_layout_convert_both_ways():
-    for layout, flavor, global_batch, expected in CASES:
+    for layout, _flavor, global_batch, expected in CASES:
         if expected is None:
             keys = {"training.global_batch_size": global_batch, **layout.to_config(global_batch)}
             cfg = load_config(overrides=[f"{k}={v}" for k, v in keys.items()])

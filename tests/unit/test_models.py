@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.flavors import FLAVORS, build_model, model_args
 from scalenlp.models.io import load_pretrained, save_pretrained
-from scalenlp.errors import UserError
 
 
 @pytest.mark.parametrize("flavor, params", [

@@ -11,14 +11,22 @@ import pytest
 
 from scalenlp.cli import main
 from scalenlp.config import load_config
-from scalenlp.models.flavors import build_model, model_args, shape_args
-from scalenlp.plan.calibrate import A100_ROWS, H100_ROWS, best_layout, llama3_row, megatron_row, predicted_tflops
-from scalenlp.layout import Layout
-from scalenlp.plan.cost import (Workload, activation_bytes_per_layer, layers_per_rank, model_shape,
-                                model_state_bytes, predict, stage_params, step_flops)
-from scalenlp.plan.search import check_layout
-from scalenlp.parallel.pipeline import layer_costs, split_layers
 from scalenlp.hardware import get_device
+from scalenlp.layout import Layout
+from scalenlp.models.flavors import build_model, model_args, shape_args
+from scalenlp.parallel.pipeline import layer_costs, split_layers
+from scalenlp.plan.calibrate import A100_ROWS, H100_ROWS, best_layout, llama3_row, megatron_row, predicted_tflops
+from scalenlp.plan.cost import (
+    Workload,
+    activation_bytes_per_layer,
+    layers_per_rank,
+    model_shape,
+    model_state_bytes,
+    predict,
+    stage_params,
+    step_flops,
+)
+from scalenlp.plan.search import check_layout
 
 
 def gpt(hidden, layers, heads, seq=2048, vocab=51200):

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from scalenlp.hardware import get_device
+from scalenlp.layout import Layout
 from scalenlp.plan import comms
 from scalenlp.plan.calibrate import FSDP_FIT, FSDP_HELD_OUT, FSDP_MISSES, sharded_tokens_per_gpu
-from scalenlp.layout import Layout
 from scalenlp.plan.cost import Workload, model_shape, predict
 
 

@@ -11,9 +11,9 @@ import re
 
 import pytest
 
+from scalenlp import faults
 from scalenlp.config import load_config
 from scalenlp.parallel.mesh import ParallelDims
-from scalenlp import faults
 from scalenlp.train import checkpoint, recovery, watchdog
 from scalenlp.train.checkpoint import Checkpointer
 from scalenlp.train.metrics import MetricsWriter

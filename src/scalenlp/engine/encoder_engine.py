@@ -99,7 +99,7 @@ class EncoderEngine:
     def labels(self) -> list[str]:
         return self.args.labels if self.args.task == "classification" else []
 
-    def start(self) -> "EncoderEngine":
+    def start(self) -> EncoderEngine:
         self.thread = threading.Thread(target=self._loop, name="scalenlp-encoder", daemon=True)
         self.thread.start()
         return self
