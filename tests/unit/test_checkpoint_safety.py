@@ -12,6 +12,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import sys
 from pathlib import Path
 
@@ -37,10 +38,19 @@ def in_process(run_dir: Path, corpus: Path, *sets: str):
 
 # -- checkpoints: checksums, planted payloads, resumes that fail before writing ---------------------------
 
-def test_a_shard_damaged_in_place_is_named_and_nothing_is_written(tmp_path, corpus, capsys):
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory, corpus):
+    """Two steps and their checkpoint, run once for the tests below (the first run in this process pays its imports
+    here): copy it to change it. Its settings and its folder."""
     sets = [*TINY, f"data.path={corpus}", "training.steps=2", "checkpoint.every=2"]
-    assert main_train(run, *sets) == 0
+    run = tmp_path_factory.mktemp("two_steps") / "run"
+    train_here(run, *sets)
+    return sets, run
+
+
+def test_a_shard_damaged_in_place_is_named_and_nothing_is_written(tmp_path, two_steps, capsys):
+    sets, trained = two_steps
+    run = shutil.copytree(trained, tmp_path / "run")
     before = snapshot(run)
     capsys.readouterr()
 
@@ -76,10 +86,8 @@ def plant_metadata(folder: Path, payload: bytes) -> None:
     (folder / "train_state.json").write_text(json.dumps(state))
 
 
-def test_a_planted_checkpoint_index_runs_nothing(tmp_path, corpus, monkeypatch):
-    run = tmp_path / "run"
-    in_process(run, corpus, "training.steps=2", "checkpoint.export=false")
-    folder = run / "checkpoints" / "step-2"
+def test_a_planted_checkpoint_index_runs_nothing(tmp_path, two_steps, monkeypatch):
+    folder = shutil.copytree(two_steps[1] / "checkpoints" / "step-2", tmp_path / "step-2")
     marker = tmp_path / "ran"
 
     plant_metadata(folder, pickle.dumps(Payload(marker)))
