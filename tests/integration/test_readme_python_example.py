@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
@@ -13,6 +15,7 @@ def readme_python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
+@pytest.mark.slow  # trains, generates and plans in a new interpreter: 20-80 s here
 def test_readme_python_example_runs(tmp_path):
     blocks = readme_python_blocks()
     assert blocks, "README.md has a '## Python' section with python code blocks"
