@@ -2,9 +2,10 @@
 
 Learned absolute positions, token type embeddings, post-LayerNorm blocks (the residual sum is
 normalised, not the block input), exact (erf) GELU and a pooler (dense + tanh over the first token).
-One model serves three tasks: sentence embeddings (pooled hidden states), sequence classification
-(a linear head on the pooler output, as Hugging Face's ``BertForSequenceClassification``) and token
-classification (a linear head on every hidden state).
+One model serves four tasks: sentence embeddings (pooled hidden states), sequence classification
+(a linear head on the pooler output, as Hugging Face's ``BertForSequenceClassification``), token
+classification (a linear head on every hidden state) and extractive question answering (start and end
+logits for every token, as ``BertForQuestionAnswering``'s ``qa_outputs``).
 
 Pure PyTorch, no torch.distributed, named like the decoder so that parallelism applies from outside:
 attention reshapes with ``view(B, T, -1, head_dim)`` (a tensor-parallel shard holds n_heads / tp
@@ -21,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 POOLINGS = ("mean", "cls", "pooler")
-TASKS = ("embedding", "classification", "token_classification")
+TASKS = ("embedding", "classification", "token_classification", "question_answering")
+LABELLED_TASKS = ("classification", "token_classification")
 
 
 @dataclass
@@ -42,7 +44,8 @@ class EncoderArgs:
     normalize: bool = False
     """Scale sentence embeddings to unit length (so a dot product is the cosine similarity)."""
     task: str = "embedding"
-    """What ``forward`` returns: hidden states, per-sequence logits or per-token logits."""
+    """What ``forward`` returns: hidden states, per-sequence logits, per-token logits or per-token
+    (start, end) span logits."""
     labels: list[str] = field(default_factory=list)
     """Class names in logit order (id -> label), for the classification tasks."""
     pooler: bool = True
@@ -62,7 +65,7 @@ class EncoderArgs:
                                      ("architecture", self.architecture, ("bert",))):
             if value not in allowed:
                 raise ValueError(f"encoder {name}={value!r} is not one of {allowed}")
-        if self.task != "embedding" and not self.labels:
+        if self.task in LABELLED_TASKS and not self.labels:
             raise ValueError(f"task={self.task!r} needs the class names (labels)")
         if not self.pooler and (self.pooling == "pooler" or self.task == "classification"):
             raise ValueError("pooling='pooler' and task='classification' need a pooler (pooler=True)")
@@ -122,7 +125,9 @@ class Encoder(nn.Module):
         self.drop = nn.Dropout(args.dropout)
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.pooler = nn.Linear(args.dim, args.dim) if args.pooler else None
-        self.classifier = nn.Linear(args.dim, len(args.labels)) if args.task != "embedding" else None
+        self.classifier = nn.Linear(args.dim, len(args.labels)) if args.task in LABELLED_TASKS else None
+        # A span's start and end scores for every token (column 0: start, 1: end), named as transformers names it.
+        self.qa_outputs = nn.Linear(args.dim, 2) if args.task == "question_answering" else None
         self.init_weights()
 
     @torch.no_grad()
@@ -189,10 +194,12 @@ class Encoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states (B, T, dim) for ``task="embedding"``, logits (B, labels) for classification,
-        logits (B, T, labels) for token classification."""
+        logits (B, T, labels) for token classification, (B, T, 2) start and end logits for question answering."""
         h = self.hidden_states(input_ids, attention_mask, token_type_ids)
         if self.args.task == "embedding":
             return h
+        if self.args.task == "question_answering":
+            return self.qa_outputs(h)  # transformers applies no dropout before this head
         if self.args.task == "classification":
             h = self.pooled(h)
         return self.classifier(self.drop(h))

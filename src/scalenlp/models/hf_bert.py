@@ -1,9 +1,9 @@
-"""Hugging Face BERT folders in and out: ``BertModel``, ``BertForSequenceClassification`` and
-``BertForTokenClassification`` <-> our ``Encoder``.
+"""Hugging Face BERT folders in and out: ``BertModel``, ``BertForSequenceClassification``,
+``BertForTokenClassification`` and ``BertForQuestionAnswering`` <-> our ``Encoder``.
 
 A folder is ``config.json`` (``model_type: bert``; ``architectures`` names the head, ``id2label`` the
 classes) + safetensors + ``tokenizer.json``. Head models store the encoder under a ``bert.`` prefix and
-the head as ``classifier.*``. How sentence embeddings are pooled is not part of Hugging Face's config:
+the head as ``classifier.*`` (``qa_outputs.*`` for question answering). How sentence embeddings are pooled is not part of Hugging Face's config:
 it lives in sentence-transformers' files beside it (``modules.json`` listing a Pooling module with its
 own ``config.json``, and optionally a Normalize module), which are read and written here too.
 """
@@ -17,13 +17,14 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from scalenlp.errors import UserError
-from scalenlp.models.encoder import Encoder, EncoderArgs
+from scalenlp.models.encoder import LABELLED_TASKS, Encoder, EncoderArgs
 from scalenlp.models.hf import read_hf_tokenizer, read_safetensors
 from scalenlp.models.io import WEIGHTS, replacing_folder, write_tokenizer
 from scalenlp.models.pretrained import Pretrained
 
 ARCHITECTURES = {"embedding": "BertModel", "classification": "BertForSequenceClassification",
-                 "token_classification": "BertForTokenClassification"}
+                 "token_classification": "BertForTokenClassification",
+                 "question_answering": "BertForQuestionAnswering"}
 # sentence-transformers' pooling flags that our pooling modes compute; its other modes are not supported.
 POOLING_FLAGS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
 MODULES = "modules.json"
@@ -46,6 +47,12 @@ def _pairs(args: EncoderArgs) -> list[tuple[str, str]]:
     return pairs + [(a + suffix, b + suffix) for a, b in modules for suffix in (".weight", ".bias")]
 
 
+def _head_names(args: EncoderArgs) -> list[str]:
+    """The task head's tensors, named alike in both (outside the ``bert.`` prefix)."""
+    head = {"embedding": None, "question_answering": "qa_outputs"}.get(args.task, "classifier")
+    return [f"{head}.weight", f"{head}.bias"] if head else []
+
+
 def args_from_bert(config: dict, has_pooler: bool, pooling: str = "mean", normalize: bool = False) -> EncoderArgs:
     """Our encoder arguments from a BERT ``config.json``; the head comes from ``architectures``."""
     for key, supported in (("hidden_act", "gelu"), ("position_embedding_type", "absolute")):
@@ -57,7 +64,7 @@ def args_from_bert(config: dict, has_pooler: bool, pooling: str = "mean", normal
     # Other heads (masked LM, pretraining, ...) load as the bare encoder, as transformers' AutoModel does.
     task = {v: k for k, v in ARCHITECTURES.items()}.get(architecture, "embedding")
     labels: list[str] = []
-    if task != "embedding":
+    if task in LABELLED_TASKS:
         id2label = config.get("id2label") or {i: f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
         labels = [label for _, label in sorted(id2label.items(), key=lambda kv: int(kv[0]))]
     dropout = config.get("hidden_dropout_prob", 0.0)
@@ -109,7 +116,7 @@ def read_bert_folder(folder: Path, config: dict) -> Pretrained:
     # Head models keep the encoder under "bert."; BertModel has no prefix.
     hf = {k.removeprefix("bert."): v for k, v in hf.items()}
     args = args_from_bert(config, "pooler.dense.weight" in hf, *sentence_pooling(folder))
-    names = _pairs(args) + ([("classifier.weight",) * 2, ("classifier.bias",) * 2] if args.task != "embedding" else [])
+    names = _pairs(args) + [(name, name) for name in _head_names(args)]
     try:
         state = {ours: hf[theirs] for ours, theirs in names}
     except KeyError as e:
@@ -125,7 +132,7 @@ def bert_config(args: EncoderArgs) -> dict:
               "attention_probs_dropout_prob": args.dropout, "max_position_embeddings": args.max_seq_len,
               "type_vocab_size": args.type_vocab_size, "layer_norm_eps": args.norm_eps,
               "pad_token_id": args.pad_token_id, "position_embedding_type": "absolute", "initializer_range": 0.02}
-    if args.task != "embedding":
+    if args.task in LABELLED_TASKS:
         config["id2label"] = dict(enumerate(args.labels))
         config["label2id"] = {label: i for i, label in enumerate(args.labels)}
     return config
@@ -149,14 +156,14 @@ def write_sentence_pooling(folder: Path, args: EncoderArgs) -> None:
 
 def write_bert_folder(model: Encoder, tokenizer: Tokenizer | str | Path | None, tokenizer_config: dict | None,
                       out_dir: str | Path) -> Path:
-    """Our encoder -> a Hugging Face folder that ``AutoModel`` (embedding) or ``AutoModelForSequenceClassification``
-    / ``AutoModelForTokenClassification`` (with id2label / label2id) loads, written to a temporary name first."""
+    """Our encoder -> a Hugging Face folder that ``AutoModel`` (embedding), ``AutoModelForSequenceClassification``
+    / ``AutoModelForTokenClassification`` (with id2label / label2id) or ``AutoModelForQuestionAnswering`` loads,
+    written to a temporary name first."""
     args = model.args
     ours = model.state_dict()
     prefix = "" if args.task == "embedding" else "bert."
     state = {prefix + theirs: ours[name] for name, theirs in _pairs(args)}
-    if args.task != "embedding":
-        state |= {"classifier.weight": ours["classifier.weight"], "classifier.bias": ours["classifier.bias"]}
+    state |= {name: ours[name] for name in _head_names(args)}
     with replacing_folder(out_dir) as tmp:
         save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(tmp / WEIGHTS),
                   metadata={"format": "pt"})  # transformers reads the format tag to know these are PyTorch tensors
