@@ -25,9 +25,12 @@ from scalenlp.config import Config, check_choice
 from scalenlp.train.tasks.base import Task
 from scalenlp.train.tasks.classification import Classification
 from scalenlp.train.tasks.lm import LanguageModeling
+from scalenlp.train.tasks.qa import QuestionAnswering
 from scalenlp.train.tasks.sft import ChatFineTuning
+from scalenlp.train.tasks.token_classification import TokenClassification
 
-TASKS: dict[str, type[Task]] = {"lm": LanguageModeling, "sft": ChatFineTuning, "classification": Classification}
+TASKS: dict[str, type[Task]] = {"lm": LanguageModeling, "sft": ChatFineTuning, "classification": Classification,
+                                "token_classification": TokenClassification, "qa": QuestionAnswering}
 
 
 def get_task(name: str) -> Task:
