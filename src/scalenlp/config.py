@@ -59,7 +59,8 @@ class DataConfig:
     text_pair_field: str = opt("", "classification: field or column holding a second text (sentence pairs); "
                                    "empty for single texts")
     eval_path: str = opt("", "classification: labelled .tsv/.csv/.jsonl/.parquet file scored every "
-                             "training.eval_every steps and at the end (accuracy, macro-F1)")
+                             "training.eval_every steps and at the end (accuracy, macro-F1); qa: SQuAD .json or "
+                             ".jsonl questions (exact match, F1)")
     val_fraction: float = opt(0.05, "fraction of the token stream held out for evaluation")
     shuffle: bool = opt(True, "a new random order of training windows (classification: rows) each epoch; false "
                               "reads them in file order, e.g. data shuffled beforehand or batches replayed from "
@@ -69,6 +70,10 @@ class DataConfig:
                                        "window (at a BOS, or after an EOS), where inference puts a prompt "
                                        "(Megatron's --reset-position-ids; torchtitan's loader); attention "
                                        "still spans the window")
+    doc_stride: int = opt(128, "qa: tokens two windows of a long context share (the context is cut into windows of "
+                               "training.seq_len tokens, question included)")
+    max_answer_len: int = opt(30, "qa: longest answer, in tokens, that evaluation and inference predict")
+    n_best: int = opt(20, "qa: highest start and end logits of each window paired up when choosing an answer")
 
 
 @dataclass
@@ -135,7 +140,7 @@ class CheckpointConfig:
                                   "the final checkpoint and one before a stop are still awaited")
     export: bool = opt(True, "write final weights as safetensors + config to <run_dir>/export")
     keep_best: str = opt("", "classification: also export the model at its best evaluation to <run_dir>/best, "
-                             "judged by accuracy or macro_f1; empty keeps no best")
+                             "judged by accuracy or macro_f1 (qa: f1 or exact_match); empty keeps no best")
 
 
 @dataclass
@@ -285,6 +290,7 @@ RANGES = {
     "model.vocab_size": COUNT, "model.max_seq_len": COUNT, "model.dropout": FRACTION, "model.hidden": COUNT,
     "model.layers": COUNT, "model.heads": COUNT, "model.kv_heads": COUNT, "model.ffn": COUNT,
     "data.val_fraction": Range(0, 0.5, high_open=True),
+    "data.doc_stride": COUNT, "data.max_answer_len": POSITIVE, "data.n_best": POSITIVE,
     "tokenizer.vocab_size": POSITIVE,
     "training.steps": POSITIVE, "training.global_batch_size": POSITIVE, "training.micro_batch_size": COUNT,
     "training.seq_len": POSITIVE, "training.lr": Range(0, 1, low_open=True, high_open=True),

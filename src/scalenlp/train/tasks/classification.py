@@ -81,13 +81,14 @@ def classifier_args(cfg: Config, pretrained: Pretrained, labels: list[str]) -> E
     return args
 
 
-def build_classifier(args: EncoderArgs, pretrained: Pretrained, device: torch.device, where: str) -> Encoder:
-    """The encoder with model.init's weights in fp32; a head the checkpoint lacks keeps its random init (seeded
-    by the caller, so every rank starts from the same one)."""
+def build_classifier(args: EncoderArgs, pretrained: Pretrained, device: torch.device, where: str,
+                     head: tuple[str, ...] = HEAD) -> Encoder:
+    """The encoder with model.init's weights in fp32; a head (the weights named ``head``) the checkpoint lacks
+    keeps its random init (seeded by the caller, so every rank starts from the same one)."""
     model = Encoder(args).to(device)
     missing, unexpected = model.load_state_dict(cast_state(pretrained.state, device, torch.float32), strict=False)
-    if unexpected or set(missing) - set(HEAD):
-        wrong = (unexpected or sorted(set(missing) - set(HEAD)))[0]
+    if unexpected or set(missing) - set(head):
+        wrong = (unexpected or sorted(set(missing) - set(head)))[0]
         raise UserError(f"the weights in {where} do not match its model arguments: "
                         f"{'unexpected' if unexpected else 'missing'} {wrong!r}")
     return model.train()
