@@ -1,5 +1,7 @@
-"""`scalenlp eval`: perplexity of a language model over a text file, with sliding windows; or, with
-``--chat``, a chat model's accuracy on questions whose answers must contain a known string.
+"""`scalenlp eval`: perplexity of a language model over a text file, with sliding windows; with ``--chat``, a
+chat model's accuracy on questions whose answers must contain a known string; with ``--tasks``, accuracy on
+multiple-choice questions scored by log-likelihood as lm-evaluation-harness scores them
+(``scalenlp.evaluation.multiple_choice``), batched through the engine and sharded with ``--tp``.
 
 Perplexity follows the method of Hugging Face's "Perplexity of fixed-length models" guide: the file is tokenized whole, a
 window of ``--seq`` tokens slides by ``--stride``, and each window scores only the tokens the previous
@@ -31,18 +33,30 @@ class Perplexity:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    EngineConfig.add_arguments(parser, LOAD_OPTIONS, dtype={
-        "default": "float32", "help": "weight dtype (default float32: perplexity is a quality figure, bf16 shifts it)"})
+    EngineConfig.add_arguments(parser, (*LOAD_OPTIONS, "max_batch", "tp"), dtype={
+        "default": "float32", "help": "weight dtype (default float32: perplexity and accuracy are quality figures, "
+                                      "bf16 shifts them)"},
+        tp={"help": "with --tasks or --chat: tensor-parallel processes for the model (gloo on CPU, NCCL on GPUs)"},
+        max_batch={"help": "with --tasks: most sequences in one forward, the engine's cache rows (default 8)"})
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--data", help="UTF-8 text file whose perplexity to measure")
     what.add_argument("--chat", metavar="FILE.jsonl",
                       help='questions, one JSON object per line: {"messages": [...], "expect": "text"}; a greedy '
                            'answer is right when it contains the expected text (case-insensitive)')
+    what.add_argument("--tasks", metavar="FILE.jsonl",
+                      help='multiple-choice questions, one JSON object per line: {"context": "...", "choices": '
+                           '["...", ...], "answer": index or choice text}; reports acc (highest log-likelihood), '
+                           'acc_norm (per character) and acc_bytes (per byte), as lm-evaluation-harness does')
     parser.add_argument("--seq", type=int, default=None, help="tokens per window (default: the model's context, "
                                                               "at most 1024)")
     parser.add_argument("--stride", type=int, default=None, help="tokens the window moves by (default: --seq / 2)")
     parser.add_argument("--max-tokens", type=int, default=None, help="score only the file's first N tokens")
     parser.add_argument("--max-answer-tokens", type=int, default=48, help="with --chat: tokens per answer")
+    parser.add_argument("--target-delimiter", default=" ",
+                        help="with --tasks: text between the context and each choice (default a space, as "
+                             "lm-evaluation-harness)")
+    parser.add_argument("--out", metavar="FILE.json",
+                        help="with --tasks: also write the result, with every choice's log-likelihood, to this file")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -123,6 +137,31 @@ def chat_accuracy(args) -> int:
     return 0
 
 
+def multiple_choice(args) -> int:
+    """Every choice of every question scored in one batched loglikelihood call, and the accuracies."""
+    from scalenlp.engine.llm import LLM
+    from scalenlp.evaluation.multiple_choice import read_questions, score
+
+    questions = read_questions(args.tasks)
+    out = Path(args.out) if args.out else None
+    if out is not None and not out.parent.is_dir():
+        raise UserError(f"--out {args.out}: the folder {out.parent} does not exist; create it first")
+    with LLM(EngineConfig.from_args(args)) as llm:
+        result = score(llm.engine, questions, args.target_delimiter)
+    summary = {key: value for key, value in asdict(result).items() if key != "details"}
+    summary.update(tasks=str(args.tasks), checkpoint=str(args.checkpoint), dtype=args.dtype, tp=args.tp,
+                   target_delimiter=args.target_delimiter)
+    if out is not None:
+        out.write_text(json.dumps({**summary, "questions_detail": result.details}, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"acc {result.acc:.4f}  acc_norm {result.acc_norm:.4f}  acc_bytes {result.acc_bytes:.4f} over "
+              f"{result.questions} questions ({result.continuations} continuations scored in {result.seconds:.1f} s)"
+              f" | {args.tasks} | {args.checkpoint}")
+    return 0
+
+
 def run(args) -> int:
     import torch
 
@@ -131,8 +170,12 @@ def run(args) -> int:
     from scalenlp.loader import load
     from scalenlp.models.decoder import Transformer
 
+    if args.tasks:
+        return multiple_choice(args)
     if args.chat:
         return chat_accuracy(args)
+    if args.tp > 1:
+        raise UserError("--tp works with --tasks and --chat; perplexity over --data runs in one process, drop --tp")
     data = Path(args.data)
     if not data.is_file():
         raise UserError(f"--data {args.data!r} is not a file; pass a UTF-8 text file to score")

@@ -87,6 +87,19 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
 
+@dataclass
+class _Scoring:
+    """One ``loglikelihood`` call, scored a batch per loop step in free cache rows, longest sequences first
+    (so that a batch pads little)."""
+
+    inputs: list[list[int]]  # context + continuation less its last token, left-truncated to a cache row
+    targets: list[list[int]]  # the continuation tokens, predicted by the inputs' last len(target) positions
+    results: list[tuple[float, bool] | None]
+    order: list[int]  # indices into inputs, longest first
+    done: threading.Event = field(default_factory=threading.Event)
+    scored: int = 0  # entries of ``order`` done
+
+
 def pick_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
     """bf16 where the hardware computes in it natively, else float32."""
     if requested != "auto":
@@ -145,6 +158,7 @@ class Engine:
             self._decode = model
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}
+        self._scoring: collections.deque[_Scoring] = collections.deque()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -264,6 +278,40 @@ class Engine:
                     raise EngineDead(f"the engine has stopped: {self.error!r}")
         return texts
 
+    def loglikelihood(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """Blocking: for each (context ids, continuation ids), the summed log-probability of the continuation
+        given the context and whether greedy decoding would have produced it, computed as evaluation harnesses
+        do (lm-eval's ``loglikelihood``): one forward of context + continuation, no generation; a sequence longer
+        than a cache row keeps its last ``max_seq_len`` + 1 tokens. The forwards run on the engine's loop in the
+        cache rows that generation leaves free, as many sequences per forward as rows and ``token_budget`` allow."""
+        inputs, targets = [], []
+        vocab = self.model.args.vocab_size
+        for n, (context, continuation) in enumerate(pairs):
+            if not context or not continuation:
+                raise RequestError(f"pair {n} has an empty {'context' if not context else 'continuation'}; each "
+                                   "needs at least one token (put a start-of-text token before an empty context)")
+            if len(continuation) > self.max_seq_len:
+                raise RequestError(f"pair {n}'s continuation has {len(continuation)} tokens, more than the "
+                                   f"{self.max_seq_len} positions of a cache row; shorten it")
+            if any(not 0 <= t < vocab for t in (*context, *continuation)):
+                raise RequestError(f"pair {n} holds token ids outside [0, {vocab})")
+            whole = [*context, *continuation][-(self.max_seq_len + 1):]
+            inputs.append(whole[:-1])
+            targets.append(list(continuation))
+        if not pairs:
+            return []
+        order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+        job = _Scoring(inputs, targets, [None] * len(inputs), order)
+        with self._wake:
+            if not self.alive:
+                raise EngineDead(f"the engine has stopped: {self.error!r}")
+            self._scoring.append(job)
+            self._wake.notify()
+        while not job.done.wait(1.0):
+            if not self.alive:
+                raise EngineDead(f"the engine has stopped: {self.error!r}")
+        return job.results
+
     # ---- the loop (engine thread) ----
 
     def _loop(self) -> None:
@@ -271,7 +319,8 @@ class Engine:
             with torch.inference_mode():
                 while True:
                     with self._wake:
-                        while not (self._stopping or self._waiting or self._running or self._failure):
+                        while not (self._stopping or self._waiting or self._running or self._scoring
+                                   or self._failure):
                             self._wake.wait()
                         if self._failure is not None:
                             raise self._failure
@@ -295,12 +344,48 @@ class Engine:
         for slot, r in list(self._running.items()):
             if r.cancelled:
                 del self._running[slot]
+        if self._scoring:
+            self._score_batch()
         admitted = self._admit()
         if admitted:
             self._prefill(admitted)
         if self._running:  # includes the requests just prefilled: they decode their second token now
             self._decode_step()
         self.steps += 1
+
+    def _score_batch(self) -> None:
+        """One forward over the next sequences of the oldest ``loglikelihood`` call, right-padded in the rows no
+        request holds (none free: it waits for a request to finish). Each row writes only its own cache row, and
+        nothing reads it afterwards: the next prefill there overwrites it."""
+        job = self._scoring[0]
+        free = [slot for slot in range(self.max_batch) if slot not in self._running]
+        rows: list[int] = []
+        while job.scored < len(job.order) and len(rows) < len(free):
+            i = job.order[job.scored]
+            # Longest first, so the first row's length is the batch's width.
+            if rows and len(job.inputs[rows[0]]) * (len(rows) + 1) > self.token_budget:
+                break
+            rows.append(i)
+            job.scored += 1
+        if not rows:
+            return
+        T = len(job.inputs[rows[0]])
+        tokens = torch.zeros(len(rows), T, dtype=torch.long)
+        for b, i in enumerate(rows):
+            tokens[b, :len(job.inputs[i])] = torch.tensor(job.inputs[i])
+        positions = torch.arange(T).expand(len(rows), T)
+        slots = torch.tensor(free[:len(rows)])
+        logits = self.model(tokens.to(self.device), positions.to(self.device), slots.to(self.device), kv_len=T)
+        for b, i in enumerate(rows):
+            n, k = len(job.inputs[i]), len(job.targets[i])
+            logprobs = logits[b, n - k:n].float().log_softmax(-1)
+            target = torch.tensor(job.targets[i], device=logprobs.device)
+            chosen = logprobs.gather(-1, target[:, None]).sum().item()
+            job.results[i] = (chosen, bool((logprobs.argmax(-1) == target).all()))
+        if job.scored == len(job.order):
+            with self._wake:
+                self._scoring.popleft()
+            job.done.set()
 
     def _admit(self) -> list[Request]:
         free = sorted(set(range(self.max_batch)) - set(self._running))
