@@ -95,3 +95,26 @@ def entity_scores(gold: Iterable[Sequence[str]], predicted: Iterable[Sequence[st
     totals = [sum(c[i] for c in counts.values()) for i in range(3)]
     types = {kind: {**_prf(*c), "entities": c[2]} for kind, c in counts.items()}
     return {**_prf(*totals), "entities": totals[2], "types": types}
+
+
+def text_entities(text: str, offsets: Sequence[tuple[int, int]], word_ids: Sequence[int | None],
+                  probs, labels: Sequence[str]) -> list[dict]:
+    """The entities of one text from its sub-tokens' character ``offsets``, their words (``word_ids``) and their
+    tag probabilities (``probs``, tokens x labels, an array), as transformers' pipeline reads them with
+    aggregation_strategy="first": a word takes the likeliest tag of its first sub-token, scored by that tag's
+    probability; words group into entities as ``entity_spans`` does; an entity's score is its words' mean."""
+    words: list[list] = []  # [first character, end character, tag, score]
+    for i, word in enumerate(word_ids):
+        if word is None:
+            continue
+        if i > 0 and word == word_ids[i - 1] and words:
+            words[-1][1] = offsets[i][1]
+            continue
+        best = int(probs[i].argmax())
+        words.append([offsets[i][0], offsets[i][1], labels[best], float(probs[i][best])])
+    out = []
+    for kind, first, last in entity_spans([w[2] for w in words]):
+        start, end = words[first][0], words[last][1]
+        score = sum(w[3] for w in words[first:last + 1]) / (last - first + 1)
+        out.append({"type": kind, "text": text[start:end], "start": start, "end": end, "score": score})
+    return out
