@@ -19,7 +19,7 @@ from scalenlp.compress.quantized import Quantization, build_quantized, read_quan
 from scalenlp.errors import UserError
 from scalenlp.models.gguf import read_gguf
 from scalenlp.models.hf import read_hf_config, read_hf_folder
-from scalenlp.models.hf_bert import read_bert_folder
+from scalenlp.models.hf_encoder import is_encoder_config, read_encoder_folder
 from scalenlp.models.io import ARGS, build, read_export
 from scalenlp.models.pretrained import Pretrained
 
@@ -51,7 +51,7 @@ def read(path: str | Path) -> Pretrained:
         return read_gguf(p)
     if kind == "hf":
         config = read_hf_config(p)
-        return (read_bert_folder if config.get("model_type") == "bert" else read_hf_folder)(p, config)
+        return (read_encoder_folder if is_encoder_config(config) else read_hf_folder)(p, config)
     pre = read_export(p)
     pre.quantization = read_quantization(p)
     return pre

@@ -12,7 +12,7 @@ import torch
 from scalenlp import loader
 from scalenlp.errors import UserError
 from scalenlp.models.encoder import Encoder, EncoderArgs
-from scalenlp.models.hf_bert import write_bert_folder
+from scalenlp.models.hf_encoder import write_encoder_folder
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.packaged import packaged_model
 
@@ -77,7 +77,7 @@ def tiny(task: str, **overrides) -> Encoder:
 def test_bert_folder_loads_in_transformers(tmp_path, minilm, transformers, task):
     _, pre, ids, mask = minilm
     model = tiny(task)
-    folder = write_bert_folder(model, pre.tokenizer, pre.tokenizer_config, tmp_path / "hf")
+    folder = write_encoder_folder(model, pre.tokenizer, pre.tokenizer_config, tmp_path / "hf")
     auto = {"embedding": transformers.AutoModel, "classification": transformers.AutoModelForSequenceClassification,
             "token_classification": transformers.AutoModelForTokenClassification}[task]
     hf = auto.from_pretrained(str(folder)).eval()
@@ -115,7 +115,7 @@ def edit(folder: Path, name: str, change) -> None:
 
 
 @pytest.mark.parametrize("name, change, message", [
-    ("config.json", lambda c: {**c, "model_type": "roberta"}, "cannot load a Hugging Face 'roberta' model"),
+    ("config.json", lambda c: {**c, "model_type": "electra"}, "'electra' encoder; the supported encoder model types are bert, "),
     ("config.json", lambda c: {**c, "hidden_act": "relu"}, "hidden_act='relu' is not supported"),
     ("config.json", lambda c: {**c, "position_embedding_type": "relative_key"}, "position_embedding_type"),
     ("1_Pooling/config.json", lambda c: {**c, "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": True},
@@ -124,7 +124,7 @@ def edit(folder: Path, name: str, change) -> None:
                                      "type": "sentence_transformers.models.Dense"}], "Dense .* is not supported"),
 ])
 def test_unsupported_folders_are_user_errors(tmp_path, name, change, message):
-    folder = write_bert_folder(tiny("embedding"), MINILM / "tokenizer.json", None, tmp_path / "hf")
+    folder = write_encoder_folder(tiny("embedding"), MINILM / "tokenizer.json", None, tmp_path / "hf")
     loader.read(folder)  # unedited, it loads
     edit(folder, name, change)
     with pytest.raises(UserError, match=message):
@@ -134,7 +134,7 @@ def test_unsupported_folders_are_user_errors(tmp_path, name, change, message):
 def test_missing_tensor_is_a_user_error(tmp_path):
     folder = tmp_path / "hf"
     shutil.copytree(MINILM, folder, ignore=shutil.ignore_patterns("*.safetensors"))
-    write_bert_folder(tiny("embedding"), None, None, tmp_path / "small")
+    write_encoder_folder(tiny("embedding"), None, None, tmp_path / "small")
     shutil.copyfile(tmp_path / "small" / "model.safetensors", folder / "model.safetensors")  # 2 layers, config says 6
     with pytest.raises(UserError, match="lacks the tensor encoder.layer.2"):
         loader.read(folder)

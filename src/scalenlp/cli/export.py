@@ -27,13 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def write_hf_folder(model, pre, out: Path) -> None:
     """A model as a transformers folder, with the tokenizer and its config (chat template) beside the weights."""
     from scalenlp.models.encoder import Encoder
-    from scalenlp.models.hf_bert import write_bert_folder
+    from scalenlp.models.hf_encoder import write_encoder_folder
     from scalenlp.models.io import replacing_folder, write_tokenizer
 
     # transformers' fast tokenizer reads its class and special tokens from the tokenizer config.
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **pre.tokenizer_config}
     if isinstance(model, Encoder):
-        write_bert_folder(model, pre.tokenizer, tokenizer_config, out)
+        write_encoder_folder(model, pre.tokenizer, tokenizer_config, out)
         return
     from scalenlp.models.hf import to_hf  # builds a transformers model
 

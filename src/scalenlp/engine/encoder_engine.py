@@ -28,6 +28,7 @@ from scalenlp.errors import UserError
 from scalenlp.loader import checkpoint_kind, instantiate, read
 from scalenlp.models.encoder import EncoderArgs
 from scalenlp.models.hf import read_hf_config
+from scalenlp.models.hf_encoder import is_encoder_config
 from scalenlp.models.io import load_model_args
 
 KINDS = ("embed", "classify")
@@ -38,7 +39,7 @@ def is_encoder(checkpoint: str | Path) -> bool:
     kind, path = checkpoint_kind(checkpoint)
     if kind == "export":
         return isinstance(load_model_args(path), EncoderArgs)
-    return kind == "hf" and read_hf_config(path).get("model_type") == "bert"
+    return kind == "hf" and is_encoder_config(read_hf_config(path))
 
 
 def sentence_max_len(folder: Path) -> int | None:

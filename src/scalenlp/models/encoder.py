@@ -1,11 +1,15 @@
-"""Bidirectional encoder: the BERT family (BERT, MiniLM and sentence-transformers models built on them).
+"""Bidirectional encoder: BERT (and MiniLM and the sentence-transformers models built on it), RoBERTa,
+XLM-RoBERTa and DistilBERT, one model whose options cover where they differ.
 
 Learned absolute positions, token type embeddings, post-LayerNorm blocks (the residual sum is
 normalised, not the block input), exact (erf) GELU and a pooler (dense + tanh over the first token).
-One model serves four tasks: sentence embeddings (pooled hidden states), sequence classification
-(a linear head on the pooler output, as Hugging Face's ``BertForSequenceClassification``), token
-classification (a linear head on every hidden state) and extractive question answering (start and end
-logits for every token, as ``BertForQuestionAnswering``'s ``qa_outputs``).
+RoBERTa numbers positions over non-pad tokens from an offset (``position_offset``) and has one token
+type; DistilBERT has no token types (``type_vocab_size=0``) and no pooler. One model serves four tasks:
+sentence embeddings (pooled hidden states), sequence classification (``classifier_head``: a linear
+layer on the pooler output as ``BertForSequenceClassification`` has it, or on a dense + tanh / ReLU of
+the first token as RoBERTa's and DistilBERT's have it), token classification (a linear head on every
+hidden state) and extractive question answering (start and end logits for every token, as
+``BertForQuestionAnswering``'s ``qa_outputs``).
 
 Pure PyTorch, no torch.distributed, named like the decoder so that parallelism applies from outside:
 attention reshapes with ``view(B, T, -1, head_dim)`` (a tensor-parallel shard holds n_heads / tp
@@ -24,6 +28,9 @@ from torch import nn
 POOLINGS = ("mean", "cls", "pooler")
 TASKS = ("embedding", "classification", "token_classification", "question_answering")
 LABELLED_TASKS = ("classification", "token_classification")
+CLASSIFIER_HEADS = ("pooler", "tanh", "relu")
+# The Hugging Face model types these options reproduce (the names export writes back).
+FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert")
 
 
 @dataclass
@@ -35,9 +42,14 @@ class EncoderArgs:
     ffn_dim: int = 1536
     max_seq_len: int = 512
     type_vocab_size: int = 2
+    """Token types (segments): 2 for BERT; 1 (RoBERTa) reads none from the input; 0 (DistilBERT) has no table."""
     norm_eps: float = 1e-12
     dropout: float = 0.0
     pad_token_id: int = 0
+    position_offset: int = 0
+    """0: token i sits at position i (BERT). Above 0, as RoBERTa (fairseq) numbers them: non-pad tokens count
+    from ``position_offset`` (RoBERTa's is pad_token_id + 1) and every pad token sits at ``position_offset - 1``;
+    the position table has ``max_seq_len + position_offset`` rows."""
     pooling: str = "mean"
     """How ``embed`` pools hidden states into one vector: mean over real tokens, the first ([CLS]) token,
     or the pooler's output (dense + tanh over [CLS])."""
@@ -50,6 +62,11 @@ class EncoderArgs:
     """Class names in logit order (id -> label), for the classification tasks."""
     pooler: bool = True
     """Whether the model has a pooler; token classification checkpoints are saved without one."""
+    classifier_head: str = "pooler"
+    """What sequence classification puts under its linear layer: the pooler (BERT), or a dense layer of its own
+    over the first token followed by tanh (RoBERTa) or ReLU (DistilBERT)."""
+    family: str = "bert"
+    """The Hugging Face model type the weights are named after (``hf_encoder`` reads and writes it)."""
     architecture: str = "bert"
     """Written to ``model_args.json``: it tells the loader to build an ``Encoder``, not a decoder."""
 
@@ -62,13 +79,35 @@ class EncoderArgs:
         if self.dim % self.n_heads:
             raise ValueError(f"model dim {self.dim} is not divisible by n_heads {self.n_heads}")
         for name, value, allowed in (("pooling", self.pooling, POOLINGS), ("task", self.task, TASKS),
-                                     ("architecture", self.architecture, ("bert",))):
+                                     ("architecture", self.architecture, ("bert",)), ("family", self.family, FAMILIES),
+                                     ("classifier_head", self.classifier_head, CLASSIFIER_HEADS)):
             if value not in allowed:
                 raise ValueError(f"encoder {name}={value!r} is not one of {allowed}")
         if self.task in LABELLED_TASKS and not self.labels:
             raise ValueError(f"task={self.task!r} needs the class names (labels)")
-        if not self.pooler and (self.pooling == "pooler" or self.task == "classification"):
-            raise ValueError("pooling='pooler' and task='classification' need a pooler (pooler=True)")
+        if not self.pooler and (self.pooling == "pooler" or self.uses_pooler_head):
+            raise ValueError("pooling='pooler' and task='classification' with classifier_head='pooler' need a "
+                             "pooler (pooler=True)")
+        if self.type_vocab_size < 0 or self.position_offset < 0:
+            raise ValueError("type_vocab_size and position_offset must be 0 or more")
+
+    @property
+    def uses_pooler_head(self) -> bool:
+        return self.task == "classification" and self.classifier_head == "pooler"
+
+    @property
+    def head_modules(self) -> tuple[str, ...]:
+        """The task head's modules: what a pretrained encoder lacks and a fine-tune starts at random."""
+        if self.task == "question_answering":
+            return ("qa_outputs",)
+        if self.task == "classification" and not self.uses_pooler_head:
+            return ("head_dense", "classifier")  # RoBERTa's and DistilBERT's own dense layer, where BERT's uses the pooler
+        return ("classifier",) if self.task in LABELLED_TASKS else ()
+
+    @property
+    def head_names(self) -> list[str]:
+        """The head's state-dict names."""
+        return [f"{module}.{p}" for module in self.head_modules for p in ("weight", "bias")]
 
 
 class Attention(nn.Module):
@@ -119,15 +158,17 @@ class Encoder(nn.Module):
         args.check()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim)
-        self.type_embeddings = nn.Embedding(args.type_vocab_size, args.dim)
+        self.pos_embeddings = nn.Embedding(args.max_seq_len + args.position_offset, args.dim)
+        self.type_embeddings = nn.Embedding(args.type_vocab_size, args.dim) if args.type_vocab_size else None
         self.emb_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.drop = nn.Dropout(args.dropout)
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.pooler = nn.Linear(args.dim, args.dim) if args.pooler else None
-        self.classifier = nn.Linear(args.dim, len(args.labels)) if args.task in LABELLED_TASKS else None
+        heads = args.head_modules
+        self.head_dense = nn.Linear(args.dim, args.dim) if "head_dense" in heads else None
+        self.classifier = nn.Linear(args.dim, len(args.labels)) if "classifier" in heads else None
         # A span's start and end scores for every token (column 0: start, 1: end), named as transformers names it.
-        self.qa_outputs = nn.Linear(args.dim, 2) if args.task == "question_answering" else None
+        self.qa_outputs = nn.Linear(args.dim, 2) if "qa_outputs" in heads else None
         self.init_weights()
 
     @torch.no_grad()
@@ -145,7 +186,8 @@ class Encoder(nn.Module):
         """Parameters; with exclude_embedding, only those that take part in matmuls (not the lookup tables)."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embedding:
-            n -= sum(e.weight.numel() for e in (self.tok_embeddings, self.pos_embeddings, self.type_embeddings))
+            tables = (self.tok_embeddings, self.pos_embeddings, self.type_embeddings)
+            n -= sum(e.weight.numel() for e in tables if e is not None)
         return n
 
     def flops_per_token(self, seq_len: int) -> int:
@@ -160,15 +202,25 @@ class Encoder(nn.Module):
         T = input_ids.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than the model's max_seq_len {self.args.max_seq_len}")
-        positions = torch.arange(T, device=input_ids.device)
-        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-        h = self.tok_embeddings(input_ids) + self.pos_embeddings(positions) + self.type_embeddings(types)
+        h = self.tok_embeddings(input_ids) + self.pos_embeddings(self.positions(input_ids))
+        if self.type_embeddings is not None:
+            # One type (RoBERTa): a tokenizer may still number a pair's second text 1; the model has no segments.
+            one_type = token_type_ids is None or self.args.type_vocab_size == 1
+            h = h + self.type_embeddings(torch.zeros_like(input_ids) if one_type else token_type_ids)
         h = self.drop(self.emb_norm(h))
         # Padded keys are hidden from every query; padded queries still compute (and are ignored by pooling).
         mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         for block in self.layers.values():
             h = block(h, mask)
         return h
+
+    def positions(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) or (B, T) position ids, per ``args.position_offset``."""
+        offset = self.args.position_offset
+        if not offset:
+            return torch.arange(input_ids.shape[1], device=input_ids.device)
+        real = input_ids.ne(self.args.pad_token_id).long()
+        return torch.cumsum(real, dim=1) * real + (offset - 1)
 
     def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """(B, dim) sentence vectors from (B, T, dim) hidden states, per ``args.pooling``."""
@@ -201,5 +253,15 @@ class Encoder(nn.Module):
         if self.args.task == "question_answering":
             return self.qa_outputs(h)  # transformers applies no dropout before this head
         if self.args.task == "classification":
-            h = self.pooled(h)
+            h = self.classify_first(h)
         return self.classifier(self.drop(h))
+
+    def classify_first(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the sequence classifier's last linear layer reads, per ``args.classifier_head``; dropout as each
+        family's Hugging Face head places it."""
+        head = self.args.classifier_head
+        if head == "pooler":
+            return self.pooled(hidden)
+        if head == "tanh":
+            return torch.tanh(self.head_dense(self.drop(hidden[:, 0])))
+        return F.relu(self.head_dense(hidden[:, 0]))
