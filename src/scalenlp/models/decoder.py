@@ -1,4 +1,6 @@
-"""Decoder-only transformer: the GPT-2 and Llama families in one module.
+"""Decoder-only transformer: GPT-2, Llama and the Hugging Face families built like them (Qwen, Mistral, Gemma,
+Phi-3) in one module, their differences as ModelArgs options rather than copies of the model
+(scalenlp.models.families maps each family's config.json onto them).
 
 Pure PyTorch, no torch.distributed: parallelism is applied from outside (scalenlp.parallel), which
 relies on three properties of this file:
@@ -44,11 +46,25 @@ class ModelArgs:
     norm_eps: float = 1e-5
     dropout: float = 0.0
     fixed_head_dim: int = 0  # 0 = dim // n_heads; set where heads were pruned (or a Llama gives head_dim)
+    # Options of the Hugging Face families beyond GPT-2 and Llama; each default leaves the model as it was.
+    qkv_bias: bool = False  # a bias on q, k and v even where ``bias`` is off (Qwen2: none on o or the MLP)
+    qk_norm: bool = False  # an RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorms scale by (offset + weight), their weights stored as offsets (Gemma: 1 + w)
+    post_norms: bool = False  # a norm on the attention's and the MLP's outputs too, before each residual add (Gemma)
+    sliding_window: int = 0  # the keys a query of a local layer sees, itself included (Mistral, Gemma); 0 = all
+    local_layers: tuple = ()  # the layers that attend within sliding_window; the others see every earlier key
+    rope_local_theta: float = 0.0  # the local layers' own RoPE base (Gemma 3); 0 = rope_theta
+    attn_scale: float = 0.0  # what scores are multiplied by; 0 = head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    attn_softcap: float = 0.0  # scores become cap * tanh(scores / cap) (Gemma 2); 0 = not capped
+    logit_softcap: float = 0.0  # the same on the output logits (Gemma 2); 0 = not capped
+    embed_scale: float = 0.0  # token embeddings are multiplied by it (Gemma: sqrt(dim)); 0 = not scaled
+    hf_type: str = ""  # the Hugging Face model_type export writes back; "" = gpt2 or llama, told by the shape
 
     def __post_init__(self) -> None:
         if self.n_kv_heads == 0:
             self.n_kv_heads = self.n_heads
         self.rope_scaling = tuple(self.rope_scaling)  # model_args.json gives back a list
+        self.local_layers = tuple(self.local_layers)
 
     @property
     def head_dim(self) -> int:
@@ -70,8 +86,17 @@ class ModelArgs:
             if factor < 1 or not 0 < low < high or original <= 0:
                 raise ValueError(f"rope_scaling {self.rope_scaling} needs factor >= 1, 0 < low_freq_factor < "
                                  f"high_freq_factor and a positive original_max_seq_len")
+        if bool(self.sliding_window) != bool(self.local_layers):
+            raise ValueError(f"sliding_window={self.sliding_window} and local_layers={self.local_layers} go together: "
+                             f"give both (a window and the layers that use it) or neither")
+        if any(not 0 <= i < self.n_layers for i in self.local_layers):
+            raise ValueError(f"local_layers {self.local_layers} name layers outside 0..{self.n_layers - 1}")
+        if (self.norm_offset or self.qk_norm) and self.norm != "rmsnorm":
+            raise ValueError("norm_offset and qk_norm need norm='rmsnorm'")
+        if self.rope_local_theta and self.position != "rope":
+            raise ValueError("rope_local_theta needs position='rope'")
         for name, value, allowed in (("norm", self.norm, ("rmsnorm", "layernorm")),
-                                     ("activation", self.activation, ("swiglu", "gelu")),
+                                     ("activation", self.activation, ("swiglu", "geglu", "gelu")),
                                      ("position", self.position, ("rope", "learned"))):
             if value not in allowed:
                 raise ValueError(f"model {name}={value!r} is not one of {allowed}")
@@ -100,34 +125,50 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (same parameter, same state dict) that keeps less for backward where autograd records it."""
+    """nn.RMSNorm (same parameter, same state dict) that keeps less for backward where autograd records it.
+    With an ``offset`` it scales by (offset + weight), the sum taken in float32 as Gemma's norm does it (in
+    bf16, 1 + w would lose the small w's digits)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__(dim, eps=eps)
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            return _RMSNorm.apply(x, self.weight.float() + self.offset, self.eps)
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _RMSNorm.apply(x, self.weight, self.eps)
         return super().forward(x)
 
 
-def make_norm(args: ModelArgs) -> nn.Module:
+def make_norm(args: ModelArgs, dim: int = 0) -> nn.Module:
+    """The model's norm over ``dim`` features (the model's width unless given)."""
     if args.norm == "rmsnorm":
-        return RMSNorm(args.dim, eps=args.norm_eps)
-    return nn.LayerNorm(args.dim, eps=args.norm_eps, bias=args.bias)
+        return RMSNorm(dim or args.dim, eps=args.norm_eps, offset=args.norm_offset)
+    return nn.LayerNorm(dim or args.dim, eps=args.norm_eps, bias=args.bias)
 
 
 def rope_tables(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape (max_seq_len, head_dim), in the rotate-half layout that HF Llama uses."""
+    """cos/sin of shape (max_seq_len, head_dim), in the rotate-half layout that HF Llama uses. With
+    ``rope_local_theta`` the local layers' tables follow the global ones on the last dimension,
+    (max_seq_len, 2 * head_dim): one pair of buffers, so that every loader that rebuilds the tables
+    after a meta-device build rebuilds both (``Transformer.forward`` splits them)."""
     inv_freq = rope_inv_freq(args, device)
     if args.rope_scaling:
         inv_freq = llama3_scaled(inv_freq, *args.rope_scaling)
-    angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
+    if args.rope_local_theta:
+        inv_freq = torch.cat([inv_freq, rope_inv_freq(args, device, args.rope_local_theta)])
+    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq).unflatten(-1, (-1, args.head_dim // 2))
+    angles = torch.cat([angles, angles], dim=-1).flatten(-2)
     return angles.cos(), angles.sin()
 
 
-def rope_inv_freq(args: ModelArgs, device=None) -> torch.Tensor:
-    """Plain RoPE's speed, in radians per position, of each of the head_dim / 2 rotated pairs."""
+def rope_inv_freq(args: ModelArgs, device=None, theta: float = 0.0) -> torch.Tensor:
+    """Plain RoPE's speed, in radians per position, of each of the head_dim / 2 rotated pairs (base
+    ``theta``, the model's rope_theta unless given)."""
     half = args.head_dim // 2
-    return 1.0 / (args.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
+    return 1.0 / ((theta or args.rope_theta) ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
 
 
 def rope_turns(inv_freq: torch.Tensor, original_max_seq_len: int) -> torch.Tensor:
@@ -186,17 +227,41 @@ class CacheIndex:
     slots: torch.Tensor | None  # (B,) cache rows read, or None for the leading rows 0..B-1
     kv_len: int  # leading cache positions read
     mask: torch.Tensor  # (B, 1, T, kv_len): each query sees the keys up to its own position
+    local_mask: torch.Tensor | None = None  # the same within a sliding window, for local layers
 
     @classmethod
-    def build(cls, input_pos: torch.Tensor, slots: torch.Tensor | None, kv_len: int) -> CacheIndex:
+    def build(cls, input_pos: torch.Tensor, slots: torch.Tensor | None, kv_len: int, window: int = 0) -> CacheIndex:
         """input_pos: (B, T) positions; slots: (B,) cache rows or None for 0..B-1. kv_len: a bound on
         every position in ``input_pos`` (exclusive), known to the caller without a device sync; only
         that many leading cache positions are read, which is what makes decode cost grow with the
-        sequence instead of with the cache size."""
+        sequence instead of with the cache size. window: the sliding window of the model's local layers
+        (0: none); their queries see only the last ``window`` positions up to their own."""
         B, device = input_pos.shape[0], input_pos.device
         rows = (torch.arange(B, device=device) if slots is None else slots)[:, None]
-        mask = torch.arange(kv_len, device=device)[None, None, :] <= input_pos[:, :, None]
-        return cls(rows, input_pos, slots, kv_len, mask[:, None])
+        keys = torch.arange(kv_len, device=device)[None, None, :]
+        mask = keys <= input_pos[:, :, None]
+        local = (mask & (keys > input_pos[:, :, None] - window))[:, None] if window else None
+        return cls(rows, input_pos, slots, kv_len, mask[:, None], local)
+
+
+def window_mask(T: int, window: int, device) -> torch.Tensor:
+    """(T, T) causal mask of a sequence's own positions, each query seeing its last ``window`` keys (all if 0)."""
+    pos = torch.arange(T, device=device)
+    offset = pos[:, None] - pos[None, :]
+    return (offset >= 0) & (offset < window) if window else offset >= 0
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                         cap: float, dropout: float) -> torch.Tensor:
+    """Attention whose scores are capped, cap * tanh(scores / cap), before the mask and the softmax (Gemma 2):
+    SDPA has no hook between the two products, so this path writes them out (q: (B, H, T, D), k and v
+    (B, H_kv, S, D), mask broadcastable to (B, H, T, S))."""
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a group of query heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return F.dropout(probs, dropout) @ v
 
 
 class KVCache(nn.Module):
@@ -225,14 +290,20 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, window: int = 0):
         super().__init__()
         self.head_dim = args.head_dim
         self.dropout = args.dropout
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.bias)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.bias)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.bias)
+        self.window = window  # sliding window of a local layer; 0 = every earlier key
+        self.scale = args.attn_scale or None  # None: SDPA's own head_dim ** -0.5
+        self.softcap = args.attn_softcap
+        qkv_bias = args.bias or args.qkv_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.bias)
+        self.q_norm = make_norm(args, args.head_dim) if args.qk_norm else None
+        self.k_norm = make_norm(args, args.head_dim) if args.qk_norm else None
         self.cache: KVCache | None = None
         # Inference packing (scalenlp.engine.packing) may replace wq, wk and wv by one matmul: at decode time
         # each weight is read once per token, and one wide product streams them better than three.
@@ -263,40 +334,57 @@ class Attention(nn.Module):
                 # q and k too (two thirds more per layer at equal heads), though only their RoPE'd copies are used.
                 v = v.contiguous()
             q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        gqa = q.shape[1] != k.shape[1]
+        dropout = self.dropout if self.training else 0.0
         if self.cache is not None:
             k, v = self.cache.update(cache_index, k, v)
-            out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=cache_index.mask,
-                                                 enable_gqa=gqa)
-        elif cpu_attention.usable(q, k, dropout := self.dropout if self.training else 0.0):
+            mask = cache_index.local_mask if self.window else cache_index.mask
+            out = self.attend(q, k.to(q.dtype), v.to(q.dtype), mask, 0.0)
+        elif not (self.window or self.scale or self.softcap) and cpu_attention.usable(q, k, dropout):
             out = cpu_attention.causal_attention(q, k, v)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, dropout_p=dropout)
+            out = self.attend(q, k, v, window_mask(T, self.window, x.device) if self.window else None, dropout)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def attend(self, q, k, v, mask: torch.Tensor | None, dropout: float) -> torch.Tensor:
+        """Attention of q (B, H, T, D) over k, v (B, H_kv, S, D) under ``mask`` (None: causal over the
+        sequence itself), with this layer's scale and soft-cap."""
+        if self.softcap:
+            mask = window_mask(q.shape[2], 0, q.device) if mask is None else mask
+            return softcapped_attention(q, k, v, mask, self.scale or self.head_dim ** -0.5, self.softcap, dropout)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout,
+                                              scale=self.scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.swiglu = args.activation == "swiglu"
+        self.activation = args.activation
+        gated = args.activation != "gelu"  # swiglu, geglu: act(gate) * up
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=args.bias)
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=args.bias)
-        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=args.bias) if self.swiglu else None
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=args.bias) if gated else None
         self.w13: nn.Module | None = None  # w1 and w3 as one matmul, where inference packing fuses them
         self.stacked = False  # gate and up as one product (stacked_linear) when training turns it on, as Attention
 
     def forward(self, x):
         if self.w13 is not None:
             gate, up = self.w13(x).chunk(2, dim=-1)  # w1 is Llama's gate projection, w3 its up projection
-            return self.w2(F.silu(gate) * up)
-        if self.swiglu:
+            return self.w2(self.gated(gate, up))
+        if self.w3 is not None:
             gate_up = stacked_linear(x, (self.w1, self.w3)) if self.stacked else None
             gate, up = gate_up or (self.w1(x), self.w3(x))
-            return self.w2(swiglu(gate, up))
+            return self.w2(self.gated(gate, up))
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+    def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.activation == "geglu":  # Gemma's: GELU's tanh approximation on the gate
+            return F.gelu(gate, approximate="tanh") * up
+        return swiglu(gate, up)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -323,17 +411,27 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
+        self.local = layer in args.local_layers  # attends within the sliding window
         self.attention_norm = make_norm(args)
-        self.attention = Attention(args)
+        self.attention = Attention(args, window=args.sliding_window if self.local else 0)
         self.ffn_norm = make_norm(args)
         self.feed_forward = FeedForward(args)
         self.drop = nn.Dropout(args.dropout)
+        # Gemma normalises each sublayer's output as well as its input, before the residual add.
+        self.post_attention_norm = make_norm(args) if args.post_norms else None
+        self.post_ffn_norm = make_norm(args) if args.post_norms else None
 
     def forward(self, x, rope, cache_index: CacheIndex | None = None):
-        h = x + self.drop(self.attention(self.attention_norm(x), rope, cache_index))
-        return h + self.drop(self.feed_forward(self.ffn_norm(h)))
+        out = self.attention(self.attention_norm(x), rope, cache_index)
+        if self.post_attention_norm is not None:
+            out = self.post_attention_norm(out)
+        h = x + self.drop(out)
+        out = self.feed_forward(self.ffn_norm(h))
+        if self.post_ffn_norm is not None:
+            out = self.post_ffn_norm(out)
+        return h + self.drop(out)
 
 
 def init_recipe(args: ModelArgs):
@@ -359,7 +457,7 @@ def init_recipe(args: ModelArgs):
         if kind == "bias":
             return None
         if module.rsplit(".", 1)[-1].endswith("norm"):
-            return "ones"
+            return None if args.norm_offset else "ones"  # an offset norm's unit gain is a zero weight
         if not llama:
             return (gpt2_residual if module.endswith(("wo", "w2")) else 0.02), None
         if module == "output" or module == "tok_embeddings" and args.tie_embeddings:
@@ -382,7 +480,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim) if args.position == "learned" else None
         self.drop = nn.Dropout(args.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
         self.norm = make_norm(args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.compile_loss = False  # the chunked loss through torch.compile: parallelize turns it on (training.compile)
@@ -447,27 +545,39 @@ class Transformer(nn.Module):
         if input_pos is None:
             input_pos = torch.arange(T, device=tokens.device).unsqueeze(0)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.args.embed_scale and self.tok_embeddings is not None:
+            h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)  # rounded to h's dtype, as Gemma does
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(input_pos)
         h = self.drop(h)
-        rope = None
+        rope = local_rope = None
         if self.args.position == "rope":
             rope = (self.rope_cos[input_pos].unsqueeze(2).to(h.dtype), self.rope_sin[input_pos].unsqueeze(2).to(h.dtype))
+            if self.args.rope_local_theta:  # the tables hold the global and the local layers' halves (rope_tables)
+                rope, local_rope = zip(*(t.split(self.args.head_dim, dim=-1) for t in rope))
         cache_index = None
         blocks = list(self.layers.values())
         if blocks and blocks[0].attention.cache is not None:
             kv_len = blocks[0].attention.cache.k.shape[2] if kv_len is None else kv_len
-            cache_index = CacheIndex.build(input_pos, slots, kv_len)
+            cache_index = CacheIndex.build(input_pos, slots, kv_len, self.args.sliding_window)
         for block in blocks:
-            h = block(h, rope, cache_index)
+            h = block(h, local_rope if block.local and local_rope else rope, cache_index)
         if logits_at is not None:
             h = h[torch.arange(B, device=h.device), logits_at].unsqueeze(1)
         if self.norm is not None:
             h = self.norm(h)
-        if targets is not None:
+        if targets is not None and not self.args.logit_softcap:
             loss = compiled_linear_cross_entropy() if self.compile_loss else linear_cross_entropy
             return loss(h, self.output.weight, targets)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        if self.args.logit_softcap:
+            cap = self.args.logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+            if targets is not None:  # the chunked loss has no cap inside: this one holds the full logits
+                return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
+        return logits
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameters; with exclude_embedding, only those that take part in matmuls (a tied
