@@ -162,6 +162,23 @@ class ParallelConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = opt(0, "LoRA rank: > 0 fine-tunes low-rank adapters on the frozen model.init instead of every "
+                       "weight (only adapters, and a classification head, train and are checkpointed); 0: off")
+    alpha: float = opt(16.0, "LoRA alpha: the update is scaled by alpha / rank (alpha / sqrt(rank) with use_rslora)")
+    dropout: float = opt(0.0, "dropout on the adapters' input")
+    targets: str = opt("all-linear", "linear layers to adapt: all-linear (every linear of the transformer blocks) or "
+                                     "a regular expression over module names or their dotted tails, e.g. "
+                                     "\"attention.w[qkvo]|feed_forward.w[123]\"")
+    use_rslora: bool = opt(False, "rank-stabilised scaling alpha / sqrt(rank) (rsLoRA)")
+    dora: bool = opt(False, "DoRA: a trained magnitude per output row on top of the low-rank direction update")
+    init: str = opt("", "start from this adapter: a PEFT adapter folder (adapter_config.json + "
+                        "adapter_model.safetensors) or a run's export/adapter; its rank, alpha and layers are used")
+    quantize_base: str = opt("", "\"\" | nf4: hold the frozen base weights in 4-bit NF4 with double-quantized "
+                                 "scales, computed in bf16 (QLoRA; needs the qlora extra, torchao)")
+
+
+@dataclass
 class MonitorConfig:
     metrics_port: int = opt(0, "serve every rank's CPU, memory, GPU and training figures in Prometheus' format on "
                                "this port of each machine while training (local rank 0 serves its machine's "
@@ -184,6 +201,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
@@ -308,6 +326,7 @@ RANGES = {
     "parallel.pp": POSITIVE, "parallel.pp_microbatches": COUNT, "parallel.pp_stages_per_rank": POSITIVE,
     # DDP takes the bucket in bytes as a 64-bit integer; 2**20 MiB (1 TiB) is above any device's memory.
     "parallel.ddp_bucket_mb": Range(1, 2**20),
+    "lora.rank": COUNT, "lora.alpha": Range(0, math.inf, low_open=True), "lora.dropout": FRACTION,
     "monitor.metrics_port": Range(0, 65535), "monitor.interval_s": Range(0, 86400, low_open=True),
 }
 
@@ -363,6 +382,22 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"tokenizer.path={cfg.tokenizer.path!r} contradicts model.init, which brings its own "
                           f"tokenizer; remove tokenizer.path")
     profile_steps(cfg)
+    check_lora(cfg)
+
+
+def check_lora(cfg: Config) -> None:
+    """[lora]'s own rules; those that need the model (ranks, targets) are checked where it is built."""
+    lora = cfg.lora
+    check_choice(lora.quantize_base, ("", "nf4"), "lora.quantize_base")
+    if not (lora.rank or lora.init):
+        changed = [f"lora.{f.name}" for f in dataclasses.fields(lora) if getattr(lora, f.name) != f.default]
+        if changed:
+            raise ConfigError(f"{changed[0]} is set but LoRA is off; set lora.rank (e.g. 16) or lora.init, or "
+                              f"remove {changed[0]}")
+        return
+    if not cfg.model.init:
+        raise ConfigError("LoRA fine-tunes a pretrained model: set model.init (a checkpoint, Hugging Face folder or "
+                          ".gguf file) as the frozen base")
 
 
 def profile_steps(cfg: Config) -> tuple[int, int] | None:

@@ -163,6 +163,8 @@ class PipelineRunner:
         # to_local() is its own storage, so the sum lands in the gradient.
         weight = self.tied_copy()
         grad = weight.grad
+        if grad is None:  # a frozen embedding (LoRA): nothing to sum
+            return
         if isinstance(grad, DTensor):
             if grad.placements != weight.placements:
                 grad = weight.grad = grad.redistribute(placements=weight.placements)

@@ -14,7 +14,7 @@ import contextlib
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from scalenlp.models.adapters import LoRALinear
 from scalenlp.models.encoder import Encoder
 
 
@@ -101,7 +102,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, sha
         return
     blocks = list(model.layers.values())
     for block in blocks:
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, block.feed_forward.w3 is not None))
+        plan = block_plan(sequence_parallel, block.feed_forward.w3 is not None)
+        parallelize_module(block, tp_mesh, plan)
+        shard_adapters(block, tp_mesh, plan)
     parallelize_module(model, tp_mesh, outer_plan(model, sequence_parallel, shard_logits))
     if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         # Both styles shard the (vocab, dim) matrix by rows (Shard(0)), so one DTensor serves both again.
@@ -124,9 +127,33 @@ def apply_tp_encoder(model: Encoder, tp_mesh: DeviceMesh) -> None:
     vectors and logits come out whole on every rank. Sequence parallelism would leave the last hidden
     states sharded on the sequence, which pooling reads whole; it is not offered."""
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel=False, has_w3=False))
+        plan = block_plan(sequence_parallel=False, has_w3=False)
+        parallelize_module(block, tp_mesh, plan)
+        shard_adapters(block, tp_mesh, plan)
     parallelize_module(model, tp_mesh, {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(),
                                                                           output_layouts=Replicate())})
+
+
+def shard_adapters(block: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
+    """Lay out the LoRA adapters of ``block``'s parallelized linears as their base: a column-parallel base (output
+    rows sharded) takes B's rows (and DoRA's magnitudes) sharded and A whole, so each rank adds the update of
+    its own rows; a row-parallel base (input columns sharded) takes A's columns sharded and B whole, so the
+    update is a partial sum like the base's, reduced with it. The parallel styles shard every parameter of a
+    column-parallel linear by rows and none but weight and bias of a row-parallel one: this sets them right."""
+    for name, style in plan.items():
+        layer = block.get_submodule(name)
+        if not isinstance(layer, LoRALinear):
+            continue
+        colwise = isinstance(style, ColwiseParallel)
+        layout = {"lora_A": Replicate() if colwise else Shard(1), "lora_B": Shard(0) if colwise else Replicate(),
+                  "lora_magnitude": Shard(0) if colwise else Replicate()}
+        for param_name, placement in layout.items():
+            param = getattr(layer, param_name)
+            if param is None:
+                continue
+            whole = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+            layer.register_parameter(param_name, nn.Parameter(distribute_tensor(whole, tp_mesh, [placement]),
+                                                              requires_grad=param.requires_grad))
 
 
 def vocab_parallel_loss(enabled: bool) -> contextlib.AbstractContextManager:

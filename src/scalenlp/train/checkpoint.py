@@ -102,10 +102,21 @@ def _dcp_call(fn, state: dict, path: Path, no_dist: bool) -> None:
 
 def load_full_model(path: Path, model: nn.Module) -> None:
     """Fill an unsharded model from a checkpoint saved under any layout, in this process alone
-    (DCP reshards on read): how the final weights are exported."""
-    state = {"model": model.state_dict()}
+    (DCP reshards on read): how the final weights are exported. A model with frozen weights (a LoRA base)
+    takes only its trained ones, all that such a checkpoint holds."""
+    frozen, trained = _has_frozen(model), _trained_names(model)
+    state = {"model": {k: v for k, v in model.state_dict().items() if not frozen or k in trained}}
     _dcp_call(dcp.load, state, path, no_dist=True)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=not frozen)
+
+
+def _has_frozen(model: nn.Module) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def _trained_names(model: nn.Module) -> set[str]:
+    """Every name of every parameter that trains, a shared one under each of its names."""
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
 
 
 def _failures(e: BaseException) -> list[BaseException]:
@@ -139,7 +150,11 @@ def _state_dicts(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
     Flattened optimizer keys ("state.<fqn>.exp_avg") make parts merge without clobbering each other."""
     model_sd, optim_sd = {}, {}
     for part, opt in zip(parts, optimizers):
-        m, o = get_state_dict(part, local_optimizer(opt), options=_options(strict=True))
+        frozen = _has_frozen(part)
+        m, o = get_state_dict(part, local_optimizer(opt), options=_options(strict=True, frozen=frozen))
+        if frozen:  # DCP drops a frozen weight under its first name only: a tied output projection's second stays
+            trained = _trained_names(getattr(part, "module", part))  # DDP's wrapper prefixes "module."
+            m = {k: v for k, v in m.items() if k in trained}
         model_sd.update(m)
         optim_sd.update(o)
     return model_sd, optim_sd
@@ -158,8 +173,11 @@ def _tied_copy_keys(parts: list[nn.Module], optim_sd: dict) -> dict[str, str]:
     return {k: k.replace(".output.weight.", ".tok_embeddings.weight.", 1) for k in optim_sd if k.startswith(prefixes)}
 
 
-def _options(strict: bool) -> StateDictOptions:
-    return StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
+def _options(strict: bool, frozen: bool = False) -> StateDictOptions:
+    """With ``frozen`` weights (a LoRA run's base, rebuilt from model.init) only trained ones are saved and
+    loaded, so loading cannot be strict about the rest."""
+    return StateDictOptions(flatten_optimizer_state_dict=True, strict=strict and not frozen,
+                            ignore_frozen_params=frozen)
 
 
 def _manifest(folder: Path) -> dict[str, str]:
@@ -319,7 +337,7 @@ class Checkpointer:
         for part, opt in zip(parts, optimizers):
             # Each part takes its own keys from the merged dicts, so strictness only holds for a single part.
             set_state_dict(part, local_optimizer(opt), model_state_dict=model_sd, optim_state_dict=optim_sd,
-                           options=_options(strict=len(parts) == 1))
+                           options=_options(strict=len(parts) == 1, frozen=_has_frozen(part)))
             restore_hyperparameters(opt)
         rng_file = path / f"rng-rank{self.rank}.pt"
         if rng_file.is_file():  # absent when resuming on more ranks than were saved: seeds stay as set

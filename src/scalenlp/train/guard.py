@@ -69,9 +69,10 @@ def check_step(loss: torch.Tensor, grad_norm: torch.Tensor, stop: StopRequest | 
 
 def weights_finite(parts: list[nn.Module]) -> bool:
     """Whether every weight on every rank is finite: checked before a checkpoint is written, so that a
-    finite loss and gradient followed by a non-finite update can still never be saved or exported."""
+    finite loss and gradient followed by a non-finite update can still never be saved or exported. Frozen
+    weights (a LoRA base, perhaps NF4) are never updated, so only trained ones are looked at."""
     local = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
-                for part in parts for p in part.parameters())
+                for part in parts for p in part.parameters() if p.requires_grad)
     flag = torch.tensor([float(not local)], device=next(parts[0].parameters()).device)
     if dist.is_initialized():
         dist.all_reduce(flag)

@@ -26,6 +26,8 @@ from scalenlp.config import Config, ConfigError, profile_steps, save_config, val
 from scalenlp.errors import UserError
 from scalenlp.layout import Layout
 from scalenlp.loader import read
+from scalenlp.models.adapter_io import ADAPTER_FOLDER, write_adapter
+from scalenlp.models.adapters import adapter_weights, merge_adapters
 from scalenlp.models.flavors import shape_spec
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.pretrained import Pretrained
@@ -64,7 +66,10 @@ def validate_run(cfg: Config, world_size: int, pretrained: Pretrained | None = N
     if pretrained is not None and pretrained.quantization is not None:
         raise ConfigError(f"model.init={cfg.model.init} is quantized ({pretrained.quantization.describe()}); fine-tune "
                           f"its floating-point original, then quantize the result")
-    check_layout(task.model_args(cfg, pretrained), dims, cfg)
+    args = task.model_args(cfg, pretrained)
+    check_layout(args, dims, cfg)
+    with torch.device("meta"):  # [lora]'s targets, ranks and lora.init against the model, at no cost
+        task.add_adapters(cfg, task.model_class(args), quantize=False)
     return dims
 
 
@@ -117,6 +122,7 @@ class Trainer:
         self.loader = self.task.build_data(self.cfg, self.run_dir, pretrained, dp_rank(self.mesh), self.dims.dp,
                                            self.log)
         self.model_args, model = self.task.build_model(self.cfg, pretrained, self.device)
+        self.task.add_adapters(self.cfg, model)  # [lora]; initialised from the seed too, after the model
         del pretrained  # the model holds the weights now
         self._parallelize(model)
         torch.manual_seed(t.seed + 1 + self.rank)  # dropout streams differ per rank, reproducibly
@@ -163,6 +169,7 @@ class Trainer:
         """Shard or split the whole model as parallel.* says; an optimizer and a schedule for each part."""
         t = self.cfg.training
         self.n_params = model.num_params()
+        self.n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.flops_per_token = model.flops_per_token(t.seq_len)
         self.loss_weight = torch.ones((), device=self.device)  # see _weigh_loss
         if self.dims.pp > 1:
@@ -305,12 +312,22 @@ class Trainer:
         safetensors + model args (an encoder's with its labels) + tokenizer + resolved config to
         <run_dir>/<folder>."""
         if self.is_main:
-            model = self.task.model_class(self.model_args)
+            lora = self.cfg.lora.rank or self.cfg.lora.init
+            if lora:  # the checkpoint holds the adapters (and a head): the frozen base comes from model.init again
+                _, model = self.task.build_model(self.cfg, read(self.cfg.model.init), torch.device("cpu"))
+                self.task.add_adapters(self.cfg, model)
+            else:
+                model = self.task.model_class(self.model_args)
             load_full_model(checkpoint, model)
-            out = save_pretrained(model, self.run_dir / folder, self.task.tokenizer,
+            adapter = adapter_weights(model) if lora else None
+            out = save_pretrained(merge_adapters(model) if lora else model, self.run_dir / folder, self.task.tokenizer,
                                   {"config.toml": (self.run_dir / "config.toml").read_text(), **(extra_files or {})},
                                   tokenizer_config=self.tokenizer_config)
-            self.log(f"exported weights of {checkpoint.name}: {out}")
+            if adapter is not None:  # beside the merged model: what `scalenlp export --format peft` writes out
+                write_adapter(out / ADAPTER_FOLDER, self.task.lora_spec, adapter, None,
+                              self.cfg.model.init)
+            self.log(f"exported weights of {checkpoint.name}: {out}" + (" (LoRA merged; the adapter alone in "
+                                                                       f"{ADAPTER_FOLDER}/)" if lora else ""))
         barrier()
 
     def keep_if_best(self, scores: dict[str, float]) -> Path | None:
@@ -375,7 +392,8 @@ class Trainer:
 
     def _log_setup(self) -> None:
         cfg, t = self.cfg, self.cfg.training
-        self.log(f"model {cfg.model.init or shape_spec(cfg.model)}: {self.n_params / 1e6:.2f}M parameters, "
+        self.log(f"model {cfg.model.init or shape_spec(cfg.model)}: {self.n_params / 1e6:.2f}M parameters"
+                 + (f" ({self.n_trained / 1e6:.3f}M trained: LoRA)" if self.n_trained < self.n_params else "") + ", "
                  f"{self.flops_per_token / 1e6:.1f} MFLOPs/token | layout "
                  + " ".join(f"{n}={s}" for n, s in self.dims.names_and_sizes())
                  + (f" ({cfg.parallel.data_parallel})" if self.dims.dp > 1 else "")

@@ -21,6 +21,15 @@ from scalenlp.config import Config, ConfigError, check_choice
 from scalenlp.data import DataLoader, TokenDataset, open_data, prepare_data
 from scalenlp.data.prepare import PACKED_TEXT
 from scalenlp.data.sft import IGNORE_INDEX
+from scalenlp.models.adapter_io import read_adapter
+from scalenlp.models.adapters import (
+    LoraSpec,
+    adaptable,
+    add_adapters,
+    freeze_all_but_adapters,
+    load_adapter_weights,
+    match_targets,
+)
 from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.encoder import EncoderArgs
 from scalenlp.models.flavors import SIZES, build_model, shape_args
@@ -101,6 +110,34 @@ class Task:
         if pretrained is not None:  # fp32 master weights, whatever the checkpoint's dtype
             return args, build_decoder(args, pretrained.state, device, torch.float32, where=cfg.model.init).train()
         return args, build_model(args, device)
+
+    def add_adapters(self, cfg: Config, model: torch.nn.Module, quantize: bool = True) -> None:
+        """[lora]: wrap the targeted linears of ``model`` (built by ``build_model``, or on the meta device to check
+        the config) with adapters, from lora.init or fresh (from the global RNG), and freeze all else but an
+        encoder's task head (new, so it trains in full: PEFT's modules_to_save); with ``quantize`` and
+        lora.quantize_base, the frozen block linears become NF4 first."""
+        lora = cfg.lora
+        if not (lora.rank or lora.init):
+            return
+        if lora.init:
+            spec, weights = read_adapter(lora.init, model.args)
+            if lora.rank and lora.rank != spec.rank:
+                raise ConfigError(f"lora.rank={lora.rank} contradicts lora.init={lora.init!r}, an adapter of rank "
+                                  f"{spec.rank}; remove lora.rank")
+            spec = dataclasses.replace(spec, dropout=lora.dropout)
+            targets = list(weights)
+        else:
+            spec = LoraSpec(lora.rank, lora.alpha, lora.dropout, lora.use_rslora, lora.dora)
+            targets = match_targets(model, lora.targets)
+        if quantize and lora.quantize_base == "nf4":
+            from scalenlp.compress.nf4 import quantize_nf4  # torchao, an optional extra
+
+            quantize_nf4(model, adaptable(model))
+        add_adapters(model, spec, targets)
+        self.lora_spec = spec  # what the export writes beside the adapter
+        if lora.init:
+            load_adapter_weights(model, weights, lora.init)
+        freeze_all_but_adapters(model, getattr(model.args, "head_names", ()))
 
     # -- the step ----------------------------------------------------------------------------------
     def positions(self, inputs: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,228 @@
+"""Low-rank adapters: LoRA (Hu et al., 2021), its rank-stabilised scaling (rsLoRA) and DoRA (Liu et al., 2024).
+
+A LoRA weight set for one linear layer is ``A`` (rank, in), ``B`` (out, rank) and a ``scaling``: the layer computes
+``x W^T + scaling * (x A^T) B^T``. DoRA adds a magnitude per output row, ``m``: the adapted weight
+``W' = W + scaling * B A`` is used with its rows rescaled to norms ``m`` (the norm taken without gradient, as the
+paper's section 4.3 and PEFT do). ``B`` starts at zero, so a fresh adapter is the identity.
+
+``LoRALinear`` is an ``nn.Linear`` (same ``weight`` and ``bias``, so checkpoints and tensor-parallel plans keep
+their names) with ``lora_A``, ``lora_B`` and, for DoRA, ``lora_magnitude`` beside them. The base weight may be an
+NF4 tensor (QLoRA, compress/nf4.py); it is then dequantized per use. ``add_adapters`` swaps the linears whose names
+match a pattern; ``merge_adapters`` folds them back into plain linears. Adapters move in and out as
+``{module name: LoraWeights}``: ``adapter_weights`` reads them off a model, ``load_adapter_weights`` puts them on.
+Reading and writing folders (ours and PEFT's) is in models/adapter_io.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scalenlp.errors import ConfigError, UserError
+
+ALL_LINEAR = "all-linear"
+# The linears an adapter may wrap are those of the transformer blocks (``layers.<i>.``): as PEFT's "all-linear",
+# the output projection (tied to the embedding in many models) and task heads are left out.
+BLOCKS = "layers."
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """The hyperparameters one adapter shares over its layers."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    use_rslora: bool = False
+    dora: bool = False
+
+    @property
+    def scaling(self) -> float:
+        # rsLoRA divides by sqrt(rank): with alpha / rank the update shrinks as the rank grows (Kalajdzievski, 2023).
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+@dataclasses.dataclass
+class LoraWeights:
+    """One linear layer's adapter: ``A`` (rank, in), ``B`` (out, rank), ``scaling``; ``magnitude`` (out,) for DoRA."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scaling: float
+    magnitude: torch.Tensor | None = None
+
+    def delta(self) -> torch.Tensor:
+        """What LoRA adds to the weight, (out, in)."""
+        return (self.B.float() @ self.A.float()) * self.scaling
+
+    def merged(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` (out, in) with this adapter folded in, in float32."""
+        adapted = weight.float() + self.delta()
+        if self.magnitude is None:
+            return adapted
+        return adapted * (self.magnitude.float() / adapted.norm(dim=1)).unsqueeze(1)
+
+
+def dense(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as a plain tensor: an NF4 base dequantized (to its compute dtype), any other unchanged."""
+    return weight.get_original_weight() if hasattr(weight, "get_original_weight") else weight
+
+
+class LoRALinear(nn.Linear):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update (and a DoRA magnitude when ``spec.dora``)."""
+
+    def __init__(self, base: nn.Linear, spec: LoraSpec):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        device = base.weight.device
+        # Adapter weights are float32 masters whatever the base's dtype (an NF4 base computes in bf16).
+        self.lora_A = nn.Parameter(torch.empty(spec.rank, self.in_features, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, spec.rank, device=device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # PEFT's default init (nn.Linear's)
+        self.scaling = spec.scaling
+        self.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+        self.lora_magnitude = None
+        if spec.dora:
+            with torch.no_grad():
+                self.lora_magnitude = nn.Parameter(self._adapted_norm())
+
+    def _adapted_norm(self) -> torch.Tensor:
+        """Row norms of W + scaling * B A (DoRA's denominator; its magnitude at init)."""
+        return (dense(self.weight).float() + self.scaling * (self.lora_B @ self.lora_A)).norm(dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if weight.dtype == x.dtype or torch.is_autocast_enabled(x.device.type):
+            out = F.linear(x, weight, self.bias)
+        else:  # an NF4 base computes in its own dtype (bf16), which autograd keeps it in (no dequantized copy)
+            out = F.linear(x.to(weight.dtype), weight, self.bias).to(x.dtype)
+        dropped = self.lora_dropout(x)
+        lora = F.linear(F.linear(dropped, self.lora_A), self.lora_B) * self.scaling
+        if self.lora_magnitude is None:
+            return out + lora
+        # DoRA, in PEFT's order of operations: out + (m / |W'| - 1) * x W^T + m / |W'| * lora, |W'| held constant.
+        scale = self.lora_magnitude / self._adapted_norm().detach()
+        plain = F.linear(dropped.to(weight.dtype), weight).to(out.dtype)
+        return out + (scale - 1) * plain + scale * lora
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_features}, {self.out_features}, rank={self.lora_A.shape[0]}, scaling={self.scaling:g}"
+                + (", dora" if self.lora_magnitude is not None else ""))
+
+
+def adaptable(model: nn.Module) -> list[str]:
+    """Names of the linears an adapter may wrap: every ``nn.Linear`` of the transformer blocks."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name.startswith(BLOCKS)]
+
+
+def match_targets(model: nn.Module, pattern: str) -> list[str]:
+    """The adaptable linears ``pattern`` names: "all-linear", or a regular expression matched against a module
+    name or a dotted tail of it (``attention.w[qkvo]`` matches ``layers.3.attention.wq``)."""
+    names = adaptable(model)
+    if pattern.strip() == ALL_LINEAR:
+        return names
+    try:
+        regex = re.compile(rf"(?:.*\.)?(?:{pattern})")
+    except re.error as e:
+        raise ConfigError(f"lora.targets={pattern!r} is not a valid regular expression ({e}); write e.g. "
+                          f"\"attention.w[qkvo]|feed_forward.w[123]\" or \"all-linear\"") from None
+    found = [n for n in names if regex.fullmatch(n)]
+    if not found:
+        sample = sorted({n.split(".", 2)[-1] for n in names})[:8]
+        raise ConfigError(f"lora.targets={pattern!r} matches no linear layer; they are named like "
+                          f"layers.0.{', layers.0.'.join(sample)} (a pattern may name the tail, e.g. "
+                          f"\"attention.wq|feed_forward.w2\", or use \"all-linear\")")
+    return found
+
+
+def check_rank(model: nn.Module, names: Iterable[str], rank: int) -> None:
+    """A rank above a layer's smaller side adds nothing a full update would not, and is surely a mistake."""
+    for name in names:
+        layer = model.get_submodule(name)
+        if rank > min(layer.in_features, layer.out_features):
+            raise ConfigError(f"lora.rank={rank} is larger than layer {name} ({layer.in_features} -> "
+                              f"{layer.out_features}); choose a rank of at most "
+                              f"{min(layer.in_features, layer.out_features)}")
+
+
+def add_adapters(model: nn.Module, spec: LoraSpec, names: Iterable[str]) -> None:
+    """Swap each named linear for a ``LoRALinear`` around the same weights, in place. Initialises the adapters
+    from the global RNG, in module order, so every rank that seeds alike gets the same ones."""
+    names = list(names)
+    check_rank(model, names, spec.rank)
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, LoRALinear(model.get_submodule(name), spec))
+
+
+def freeze_all_but_adapters(model: nn.Module, also_train: Iterable[str] = ()) -> None:
+    """Only adapter weights train, and the parameters named in ``also_train`` (a task's new head: PEFT's
+    ``modules_to_save``)."""
+    keep = set(also_train)
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora_" in name or name in keep)
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def adapter_weights(model: nn.Module) -> dict[str, LoraWeights]:
+    """{module name: its adapter} of every ``LoRALinear`` in ``model`` (an unsharded model)."""
+    return {name: LoraWeights(m.lora_A.detach(), m.lora_B.detach(), m.scaling,
+                              None if m.lora_magnitude is None else m.lora_magnitude.detach())
+            for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@torch.no_grad()
+def load_adapter_weights(model: nn.Module, weights: dict[str, LoraWeights], where: str) -> None:
+    """Copy ``weights`` into the model's ``LoRALinear`` layers of the same names; an adapter of other shapes or
+    names (made for another base model) is one error line."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    for name, w in weights.items():
+        layer = layers.get(name)
+        if layer is None:
+            raise UserError(f"{where} adapts {name}, which this model does not have (or which lora.targets does "
+                            f"not select); it was made for another base model")
+        for param, value in (("lora_A", w.A), ("lora_B", w.B), ("lora_magnitude", w.magnitude)):
+            target = getattr(layer, param)
+            if (value is None) != (target is None):
+                raise UserError(f"{where}: {name} {'has no' if value is None else 'has a'} DoRA magnitude but "
+                                f"this run {'uses' if target is not None else 'does not use'} DoRA; set lora.dora "
+                                f"to match the adapter")
+            if value is None:
+                continue
+            if value.shape != target.shape:
+                raise UserError(f"{where}: {name}.{param} has shape {tuple(value.shape)}, this model's is "
+                                f"{tuple(target.shape)}; the adapter was made for another base model or rank")
+            target.copy_(value)
+        layer.scaling = w.scaling
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight, leaving plain ``nn.Linear`` layers (an NF4 base comes back
+    dequantized, in float32): the model computes what it computed with the adapters, without their cost."""
+    for name, w in adapter_weights(model).items():
+        layer = model.get_submodule(name)
+        merged = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        quantized = hasattr(layer.weight, "get_original_weight")  # an NF4 base comes back in float32
+        merged.weight = nn.Parameter(w.merged(dense(layer.weight)).to(torch.float32 if quantized
+                                                                      else layer.weight.dtype))
+        if layer.bias is not None:
+            merged.bias = nn.Parameter(layer.bias.detach().clone())
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, merged)
+    for param in model.parameters():
+        param.requires_grad_(True)
+    return model

@@ -1,0 +1,277 @@
+"""LoRA / DoRA / QLoRA adapters (models/adapters.py, models/adapter_io.py, compress/nf4.py), in this process: a
+fresh adapter is the identity and only adapters (and a classifier head) train; merging gives the adapted function;
+PEFT's adapters load with equal logits and ours load in PEFT; a LoRA run checkpoints only what trains, resumes
+exactly and exports the merged model with the adapter beside it; bad input is one line. Several processes under
+each layout: tests/integration/test_lora_layouts.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from scalenlp.errors import ConfigError, UserError
+from scalenlp.loader import load
+from scalenlp.models.adapter_io import ADAPTER_FOLDER, hf_module_names, read_adapter, write_adapter
+from scalenlp.models.adapters import (
+    LoRALinear,
+    LoraSpec,
+    adapter_weights,
+    add_adapters,
+    freeze_all_but_adapters,
+    load_adapter_weights,
+    match_targets,
+    merge_adapters,
+)
+from scalenlp.models.decoder import ModelArgs, Transformer
+from train_helpers import FINETUNE, classify_sets, error_lines, main_train, tiny_encoder, train_here
+
+torch.set_num_threads(1)
+ARGS = ModelArgs(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+
+
+def tiny(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(ARGS).eval()
+
+
+def perturb(model: torch.nn.Module, seed: int = 1) -> None:
+    """Give every adapter weight random values (a fresh B is zero, which would hide mistakes in B's use)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(p + 0.1 * torch.randn(p.shape, generator=g))
+
+
+def test_a_fresh_adapter_is_the_identity_and_only_adapters_train():
+    model, tokens = tiny(), torch.randint(0, ARGS.vocab_size, (2, 16))
+    before = model(tokens)
+    add_adapters(model, LoraSpec(rank=4, alpha=8), match_targets(model, "all-linear"))
+    freeze_all_but_adapters(model)
+    assert torch.equal(model(tokens), before)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A" in n or ".lora_B" in n for n in trained)
+    assert len(trained) == 2 * 7 * ARGS.n_layers  # q, k, v, o, gate, up, down in every block; not the output
+    model.train()
+    model(tokens).sum().backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in trained)
+
+
+def test_targets_by_pattern_and_their_mistakes():
+    model = tiny()
+    assert match_targets(model, "attention.w[qv]") == ["layers.0.attention.wq", "layers.0.attention.wv",
+                                                       "layers.1.attention.wq", "layers.1.attention.wv"]
+    assert match_targets(model, r"layers\.1\.feed_forward.w2") == ["layers.1.feed_forward.w2"]
+    with pytest.raises(ConfigError, match=r"matches no linear layer; they are named like layers\.0\.attention\.wk"):
+        match_targets(model, "q_proj")
+    with pytest.raises(ConfigError, match="not a valid regular expression"):
+        match_targets(model, "attention.w[qk")
+    with pytest.raises(ConfigError, match=r"lora.rank=40 is larger than layer layers.0.attention.wq \(32 -> 32\)"):
+        add_adapters(model, LoraSpec(rank=40, alpha=8), ["layers.0.attention.wq"])
+
+
+@pytest.mark.parametrize("kind", ["lora", "rslora", "dora"])
+def test_merging_gives_the_adapted_function(kind):
+    model, tokens = tiny(), torch.randint(0, ARGS.vocab_size, (2, 16))
+    spec = LoraSpec(rank=4, alpha=8, use_rslora=kind == "rslora", dora=kind == "dora")
+    add_adapters(model, spec, match_targets(model, "all-linear"))
+    perturb(model)
+    adapted = model(tokens)
+    base = tiny()(tokens)
+    assert not torch.allclose(adapted, base, atol=1e-3)
+    merged = merge_adapters(model)
+    assert not any(isinstance(m, LoRALinear) for m in merged.modules())
+    torch.testing.assert_close(merged(tokens), adapted, rtol=1e-4, atol=1e-5)
+
+
+def test_rslora_scales_by_the_square_root_of_the_rank():
+    assert LoraSpec(rank=16, alpha=32).scaling == 2
+    assert LoraSpec(rank=16, alpha=32, use_rslora=True).scaling == 8
+
+
+@pytest.fixture(scope="module")
+def hf_pair(transformers):
+    """A tiny transformers Llama and our model of it."""
+    from scalenlp.models.hf import from_hf
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    return hf, from_hf(hf)
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_an_adapter_peft_made_loads_with_equal_logits(tmp_path, hf_pair, dora):
+    from peft import LoraConfig, get_peft_model
+
+    hf, ours = hf_pair
+    peft_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                               use_dora=dora))
+    perturb(peft_model, seed=2)
+    peft_model.save_pretrained(tmp_path)
+    tokens = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        expected = peft_model(tokens).logits
+    peft_model.unload()  # gives the transformers model back without adapters, for the other tests
+    spec, weights = read_adapter(tmp_path, ours.args)
+    assert spec == LoraSpec(rank=4, alpha=8, dora=dora) and len(weights) == 6
+    model = ours.__class__(ours.args).eval()
+    model.load_state_dict(ours.state_dict())
+    add_adapters(model, spec, weights)
+    load_adapter_weights(model, weights, str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_our_adapter_loads_in_peft_with_equal_logits(tmp_path, hf_pair, dora):
+    from peft import PeftModel
+
+    hf, ours = hf_pair
+    model = ours.__class__(ours.args).eval()
+    model.load_state_dict(ours.state_dict())
+    spec = LoraSpec(rank=4, alpha=16, use_rslora=True, dora=dora)
+    add_adapters(model, spec, match_targets(model, "all-linear"))
+    perturb(model, seed=3)
+    write_adapter(tmp_path, spec, adapter_weights(model), hf_module_names(model.args))
+    tokens = torch.randint(0, 97, (2, 12))
+    peft_model = PeftModel.from_pretrained(hf, tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
+    peft_model.unload()
+
+
+def test_an_adapter_for_another_base_is_one_line(tmp_path):
+    model = tiny()
+    add_adapters(model, LoraSpec(rank=4, alpha=8), ["layers.0.attention.wq"])
+    write_adapter(tmp_path / "ours", LoraSpec(rank=4, alpha=8), adapter_weights(model), None)
+    other = Transformer(ModelArgs(vocab_size=97, dim=48, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=32))
+    spec, weights = read_adapter(tmp_path / "ours", other.args)
+    add_adapters(other, spec, weights)
+    with pytest.raises(UserError, match=r"lora_A has shape \(4, 32\), this model's is \(4, 48\); the adapter was "
+                                        r"made for another base model"):
+        load_adapter_weights(other, weights, "lora.init")
+    one_layer = Transformer(ModelArgs(vocab_size=97, dim=32, n_layers=1, n_heads=4, ffn_dim=64, max_seq_len=32))
+    config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    hf_named = {k.replace("layers.0.attention.wq", "model.layers.3.self_attn.q_proj"): v
+                for k, v in load_file(tmp_path / "ours" / "adapter_model.safetensors").items()}
+    from safetensors.torch import save_file
+
+    (tmp_path / "peft").mkdir()
+    save_file(hf_named, tmp_path / "peft" / "adapter_model.safetensors")
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps({**config, "scalenlp_names": False}))
+    with pytest.raises(UserError, match="adapts model.layers.3.self_attn.q_proj, which this base model does not have"):
+        read_adapter(tmp_path / "peft", one_layer.args)
+
+
+# -- training runs -----------------------------------------------------------------------------------------------
+
+LORA = ["lora.rank=4", "lora.alpha=8", "training.device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, hf_llama, corpus):
+    """Four LoRA steps on the session's Hugging Face Llama, a checkpoint every two, the export at the end."""
+    run = tmp_path_factory.mktemp("lora") / "run"
+    sets = [f"model.init={hf_llama}", f"data.path={corpus}", *FINETUNE, *LORA, "training.steps=4",
+            "checkpoint.every=2", "checkpoint.keep=2"]
+    return run, sets, train_here(run, *sets)
+
+
+def test_a_lora_run_checkpoints_only_the_adapters_and_resumes_exactly(lora_run, tmp_path):
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run, sets, records = lora_run
+    keys = FileSystemReader(str(run / "checkpoints" / "step-2")).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert model_keys and all(".lora_A" in k or ".lora_B" in k for k in model_keys)
+    assert any(k.startswith("optim.state.") and k.endswith("lora_B.exp_avg") for k in keys)
+    resumed = tmp_path / "run"
+    shutil.copytree(run / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
+    again = train_here(resumed, *sets, "checkpoint.resume=true")
+    assert [r["loss"] for r in again] == [r["loss"] for r in records[2:]]
+
+
+def test_a_lora_run_exports_the_merged_model_and_the_adapter(lora_run, hf_llama):
+    run, _, records = lora_run
+    assert records[-1]["loss"] < records[0]["loss"]
+    merged, _ = load(run / "export")
+    base, _ = load(hf_llama)
+    spec, weights = read_adapter(run / "export" / ADAPTER_FOLDER, base.args)
+    assert spec == LoraSpec(rank=4, alpha=8) and len(weights) == 7 * base.args.n_layers
+    assert all(w.B.abs().sum() > 0 for w in weights.values())  # trained away from zero
+    add_adapters(base, spec, weights)
+    load_adapter_weights(base, weights, "export")
+    tokens = torch.randint(0, base.args.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens), base(tokens), rtol=1e-4, atol=1e-5)
+
+
+def test_lora_init_continues_from_an_adapter(lora_run, hf_llama, corpus, tmp_path):
+    run, _, _ = lora_run
+    adapter = run / "export" / ADAPTER_FOLDER
+    records = train_here(tmp_path / "run", f"model.init={hf_llama}", f"data.path={corpus}", *FINETUNE,
+                         f"lora.init={adapter}", "training.device=cpu", "training.steps=1", "training.lr=1e-9",
+                         "checkpoint.every=0", "checkpoint.export=false")
+    fresh = train_here(tmp_path / "fresh", f"model.init={hf_llama}", f"data.path={corpus}", *FINETUNE, *LORA,
+                       "training.steps=1", "checkpoint.every=0", "checkpoint.export=false")
+    assert records[0]["loss"] < fresh[0]["loss"] - 0.01  # started where the first run ended, not from the base
+
+
+def test_lora_trains_a_classifier_head_beside_the_adapters(tmp_path, transformers):
+    from scalenlp.models.encoder import Encoder
+
+    init = tiny_encoder(tmp_path / "encoder")
+    rows = "\n".join(f"{'good fine great' if i % 2 else 'bad awful poor'} film {i}\t{i % 2}" for i in range(24))
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\n" + rows + "\n")
+    train_here(tmp_path / "run", *classify_sets(init, tmp_path / "train.tsv", None), *LORA, "training.steps=3",
+               "training.global_batch_size=8", "training.seq_len=16", "lora.targets=attention.w[qv]")
+    keys = FileSystemReaderKeys(tmp_path / "run" / "checkpoints" / "step-3")
+    assert {"model.classifier.weight", "model.classifier.bias"} <= keys
+    assert all(".lora_" in k or "classifier" in k for k in keys if k.startswith("model."))
+    model, _ = load(tmp_path / "run")
+    assert isinstance(model, Encoder) and model.classifier.weight.shape[0] == 2
+
+
+def FileSystemReaderKeys(path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def test_qlora_holds_the_base_in_nf4_and_learns(tmp_path, hf_llama, corpus):
+    pytest.importorskip("torchao")
+    from scalenlp.compress.nf4 import quantize_nf4
+
+    model = tiny()
+    quantize_nf4(model, ["layers.0.attention.wq"])
+    assert type(model.layers["0"].attention.wq.weight).__name__ == "NF4Tensor"
+    records = train_here(tmp_path / "run", f"model.init={hf_llama}", f"data.path={corpus}", *FINETUNE, *LORA,
+                         "lora.quantize_base=nf4", "training.steps=4", "checkpoint.every=0")
+    assert records[-1]["loss"] < records[0]["loss"]
+    merged, _ = load(tmp_path / "run")  # the export: the dequantized base with the adapters folded in
+    assert merged.layers["0"].attention.wq.weight.dtype == torch.float32
+
+
+def test_lora_mistakes_are_one_line(tmp_path, hf_llama, corpus, capsys):
+    base = [f"model.init={hf_llama}", f"data.path={corpus}", *FINETUNE, "training.steps=1"]
+    cases = [
+        (["lora.rank=4", "lora.targets=q_proj"], "lora.targets='q_proj' matches no linear layer"),
+        (["lora.rank=128"], "lora.rank=128 is larger than layer layers.0.attention.wq (64 -> 64)"),
+        (["lora.alpha=4"], "lora.alpha is set but LoRA is off"),
+        (["lora.rank=4", "lora.quantize_base=nf8"], "lora.quantize_base='nf8' is not one of  | nf4"),
+        ([f"lora.init={tmp_path}"], "is not an adapter folder"),
+    ]
+    for sets, message in cases:
+        assert main_train(tmp_path / "run", *base, *sets) == 2
+        lines = error_lines(capsys.readouterr().err)
+        assert len(lines) == 1 and message in lines[0], (sets, lines)
+    assert main_train(tmp_path / "run", "lora.rank=4", "training.steps=1") == 2
+    assert "LoRA fine-tunes a pretrained model: set model.init" in error_lines(capsys.readouterr().err)[0]
+
