@@ -4,10 +4,13 @@ loads back into the same class with the same outputs."""
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, processors
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from scalenlp import loader
+from scalenlp.engine.config import EncoderEngineConfig
+from scalenlp.engine.encoder_engine import encoder_from_checkpoint, is_encoder
 from scalenlp.models.hf_encoder import write_encoder_folder
+from train_helpers import classify_sets, read_metrics, train_here
 
 torch.set_num_threads(1)
 
@@ -29,14 +32,17 @@ LABELS = ["neg", "neutral", "pos"]
 LABELLED = ("classification", "token_classification")
 
 
-def word_tokenizer(specials: tuple[str, ...], roles: str) -> Tokenizer:
-    """A word-level vocabulary of VOCAB entries whose post-processor wraps a text in the family's first and last
-    special tokens: any tokenizer.json does, the ids under test are made directly."""
-    vocab = {token: i for i, token in enumerate(list(specials) + [f"w{i}" for i in range(VOCAB - len(specials))])}
-    _, unk, bos, eos = roles.split()
+def word_tokenizer(specials: tuple[str, ...], roles: str, words: list[str] | None = None) -> Tokenizer:
+    """A word-level vocabulary (VOCAB entries w0, w1, ... unless ``words`` are given) whose post-processor wraps a
+    text in the family's first and last special tokens, padding with its pad token."""
+    words = words or [f"w{i}" for i in range(VOCAB - len(specials))]
+    vocab = {token: i for i, token in enumerate(list(specials) + words)}
+    pad, unk, bos, eos = roles.split()
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A {eos}", special_tokens=[
         (bos, vocab[bos]), (eos, vocab[eos])])
+    tokenizer.enable_padding(pad_id=vocab[pad], pad_token=pad)
     return tokenizer
 
 
@@ -68,6 +74,14 @@ def hf_model(transformers, family: str, task: str):
     return model, specials, roles
 
 
+def hf_folder(tmp_path, transformers, family: str, task: str):
+    """(transformers' model, the folder it saved with a tokenizer.json beside it)."""
+    hf, specials, roles = hf_model(transformers, family, task)
+    hf.save_pretrained(tmp_path / "hf")
+    word_tokenizer(specials, roles).save(str(tmp_path / "hf" / "tokenizer.json"))
+    return hf, tmp_path / "hf"
+
+
 def outputs(out) -> torch.Tensor:
     """The comparable output of a transformers model: hidden states, logits or stacked span logits."""
     if hasattr(out, "start_logits"):
@@ -85,14 +99,12 @@ def assert_same(ours: torch.Tensor, theirs: torch.Tensor, mask: torch.Tensor) ->
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("task", sorted(CLASSES))
 def test_hf_folder_in_and_out(tmp_path, transformers, family, task):
-    hf, specials, roles = hf_model(transformers, family, task)
-    hf.save_pretrained(tmp_path / "hf")
-    word_tokenizer(specials, roles).save(str(tmp_path / "hf" / "tokenizer.json"))
+    hf, folder = hf_folder(tmp_path, transformers, family, task)
     ids, mask = batch(hf.config.pad_token_id)
     with torch.no_grad():
         theirs = outputs(hf(input_ids=ids, attention_mask=mask))
 
-    model, pre = loader.load(tmp_path / "hf")
+    model, pre = loader.load(folder)
     assert (pre.args.family, pre.args.task) == (family, task)
     assert pre.args.labels == (LABELS if task in LABELLED else [])
     with torch.no_grad():
@@ -109,3 +121,60 @@ def test_hf_folder_in_and_out(tmp_path, transformers, family, task):
     back.eval()
     with torch.no_grad():
         assert_same(outputs(back(input_ids=ids, attention_mask=mask)), ours, mask)
+
+
+def test_roberta_classifier_is_served(tmp_path, transformers):
+    """A RoBERTa folder goes to the encoder batcher (not the decoder engine) and classifies as transformers does,
+    through the same head as transformers'."""
+    hf, folder = hf_folder(tmp_path, transformers, "roberta", "classification")
+    assert is_encoder(folder)
+    texts = ["w5 w7 w9 w11 w13", "w10 w11", "w3"]
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.enable_padding(pad_id=hf.config.pad_token_id)
+    encoded = tokenizer.encode_batch(texts)
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor([e.ids for e in encoded]),
+                      attention_mask=torch.tensor([e.attention_mask for e in encoded])).logits.softmax(-1)
+    engine = encoder_from_checkpoint(EncoderEngineConfig(str(folder), dtype="float32", device="cpu"))
+    try:
+        assert engine.labels == LABELS
+        torch.testing.assert_close(engine.run("classify", texts), expected, rtol=1e-4, atol=1e-6)
+    finally:
+        engine.stop()
+
+
+def test_roberta_fine_tunes_from_its_bare_model(tmp_path, transformers):
+    """training.task=classification from a RobertaModel folder: the head RobertaForSequenceClassification adds
+    (classifier.dense and out_proj) starts at random, the loss falls, and the run's export is a RoBERTa classifier
+    that transformers loads with the same logits."""
+    words = ["good", "great", "fine", "bad", "awful", "poor", "the", "film", "was", "plot"]
+    g = torch.Generator().manual_seed(0)
+    lines = ["label\tsentence"]
+    for i in range(48):
+        label = i % 2
+        picks = torch.randint(0, 3, (3,), generator=g).tolist()
+        lines.append(f"{label}\tthe film was {' '.join(words[3 * (1 - label) + k] for k in picks)}")
+    (tmp_path / "train.tsv").write_text("\n".join(lines) + "\n")
+    _, sizes, specials, roles = FAMILIES["roberta"]
+    torch.manual_seed(0)
+    base = transformers.RobertaModel(transformers.RobertaConfig(
+        vocab_size=len(specials) + len(words), max_position_embeddings=34, pad_token_id=1, **sizes))
+    base.save_pretrained(tmp_path / "init")
+    word_tokenizer(specials, roles, words).save(str(tmp_path / "init" / "tokenizer.json"))
+
+    train_here(tmp_path / "run", *classify_sets(
+        tmp_path / "init", tmp_path / "train.tsv", None, "training.steps=12", "training.global_batch_size=8",
+        "training.seq_len=16", "training.eval_every=0", "training.lr=3e-3", "training.warmup_steps=1"))
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+
+    model, pre = loader.load(tmp_path / "run" / "export")
+    assert (pre.args.family, pre.args.classifier_head, pre.args.labels) == ("roberta", "tanh", ["0", "1"])
+    write_encoder_folder(model, pre.tokenizer, pre.tokenizer_config, tmp_path / "hf")
+    back, info = transformers.RobertaForSequenceClassification.from_pretrained(
+        str(tmp_path / "hf"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids, mask = batch(1)
+    ids = ids.clamp(max=model.args.vocab_size - 1)
+    with torch.no_grad():
+        assert_same(model(ids, mask), back.eval()(input_ids=ids, attention_mask=mask).logits, mask)

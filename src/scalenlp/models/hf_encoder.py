@@ -13,7 +13,7 @@ lives in sentence-transformers' files beside it (``modules.json`` listing a Pool
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -245,7 +245,11 @@ def write_encoder_folder(model: Encoder, tokenizer: Tokenizer | str | Path | Non
     config = hf_config(args)
     ours = model.state_dict()
     prefix = "" if args.task == "embedding" else family.prefix
-    state = {prefix + theirs: ours[name] for name, theirs in family.encoder_pairs(args)}
+    # Only the bare models (DistilBERT's excepted) and BERT's sequence classifier have a pooler in transformers; the
+    # other heads are built without one, so ours (unused there) stays behind rather than load as unexpected.
+    has_pooler = family.model_type != "distilbert" and (args.task == "embedding" or args.uses_pooler_head)
+    pairs = family.encoder_pairs(replace(args, pooler=args.pooler and has_pooler))
+    state = {prefix + theirs: ours[name] for name, theirs in pairs}
     state |= {theirs: ours[name] for name, theirs in family.head_pairs(args)}
     with replacing_folder(out_dir) as tmp:
         save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(tmp / WEIGHTS),

@@ -82,9 +82,11 @@ def classifier_args(cfg: Config, pretrained: Pretrained, labels: list[str]) -> E
 
 
 def build_classifier(args: EncoderArgs, pretrained: Pretrained, device: torch.device, where: str,
-                     head: tuple[str, ...] = HEAD) -> Encoder:
-    """The encoder with model.init's weights in fp32; a head (the weights named ``head``) the checkpoint lacks
-    keeps its random init (seeded by the caller, so every rank starts from the same one)."""
+                     head: tuple[str, ...] | None = None) -> Encoder:
+    """The encoder with model.init's weights in fp32; a head (the weights named ``head``, by default the task head
+    ``args`` name, which for RoBERTa's and DistilBERT's classifiers has a dense layer of its own) the checkpoint
+    lacks keeps its random init (seeded by the caller, so every rank starts from the same one)."""
+    head = args.head_names if head is None else head
     model = Encoder(args).to(device)
     missing, unexpected = model.load_state_dict(cast_state(pretrained.state, device, torch.float32), strict=False)
     if unexpected or set(missing) - set(head):
