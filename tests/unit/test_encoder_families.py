@@ -2,6 +2,9 @@
 with save_pretrained, loads into scalenlp with the same outputs on a padded batch, and scalenlp's export of it
 loads back into the same class with the same outputs."""
 
+import json
+import re
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -9,6 +12,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from scalenlp import loader
 from scalenlp.engine.config import EncoderEngineConfig
 from scalenlp.engine.encoder_engine import encoder_from_checkpoint, is_encoder
+from scalenlp.errors import UserError
+from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.hf_encoder import write_encoder_folder
 from train_helpers import classify_sets, read_metrics, train_here
 
@@ -178,3 +183,25 @@ def test_roberta_fine_tunes_from_its_bare_model(tmp_path, transformers):
     ids = ids.clamp(max=model.args.vocab_size - 1)
     with torch.no_grad():
         assert_same(model(ids, mask), back.eval()(input_ids=ids, attention_mask=mask).logits, mask)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "modernbert"}, "cannot load a Hugging Face 'modernbert' encoder; the supported encoder model "
+                                   "types are bert, roberta, xlm-roberta, distilbert"),
+    ({"activation": "relu"}, "DistilBert activation='relu' is not supported; only 'gelu'"),
+    ({"n_heads": 5}, "cannot load this DistilBert model: model dim 32 is not divisible by n_heads 5"),
+])
+def test_unsupported_encoder_folders_are_one_error(tmp_path, transformers, change, message):
+    _, folder = hf_folder(tmp_path, transformers, "distilbert", "embedding")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(UserError, match=re.escape(message)):
+        loader.read(folder)
+
+
+def test_options_without_a_hf_equivalent_are_refused_at_export(tmp_path):
+    model = Encoder(EncoderArgs(dim=32, n_layers=1, n_heads=4, ffn_dim=64, max_seq_len=16, family="distilbert"))
+    with pytest.raises(UserError, match=re.escape("this encoder (type_vocab_size=2, classifier_head='pooler') has no "
+                                                  "Hugging Face DistilBert equivalent")):
+        write_encoder_folder(model, None, None, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
