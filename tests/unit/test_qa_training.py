@@ -62,15 +62,21 @@ def test_the_best_checkpoint_is_a_question_answering_export(qa_run):
     assert tuple(pretrained.state["qa_outputs.weight"].shape) == (2, pretrained.args.dim)
 
 
-def test_the_loss_is_the_mean_of_start_and_end_cross_entropy():
+def test_the_loss_is_the_mean_of_start_and_end_cross_entropy_over_real_tokens():
     from scalenlp.train.tasks.qa import span_loss
 
     logits = torch.randn(3, 5, 2)
     labels = torch.tensor([[1, 2], [0, 0], [4, 3]])
     model = lambda *_: logits  # noqa: E731
     want = sum(torch.nn.functional.cross_entropy(logits[..., k], labels[:, k]) for k in (0, 1)) / 2
-    batch = (torch.zeros(3, 5, dtype=torch.long), None, None, labels)
-    assert span_loss(model, batch) / (2 * 3) == pytest.approx(want.item())
+    full = torch.ones(3, 5, dtype=torch.long)
+    assert span_loss(model, (full, full, full, labels)) / (2 * 3) == pytest.approx(want.item())
+    # The first row has 3 real tokens: its padded positions' logits do not count.
+    padded = full.clone()
+    padded[0, 3:] = 0
+    row0 = sum(torch.nn.functional.cross_entropy(logits[0, :3, k], labels[0, k], reduction="sum") for k in (0, 1))
+    rest = sum(torch.nn.functional.cross_entropy(logits[1:, :, k], labels[1:, k], reduction="sum") for k in (0, 1))
+    assert span_loss(model, (full, padded, full, labels)) == pytest.approx((row0 + rest).item())
 
 
 def test_qa_mistakes_are_one_error_line(tmp_path, capsys):

@@ -178,45 +178,40 @@ def _answer_pairs(answers) -> list[tuple[str, int]]:
 
 # -- windows ----------------------------------------------------------------------------------------------------
 
-def window_tokenizer(tokenizer: Tokenizer, max_len: int, stride: int) -> Tokenizer:
-    """A copy of ``tokenizer`` that cuts a (question, context) pair into windows of ``max_len`` tokens, the
-    context's overlapping by ``stride`` tokens, unpadded."""
-    tok = Tokenizer.from_str(tokenizer.to_str())
-    tok.no_padding()
-    tok.enable_truncation(max_len, stride=stride, strategy="only_second")
-    return tok
+class Windower:
+    """Cuts (question, context) pairs into windows of at most ``max_len`` tokens, the context's overlapping by
+    ``stride`` tokens (the tokenizers library's truncation of the second sequence), unpadded."""
 
+    def __init__(self, tokenizer: Tokenizer, max_len: int, stride: int):
+        self.max_len, self.stride = max_len, stride
+        self.windows = Tokenizer.from_str(tokenizer.to_str())  # copies: truncation and padding are set on them
+        self.windows.no_padding()
+        self.windows.enable_truncation(max_len, stride=stride, strategy="only_second")
+        self.plain = Tokenizer.from_str(tokenizer.to_str())
+        self.plain.no_padding()
+        self.plain.no_truncation()
+        self.specials = self.plain.num_special_tokens_to_add(True)
 
-def context_room(tokenizer: Tokenizer, question: str, max_len: int) -> int:
-    """Context tokens a window has beside ``question`` and the special tokens."""
-    q = tokenizer.encode(question, add_special_tokens=False)
-    return max_len - len(q.ids) - tokenizer.num_special_tokens_to_add(True)
-
-
-def encode_windows(tokenizer: Tokenizer, questions: Sequence[str], contexts: Sequence[str], max_len: int,
-                   stride: int) -> list[list[Encoding] | str]:
-    """Each (question, context)'s windows, or why it has none: a question so long that a window has no more
-    than ``stride`` tokens of context (the windows could not advance)."""
-    tok = window_tokenizer(tokenizer, max_len, stride)
-    plain = Tokenizer.from_str(tokenizer.to_str())
-    plain.no_truncation()
-    plain.no_padding()
-    out: list[list[Encoding] | str] = []
-    fits = []
-    for q in questions:
-        room = context_room(plain, q, max_len)
-        if room <= stride:
-            out.append(f"the question is {max_len - room - plain.num_special_tokens_to_add(True)} tokens long, "
-                       f"which leaves {max(room, 0)} tokens of a {max_len}-token window for its context, not more "
-                       f"than data.doc_stride={stride}; shorten the question, raise training.seq_len or lower "
-                       f"data.doc_stride")
-        else:
-            out.append([])
-            fits.append(len(out) - 1)
-    encodings = tok.encode_batch([(questions[i], contexts[i]) for i in fits])
-    for i, e in zip(fits, encodings):
-        out[i] = [e, *e.overflowing]
-    return out
+    def __call__(self, questions: Sequence[str], contexts: Sequence[str]) -> list[list[Encoding] | str]:
+        """Each pair's windows, or why it has none: a question so long that a window holds no more than
+        ``stride`` tokens of context (the windows could not advance)."""
+        out: list[list[Encoding] | str] = []
+        fits = []
+        for q in questions:
+            question = len(self.plain.encode(q, add_special_tokens=False).ids)
+            room = self.max_len - question - self.specials
+            if room <= self.stride:
+                out.append(f"the question is {question} tokens long, which leaves {max(room, 0)} tokens of a "
+                           f"{self.max_len}-token window for its context, not more than the {self.stride} tokens "
+                           f"windows overlap by (data.doc_stride); shorten the question, or train with a longer "
+                           f"training.seq_len or a smaller data.doc_stride")
+            else:
+                out.append([])
+                fits.append(len(out) - 1)
+        encodings = self.windows.encode_batch([(questions[i], contexts[i]) for i in fits])
+        for i, e in zip(fits, encodings):
+            out[i] = [e, *e.overflowing]
+        return out
 
 
 def char_spans(encoding: Encoding) -> np.ndarray:
@@ -257,7 +252,7 @@ def make_windows(examples: list[QAExample], tokenizer: Tokenizer, max_len: int, 
                  log: Callable[[str], None] = print) -> QAWindows:
     """Every window of ``examples`` labelled with its first answer's tokens; questions without windows are
     reported (file and line) and left out."""
-    encoded = encode_windows(tokenizer, [e.question for e in examples], [e.context for e in examples], max_len, stride)
+    encoded = Windower(tokenizer, max_len, stride)([e.question for e in examples], [e.context for e in examples])
     kept, windows, skipped = [], [], []
     for example, result in zip(examples, encoded):
         if isinstance(result, str):

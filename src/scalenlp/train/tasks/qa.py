@@ -33,14 +33,17 @@ from scalenlp.train.squad import question_scores
 from scalenlp.train.tasks.base import Task
 from scalenlp.train.tasks.classification import build_classifier
 
-HEAD = ("qa_outputs.weight", "qa_outputs.bias")
-
 
 def span_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Summed start and end cross-entropies of one (micro-)batch (input_ids, attention_mask, token_type_ids,
     (start, end) labels), in fp32; the trainer divides by the 2 labels a row counts."""
-    input_ids, attention_mask, token_type_ids, labels = batch
-    logits = model(input_ids, attention_mask, token_type_ids).float()
+    return span_loss_of(model(*batch[:3]), batch[1], batch[3])
+
+
+def span_loss_of(logits: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed loss of (B, T, 2) logits. Padding is no candidate: a window's loss is the same however wide
+    the batch it came in (transformers' model leaves the padded positions in the softmax)."""
+    logits = logits.float().masked_fill(~attention_mask.bool()[..., None], torch.finfo(torch.float32).min)
     return (F.cross_entropy(logits[..., 0], labels[:, 0], reduction="sum")
             + F.cross_entropy(logits[..., 1], labels[:, 1], reduction="sum"))
 
@@ -76,9 +79,8 @@ def evaluate_qa(model: torch.nn.Module, windows: QAWindows, batch_size: int, ran
         input_ids, attention_mask, token_type_ids, labels = (x.to(device) for x in windows.data.collate(rows))
         with autocast():
             logits = model(input_ids, attention_mask, token_type_ids).float()
-        logits, labels = logits[:real], labels[:real]
-        loss += (F.cross_entropy(logits[..., 0], labels[:, 0], reduction="sum")
-                 + F.cross_entropy(logits[..., 1], labels[:, 1], reduction="sum"))
+        logits = logits[:real]
+        loss += span_loss_of(logits, attention_mask[:real], labels[:real])
         for row, lg in zip(rows[:real], logits.cpu()):
             n = int(windows.data.lengths[row])
             start_logits[row], end_logits[row] = lg[:n, 0], lg[:n, 1]
@@ -150,7 +152,7 @@ class QuestionAnswering(Task):
             raise ConfigError(f"model.init={cfg.model.init!r} cannot answer questions: {e}") from None
         state = {k: v for k, v in pretrained.state.items() if not k.startswith("pooler.")}
         return args, build_classifier(args, dataclasses.replace(pretrained, state=state), device,
-                                      where=cfg.model.init, head=HEAD)
+                                      where=cfg.model.init)
 
     def micro_batch_loss(self, model: torch.nn.Module, micro: tuple[torch.Tensor, ...],
                          dims: ParallelDims) -> torch.Tensor:
