@@ -1,4 +1,5 @@
-"""The BERT encoder under tensor parallelism (two gloo processes) computes what one process does."""
+"""The encoder under tensor parallelism (two gloo processes) computes what one process does, with BERT's options
+and with RoBERTa's and DistilBERT's (positions over non-pad tokens, own classifier dense layer, no token types)."""
 
 import copy
 
@@ -8,16 +9,21 @@ import torch
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.testing.ranks import spawn_ranks
 
-pytestmark = pytest.mark.slow  # spawns processes: ~12 s here
+pytestmark = pytest.mark.slow  # spawns processes: ~12 s here with BERT alone, 40 s with the five cases on a loaded 2-core machine
 
 
-LABELS = {"classification": ["negative", "positive"], "token_classification": ["O", "B-PER", "I-PER"]}
+LABELS = {"classification": ["negative", "positive"], "token_classification": ["O", "B-PER", "I-PER"],
+          "question_answering": []}
+ROBERTA = {"family": "roberta", "pad_token_id": 1, "position_offset": 2, "type_vocab_size": 1, "classifier_head": "tanh"}
+DISTILBERT = {"family": "distilbert", "type_vocab_size": 0, "classifier_head": "relu", "pooler": False}
+CASES = [("classification", {}), ("token_classification", {"pooler": False}), ("classification", ROBERTA),
+         ("question_answering", ROBERTA), ("classification", DISTILBERT)]
 
 
-def tiny(task: str) -> Encoder:
+def tiny(task: str, options: dict) -> Encoder:
     torch.manual_seed(0)
     return Encoder(EncoderArgs(vocab_size=96, dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=64, task=task,
-                               labels=LABELS[task], pooler=task == "classification")).eval()
+                               labels=LABELS[task], **options)).eval()
 
 
 def _tp_worker(rank, world):
@@ -28,8 +34,8 @@ def _tp_worker(rank, world):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     ids = torch.randint(0, 96, (3, 12), generator=torch.Generator().manual_seed(1))
     mask = (torch.arange(12) < torch.tensor([[12], [7], [3]])).long()  # right-padded, three lengths
-    for task in ("classification", "token_classification"):
-        reference = tiny(task)
+    for task, options in CASES:
+        reference = tiny(task, options)
         sharded = copy.deepcopy(reference)
         with pytest.raises(ValueError, match="sequence parallelism is not implemented for encoders"):
             apply_tp(sharded, mesh["tp"], sequence_parallel=True)
