@@ -90,6 +90,9 @@ class EncoderArgs:
                              "pooler (pooler=True)")
         if self.type_vocab_size < 0 or self.position_offset < 0:
             raise ValueError("type_vocab_size and position_offset must be 0 or more")
+        if self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len {self.max_seq_len} leaves no position for a token (the position table "
+                             f"has max_seq_len + position_offset = {self.max_seq_len + self.position_offset} rows)")
 
     @property
     def uses_pooler_head(self) -> bool:
