@@ -22,7 +22,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from torch import nn
 
 from scalenlp.errors import UserError
@@ -42,13 +42,29 @@ ROPE_FREQS = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
 # store it, so a file without rope.scaling.original_context_length is read as one of those models.
 LLAMA31_ORIGINAL_CONTEXT = 8192
 # tokenizer.ggml.pre names llama.cpp gives a byte-level BPE's pre-tokenization, and the same split in
-# the tokenizers library: GPT-2's regex, and SmolLM's, which first cuts every digit apart.
+# the tokenizers library: GPT-2's regex; SmolLM's, which first cuts every digit apart; Llama 3's, which keeps
+# at most three digits together, a letter run with the one non-letter before it, and newlines apart from
+# other whitespace. The Llama 3 pattern is spelled as llama.cpp's llama-vocab.cpp spells it.
 _GPT2_SPLIT = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PROBE = "I'M don't 12345 x  \n\n  héllo!!?  日本 3.14"
-PRE_TOKENIZERS = {
+
+
+def _llama3_split() -> pre_tokenizers.PreTokenizer:
+    # The regex finds the pieces; ByteLevel then only spells each piece's bytes, without splitting again.
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+PRE_TOKENIZERS = {  # the first name of each split is the one written
     "gpt-2": lambda: _GPT2_SPLIT,
     "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _GPT2_SPLIT]),
+    "llama-bpe": _llama3_split, "llama3": _llama3_split, "llama-v3": _llama3_split,
 }
+# tokenizer.ggml.model: the tokenizer kinds read (llama.cpp's names) and what each is.
+TOKENIZER_KINDS = {"gpt2": "byte-level BPE: GPT-2, SmolLM, Llama 3", "llama": "SentencePiece: Llama 2, Mistral, Gemma"}
+SPACE = "\u2581"  # SentencePiece's visible space, which stands for " " inside its pieces
 
 
 def _field(reader: gguf.GGUFReader, key: str, default=None):
@@ -85,12 +101,7 @@ def read_gguf(path: Path) -> Pretrained:
     map; quantized and half-precision ones are dequantized to float32 (the model runs in one dtype); Q4_0, Q4_1 and
     Q8_0 weights also keep their raw blocks (``Pretrained.blocks``), which ``--quantize`` may take as they are."""
     path = Path(path)
-    try:
-        # Copy-on-write: the arrays are writable (torch wants that) but nothing ever reaches the file.
-        reader = gguf.GGUFReader(path, "c")
-    except Exception as e:  # the reader raises ValueError, KeyError, IndexError... on a damaged or cut file
-        raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it may be truncated, "
-                        f"download or export it again") from None
+    reader = _open(path)
     args = _args(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     state: dict[str, torch.Tensor] = {}
@@ -114,6 +125,21 @@ def read_gguf(path: Path) -> Pretrained:
                         f"not (vocab, dim) = {expected}; the file's metadata does not match its tensors")
     tokenizer, tokenizer_config = _tokenizer(reader, path)
     return Pretrained(args, state, tokenizer, tokenizer_config, "gguf", path, blocks=blocks)
+
+
+def read_tokenizer(path: Path) -> tuple[Tokenizer, dict]:
+    """Only a GGUF file's tokenizer and its config (BOS, EOS, add_bos_token, chat template), as ``read_gguf``
+    gives them."""
+    return _tokenizer(_open(Path(path)), Path(path))
+
+
+def _open(path: Path) -> gguf.GGUFReader:
+    try:
+        # Copy-on-write: the arrays are writable (torch wants that) but nothing ever reaches the file.
+        return gguf.GGUFReader(path, "c")
+    except Exception as e:  # the reader raises ValueError, KeyError, IndexError... on a damaged or cut file
+        raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it may be truncated, "
+                        f"download or export it again") from None
 
 
 def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
@@ -216,35 +242,84 @@ def _tensor(t, path: Path) -> torch.Tensor:
 
 
 def _tokenizer(reader: gguf.GGUFReader, path: Path) -> tuple[Tokenizer, dict]:
-    """A byte-level BPE ``Tokenizer`` equal to the one llama.cpp builds from the file, and its config."""
+    """A ``Tokenizer`` that gives the ids llama.cpp gives for the file's vocabulary, and its config."""
     kind = _field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UserError(f"{path}: tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE, "
-                        f"as in SmolLM2 and Llama-3-style files)")
-    pre = _field(reader, "tokenizer.ggml.pre", "gpt-2")
-    if pre not in PRE_TOKENIZERS:
-        raise UserError(f"{path}: tokenizer pre-tokenization {pre!r} is not supported; supported: "
-                        f"{', '.join(PRE_TOKENIZERS)}")
+    if kind not in TOKENIZER_KINDS:
+        raise UserError(f"{path}: tokenizer model {kind!r} is not supported; supported: "
+                        f"{', '.join(f'{k} ({what})' for k, what in TOKENIZER_KINDS.items())}")
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
     types = _field(reader, "tokenizer.ggml.token_type", [gguf.TokenType.NORMAL] * len(tokens))
-    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
-    tokenizer.decoder = decoders.ByteLevel()
-    # llama.cpp matches control and user-defined tokens whole in the text before any splitting.
-    tokenizer.add_tokens([AddedToken(t, special=k == gguf.TokenType.CONTROL, normalized=False)
-                          for t, k in zip(tokens, types)
-                          if k in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)])
+    if len(types) != len(tokens):
+        raise UserError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens; "
+                        f"the file's vocabulary is damaged")
+    tokenizer = _byte_level(reader, path, tokens) if kind == "gpt2" else _sentencepiece(reader, path, tokens, types)
+    # llama.cpp matches control, unknown and user-defined tokens whole in the text before any splitting.
+    special = (gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN)
+    tokenizer.add_tokens([AddedToken(t, special=k in special, normalized=False) for t, k in zip(tokens, types)
+                          if k in (*special, gguf.TokenType.USER_DEFINED)])
     bos, eos = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
     config: dict = {key: tokens[i] for key, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
-    config["add_bos_token"] = bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos is not None
-    if config["add_bos_token"]:  # llama.cpp then starts every text with BOS; so does encode()
-        tokenizer.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
-                                                                 special_tokens=[(tokens[bos], bos)])
+    # Without the flag llama.cpp starts SentencePiece texts with BOS, byte-level ones not.
+    add = {"bos": _field(reader, "tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None,
+           "eos": _field(reader, "tokenizer.ggml.add_eos_token", False) and eos is not None}
+    config["add_bos_token"] = bool(add["bos"])
+    if any(add.values()):  # llama.cpp then adds them to every text; so does encode()
+        ends = [(tokens[i], i) for i, on in ((bos, add["bos"]), (eos, add["eos"])) if on]
+        single = " ".join([*([tokens[bos]] if add["bos"] else []), "$A", *([tokens[eos]] if add["eos"] else [])])
+        tokenizer.post_processor = processors.TemplateProcessing(single=single, special_tokens=ends)
     template = _field(reader, "tokenizer.chat_template")
     if template is not None:
         config["chat_template"] = template
     return tokenizer, config
+
+
+def _byte_level(reader: gguf.GGUFReader, path: Path, tokens: list[str]) -> Tokenizer:
+    """A byte-level BPE (GPT-2's scheme) with the file's merges and named pre-tokenization."""
+    pre = _field(reader, "tokenizer.ggml.pre", "gpt-2")
+    if pre not in PRE_TOKENIZERS:
+        raise UserError(f"{path}: tokenizer pre-tokenization {pre!r} is not supported; supported: "
+                        f"{', '.join(PRE_TOKENIZERS)}")
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece(reader: gguf.GGUFReader, path: Path, tokens: list[str], types: list[int]) -> Tokenizer:
+    """llama.cpp's SentencePiece tokenizer as a BPE with byte fallback. Spaces become ▁, and one ▁ starts
+    the text and follows each special token (tokenizer.ggml.add_space_prefix, on unless the file says otherwise:
+    Gemma's is off). Then, as SentencePiece's BPE does, two neighbouring pieces merge while their concatenation
+    is a token, the highest-scoring first; a character no token covers becomes its UTF-8 bytes' <0xNN> tokens.
+    The text stays one piece (no pre-tokenizer): SentencePiece merges across the whole of it, too."""
+    scores = _field(reader, "tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise UserError(f"{path}: a SentencePiece vocabulary needs tokenizer.ggml.scores, one per token "
+                        f"({len(tokens)}); the file has {'none' if scores is None else len(scores)}")
+    unk = _field(reader, "tokenizer.ggml.unknown_token_id",
+                 next((i for i, k in enumerate(types) if k == gguf.TokenType.UNKNOWN), None))
+    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, sentencepiece_merges(tokens, scores, types),
+                                     unk_token=None if unk is None else tokens[unk], fuse_unk=True, byte_fallback=True))
+    spaces = normalizers.Replace(" ", SPACE)
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if _field(reader, "tokenizer.ggml.add_space_prefix", True):
+        # A normalizer, not pre_tokenizers.Metaspace, which adds no ▁ before a text that starts with a space
+        # (" a" -> "▁a", where SentencePiece and llama.cpp give "▁▁a").
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), spaces])
+        steps.append(decoders.Strip(" ", 1, 0))  # the added space, which the text did not have
+    else:
+        tokenizer.normalizer = spaces
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """SentencePiece's merge order as a BPE merge list: each normal token, cut in two at every place where both
+    halves are tokens, ranked by the token's score (best first; ties by token id, then the shorter left half)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    cuts = [(-scores[i], i, cut) for i, (t, k) in enumerate(zip(tokens, types)) if k == gguf.TokenType.NORMAL
+            for cut in range(1, len(t)) if t[:cut] in ids and t[cut:] in ids]
+    return [(tokens[i][:cut], tokens[i][cut:]) for _, i, cut in sorted(cuts)]
 
 
 # ---------------------------------------------------------------------------------------------- writing
