@@ -201,3 +201,45 @@ def write_chats(path, n=43):
     lines[11] = json.dumps({"messages": [{"role": "wizard", "content": "hi"}]})
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+# Small random configs of the decoder families scalenlp reads (models/families), each with the options that set it
+# apart made to matter at this size: windows of 4 on sequences longer than that, soft-caps near the scores' scale.
+HF_DECODERS = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, use_sliding_window=True,
+                                                     sliding_window=4, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=None)),
+    # Gemma untied: with its tied, sqrt(dim)-scaled embeddings a random model only repeats its last token.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(tie_word_embeddings=False, head_dim=16, sliding_window=4, query_pre_attn_scalar=20,
+                                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                                         pad_token_id=None)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        tie_word_embeddings=False, head_dim=16, sliding_window=4, query_pre_attn_scalar=20, pad_token_id=None,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+}
+
+
+def make_hf_decoder(folder: Path, model_type: str, corpus: Path):
+    """A random model of one of HF_DECODERS' families (2 layers, hidden 64, GQA) saved by transformers with a
+    byte-level BPE of ``corpus``; returns the transformers model too (float32, eval mode)."""
+    import torch
+    import transformers
+
+    from scalenlp.data import train_bpe
+
+    config_class, model_class, options = HF_DECODERS[model_type]
+    tokenizer = train_bpe([corpus.read_text()], 400)
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(
+        **{"vocab_size": tokenizer.get_vocab_size(), "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+           "initializer_range": 0.2, "bos_token_id": None, "eos_token_id": None, **options})
+    model = getattr(transformers, model_class)(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
+    return model
