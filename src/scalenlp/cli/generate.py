@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from scalenlp.engine.config import EngineConfig
+from scalenlp.engine.config import LORA_OPTIONS, EngineConfig
 
-# `generate` and `chat` take every engine flag but --max-queue: one user at a terminal has no queue to bound.
-TERMINAL_SKIP = ("max_queue",)
+# `generate` and `chat` take every engine flag but --max-queue (one user at a terminal has no queue to bound) and
+# the adapter flags (nothing at a terminal picks an adapter; merge one into the model to use it there).
+TERMINAL_SKIP = ("max_queue", *LORA_OPTIONS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

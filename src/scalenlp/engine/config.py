@@ -90,6 +90,8 @@ class BaseEngineConfig(Options):
         self.at_least(1, "max_queue")
 
 
+# The options of serving LoRA adapters: for `serve` (and the Python API), whose requests name an adapter.
+LORA_OPTIONS = ("lora", "max_loras", "max_lora_rank")
 # The options of every command that loads a model, generating or not (eval, classify, embed).
 LOAD_OPTIONS = ("checkpoint", "dtype", "device", "quantize", "group_size")
 SHARED_OPTIONS = tuple(f.name for f in dataclasses.fields(BaseEngineConfig))
@@ -102,13 +104,49 @@ class EngineConfig(BaseEngineConfig):
     max_batch: int = option(8, type=int, help="sequence slots in the KV cache (default 8)")
     compile: bool = option(False, action="store_true", help="torch.compile the decode step")
     tp: int = option(1, type=int, help="tensor-parallel processes for one model (gloo on CPU, NCCL on GPUs)")
+    # A list, not a tuple: argparse's "append" extends the default it is given.
+    lora: list[str] | None = option(None, action="append", metavar="NAME=PATH",
+                                    help="serve the LoRA adapter in folder PATH (PEFT's or a run's export/adapter) "
+                                         "as model NAME, beside the base model; repeat for more")
+    max_loras: int | None = option(None, type=int,
+                                   help="adapter slots, for --lora and adapters loaded at run time (default: the "
+                                        "number of --lora; 0 without: no adapters, the base model's own speed)")
+    max_lora_rank: int | None = option(None, type=int,
+                                       help="largest adapter rank served; smaller ranks are padded to it (default: "
+                                            "the largest --lora rank, or 16)")
 
     def check(self) -> None:
         self.at_least(1, "max_batch")
         self.at_least(2, "max_seq_len")  # a prompt token and an output token
+        self.at_least(0, "max_loras")
+        self.at_least(1, "max_lora_rank")
         if self.tp > 1 and self.compile:
             raise UserError("--compile is not supported with --tp yet; drop one of them")
+        adapters = self.adapters()
+        if self.max_loras is not None and self.max_loras < len(adapters):
+            raise UserError(f"--max-loras {self.max_loras} is fewer than the {len(adapters)} --lora adapters; "
+                            f"raise it to at least {len(adapters)}")
+        if self.serves_adapters and (self.tp > 1 or self.compile):
+            raise UserError("LoRA adapters are not served with --tp or --compile yet; drop those, or merge the "
+                            "adapter into the model (scalenlp export --merge) and serve that")
         super().check()
+
+    def adapters(self) -> dict[str, str]:
+        """{name: folder} of the --lora flags; a malformed or repeated one is a UserError."""
+        found: dict[str, str] = {}
+        for entry in self.lora or ():
+            name, sep, path = entry.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise UserError(f"--lora {entry!r} must be NAME=PATH (the model name requests use, and the "
+                                f"adapter's folder), e.g. --lora sql=runs/sql/export/adapter")
+            if name.strip() in found:
+                raise UserError(f"--lora names {name.strip()!r} twice; give each adapter its own name")
+            found[name.strip()] = path.strip()
+        return found
+
+    @property
+    def serves_adapters(self) -> bool:
+        return bool(self.lora) or bool(self.max_loras)
 
 
 @dataclass(frozen=True)

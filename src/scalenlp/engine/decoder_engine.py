@@ -81,6 +81,7 @@ class Request:
     cancelled: bool = False
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
+    adapter: int = 0  # the LoRA adapter this request runs with (engine/lora.py); 0: the base model
 
     @property
     def length(self) -> int:
@@ -119,14 +120,15 @@ class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 64, token_budget: int = 2048,
                  max_seq_len: int | None = None, eos_id: int | None = None, stop_ids: Collection[int] = (),
                  compile: bool = False, cache_dtype: torch.dtype | None = None, pack_weights: bool = True,
-                 tokenizer_config: dict | None = None):
+                 tokenizer_config: dict | None = None, adapters=None):
         """model: a Transformer (or anything with its ``setup_kv_cache`` and forward signature, like a
         sharded one). tokenizer: a ``tokenizers.Tokenizer``. max_seq_len: positions per cache row
         (prompt + output), at most the model's. token_budget: tokens one step may process
         (decode rows + prefill prompts); a prompt longer than it is still admitted alone.
         pack_weights: on CPU with bf16 weights, pre-pack the linear layers for oneDNN (the model
         is changed in place and is for inference only afterwards). tokenizer_config: the checkpoint's
-        special tokens and chat template, for whoever renders conversations into prompts."""
+        special tokens and chat template, for whoever renders conversations into prompts. adapters: the
+        LoRA adapters served on this model (an engine.lora.LoraSlots built on it before this engine), or None."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
@@ -136,6 +138,7 @@ class Engine:
         self.eos_id = eos_id
         self.stop_ids = frozenset(stop_ids) | ({eos_id} if eos_id is not None else set())
         self.tokenizer_config = tokenizer_config or {}
+        self.adapters = adapters
         ref = next(model.parameters())
         self.device = ref.device
         previous = _ENGINE_OF.get(model)
@@ -228,13 +231,14 @@ class Engine:
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[Delta], None],
-               bypass_queue_limit: bool = False) -> Request:
-        return self.submit_many([(prompt_ids, params)], [on_event], bypass_queue_limit)[0]
+               bypass_queue_limit: bool = False, adapter: str | None = None) -> Request:
+        return self.submit_many([(prompt_ids, params)], [on_event], bypass_queue_limit, adapter)[0]
 
     def submit_many(self, items: list[tuple[list[int], SamplingParams]], on_events: list[Callable[[Delta], None]],
-                    bypass_queue_limit: bool = False) -> list[Request]:
-        """All or none: either every request is queued, or QueueFull / RequestError is raised.
-        A request without max_tokens may run to the end of the context."""
+                    bypass_queue_limit: bool = False, adapter: str | None = None) -> list[Request]:
+        """All or none: either every request is queued, or QueueFull / RequestError / UnknownAdapter is raised.
+        A request without max_tokens may run to the end of the context. ``adapter``: the name of the LoRA
+        adapter every request runs with (None: the base model)."""
         items = [(p, params if params.max_tokens is not None else
                   dataclasses.replace(params, max_tokens=max(1, self.max_seq_len - len(p)))) for p, params in items]
         for prompt_ids, params in items:
@@ -246,6 +250,10 @@ class Engine:
                 raise EngineDead(f"the engine has stopped: {self.error!r}")
             if not bypass_queue_limit and len(self._waiting) + len(requests) > self.max_queue:
                 raise QueueFull(f"the queue holds {len(self._waiting)} of {self.max_queue} requests; retry later")
+            if adapter is not None:  # looked up under the lock ``step`` releases slots under: see _release_adapters
+                index = self._adapter_index(adapter)
+                for r in requests:
+                    r.adapter = index
             self._waiting.extend(requests)
             self._wake.notify()
         return requests
@@ -256,9 +264,9 @@ class Engine:
         with self._wake:
             self._wake.notify()
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[str]:
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams, adapter: str | None = None) -> list[str]:
         """Blocking helper: the completion text of each prompt (text or token ids), all run as one continuous
-        batch."""
+        batch, with the LoRA adapter named ``adapter`` (None: the base model)."""
         done = [threading.Event() for _ in prompts]
         texts = [""] * len(prompts)
 
@@ -271,7 +279,7 @@ class Engine:
 
         self.submit_many([(self.encode(p) if isinstance(p, str) else p, params) for p in prompts],
                          [collector(i) for i in range(len(prompts))],
-                         bypass_queue_limit=True)
+                         bypass_queue_limit=True, adapter=adapter)
         for event in done:
             while not event.wait(1.0):
                 if not self.alive:
@@ -344,6 +352,8 @@ class Engine:
         for slot, r in list(self._running.items()):
             if r.cancelled:
                 del self._running[slot]
+        if self.adapters is not None and self.adapters.retiring:
+            self._release_adapters()
         if self._scoring:
             self._score_batch()
         admitted = self._admit()
@@ -375,6 +385,7 @@ class Engine:
             tokens[b, :len(job.inputs[i])] = torch.tensor(job.inputs[i])
         positions = torch.arange(T).expand(len(rows), T)
         slots = torch.tensor(free[:len(rows)])
+        self._select_adapters([0] * len(rows))  # scoring runs on the base model
         logits = self.model(tokens.to(self.device), positions.to(self.device), slots.to(self.device), kv_len=T)
         for b, i in enumerate(rows):
             n, k = len(job.inputs[i]), len(job.targets[i])
@@ -416,6 +427,7 @@ class Engine:
         positions = torch.arange(T).expand(len(admitted), T)
         last = torch.tensor([len(r.prompt_ids) - 1 for r in admitted])
         slots = torch.tensor([r.slot for r in admitted])
+        self._select_adapters([r.adapter for r in admitted])
         logits = self.model(tokens.to(self.device), positions.to(self.device), slots.to(self.device),
                             kv_len=T, logits_at=last.to(self.device))
         self._sample_and_emit(admitted, logits[:, -1])
@@ -427,9 +439,28 @@ class Engine:
         tokens = torch.tensor([[r.output_ids[-1] if r else 0] for r in rows])
         positions = torch.tensor([[r.length - 1 if r else 0] for r in rows])
         kv_len = max(r.length for r in live)
+        self._select_adapters([r.adapter if r else 0 for r in rows])
         logits = self._decode(tokens.to(self.device), positions.to(self.device), kv_len=kv_len)
         index = torch.tensor([r.slot for r in live], device=self.device)
         self._sample_and_emit(live, logits[index, -1])
+
+    def _adapter_index(self, name: str) -> int:
+        from scalenlp.engine.lora import UnknownAdapter
+
+        if self.adapters is None:
+            raise UnknownAdapter(f"no adapter named {name!r}: this engine serves no LoRA adapters")
+        return self.adapters.index_of(name)
+
+    def _release_adapters(self) -> None:
+        """Free the slots of unloaded adapters that no request waiting or running uses any more."""
+        with self._wake:
+            in_use = {r.adapter for r in self._waiting} | {r.adapter for r in self._running.values()}
+            self.adapters.release(in_use)
+
+    def _select_adapters(self, indices: list[int]) -> None:
+        """Which adapter each row of the next forward uses."""
+        if self.adapters is not None:
+            self.adapters.select(indices)
 
     def _sample_and_emit(self, requests: list[Request], logits: torch.Tensor) -> None:
         """Pick and hand out each request's next token. Whatever goes wrong here for one request (its

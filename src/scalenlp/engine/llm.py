@@ -42,14 +42,32 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
         model = start_sharded(pre, config.tp, config.dtype, spec)
     else:
         model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, config.dtype), quantize=spec)
+    adapters = serve_adapters(model, config) if config.serves_adapters else None
     engine = Engine(model, pre.tokenizer, max_batch=config.max_batch, max_queue=config.max_queue,
                     max_seq_len=config.max_seq_len,
                     eos_id=end_of_text_id(pre.tokenizer, pre.tokenizer_config),  # none: runs to max_tokens
                     stop_ids=end_of_turn_ids(pre.tokenizer, pre.tokenizer_config),
-                    tokenizer_config=pre.tokenizer_config, compile=config.compile)
+                    tokenizer_config=pre.tokenizer_config, compile=config.compile, adapters=adapters)
     if config.tp > 1:  # a rank that dies ends the engine: its requests are answered, a server exits 1
         model.followers.on_failure = engine.fail
     return engine.start()
+
+
+def serve_adapters(model, config: EngineConfig):
+    """The adapter slots of ``model`` with the --lora adapters in them, read first so that a bad folder is one
+    line before any layer is swapped."""
+    from scalenlp.engine.lora import DEFAULT_RANK, LoraSlots, check_name, read_folder
+
+    read = {}
+    for name, path in config.adapters().items():
+        check_name(name)
+        read[name] = (*read_folder(path, model.args), path)
+    rank = config.max_lora_rank or max((spec.rank for spec, _, _ in read.values()), default=DEFAULT_RANK)
+    slots = LoraSlots(model, len(read) if config.max_loras is None else config.max_loras, rank,
+                      next(model.parameters()).dtype)
+    for name, (spec, weights, path) in read.items():
+        slots.add(name, spec, weights, path)
+    return slots
 
 
 class LLM:
@@ -64,9 +82,12 @@ class LLM:
             config = EngineConfig(checkpoint, **options)
         self.engine = engine_from_checkpoint(config)
 
-    def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[str]:
-        """The completion of each prompt, all run as one continuous batch."""
-        return self.engine.generate([prompts] if isinstance(prompts, str) else prompts, params or SamplingParams())
+    def generate(self, prompts: str | list[str], params: SamplingParams | None = None,
+                 adapter: str | None = None) -> list[str]:
+        """The completion of each prompt, all run as one continuous batch, with the LoRA adapter named
+        ``adapter`` (one of ``lora=["NAME=PATH"]``; None: the base model)."""
+        return self.engine.generate([prompts] if isinstance(prompts, str) else prompts, params or SamplingParams(),
+                                    adapter)
 
     def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None) -> list[str]:
         """The assistant's answer to each conversation (one conversation: a list of role/content messages),
