@@ -243,3 +243,40 @@ def make_hf_decoder(folder: Path, model_type: str, corpus: Path):
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
     return model
+
+
+def word_tokenizer(words: list[str], pad: str, unk: str, bos: str, eos: str):
+    """A word-level tokenizer for tiny encoders: ``words`` (special tokens among them) split on white space, each
+    text wrapped in ``bos`` ... ``eos``, batches padded with ``pad``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {token: i for i, token in enumerate(words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A {eos}", special_tokens=[
+        (bos, vocab[bos]), (eos, vocab[eos])])
+    tokenizer.enable_padding(pad_id=vocab[pad], pad_token=pad)
+    return tokenizer
+
+
+def roberta_sentiment(folder: Path) -> tuple[Path, Path]:
+    """(model.init, data.path): a random RobertaModel (2 layers, hidden 32) saved by transformers with a word-level
+    tokenizer, and 48 labelled rows whose adjectives give their label away."""
+    import torch
+    import transformers
+
+    adjectives = {0: ["bad", "awful", "poor"], 1: ["good", "great", "fine"]}
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    g = torch.Generator().manual_seed(0)
+    rows = [f"{i % 2}\tthe film was {' '.join(adjectives[i % 2][k] for k in torch.randint(0, 3, (3,), generator=g))}"
+            for i in range(48)]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.tsv").write_text("label\tsentence\n" + "\n".join(rows) + "\n")
+    words = specials + ["the", "film", "was"] + adjectives[0] + adjectives[1]
+    torch.manual_seed(0)
+    config = transformers.RobertaConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, intermediate_size=64, max_position_embeddings=34,
+                                        pad_token_id=1, type_vocab_size=1)
+    transformers.RobertaModel(config).save_pretrained(folder / "init")
+    word_tokenizer(words, "<pad>", "<unk>", "<s>", "</s>").save(str(folder / "init" / "tokenizer.json"))
+    return folder / "init", folder / "train.tsv"

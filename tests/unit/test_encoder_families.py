@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizers import Tokenizer
 
 from scalenlp import loader
 from scalenlp.engine.config import EncoderEngineConfig
@@ -15,7 +15,7 @@ from scalenlp.engine.encoder_engine import encoder_from_checkpoint, is_encoder
 from scalenlp.errors import UserError
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.hf_encoder import write_encoder_folder
-from train_helpers import classify_sets, read_metrics, train_here
+from train_helpers import classify_sets, read_metrics, roberta_sentiment, train_here, word_tokenizer
 
 torch.set_num_threads(1)
 
@@ -35,20 +35,6 @@ CLASSES = {"embedding": "Model", "classification": "ForSequenceClassification",
            "token_classification": "ForTokenClassification", "question_answering": "ForQuestionAnswering"}
 LABELS = ["neg", "neutral", "pos"]
 LABELLED = ("classification", "token_classification")
-
-
-def word_tokenizer(specials: tuple[str, ...], roles: str, words: list[str] | None = None) -> Tokenizer:
-    """A word-level vocabulary (VOCAB entries w0, w1, ... unless ``words`` are given) whose post-processor wraps a
-    text in the family's first and last special tokens, padding with its pad token."""
-    words = words or [f"w{i}" for i in range(VOCAB - len(specials))]
-    vocab = {token: i for i, token in enumerate(list(specials) + words)}
-    pad, unk, bos, eos = roles.split()
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=unk))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A {eos}", special_tokens=[
-        (bos, vocab[bos]), (eos, vocab[eos])])
-    tokenizer.enable_padding(pad_id=vocab[pad], pad_token=pad)
-    return tokenizer
 
 
 def batch(pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +69,8 @@ def hf_folder(tmp_path, transformers, family: str, task: str):
     """(transformers' model, the folder it saved with a tokenizer.json beside it)."""
     hf, specials, roles = hf_model(transformers, family, task)
     hf.save_pretrained(tmp_path / "hf")
-    word_tokenizer(specials, roles).save(str(tmp_path / "hf" / "tokenizer.json"))
+    words = list(specials) + [f"w{i}" for i in range(VOCAB - len(specials))]
+    word_tokenizer(words, *roles.split()).save(str(tmp_path / "hf" / "tokenizer.json"))
     return hf, tmp_path / "hf"
 
 
@@ -152,29 +139,16 @@ def test_roberta_fine_tunes_from_its_bare_model(tmp_path, transformers):
     """training.task=classification from a RobertaModel folder: the head RobertaForSequenceClassification adds
     (classifier.dense and out_proj) starts at random, the loss falls, and the run's export is a RoBERTa classifier
     that transformers loads with the same logits."""
-    words = ["good", "great", "fine", "bad", "awful", "poor", "the", "film", "was", "plot"]
-    g = torch.Generator().manual_seed(0)
-    lines = ["label\tsentence"]
-    for i in range(48):
-        label = i % 2
-        picks = torch.randint(0, 3, (3,), generator=g).tolist()
-        lines.append(f"{label}\tthe film was {' '.join(words[3 * (1 - label) + k] for k in picks)}")
-    (tmp_path / "train.tsv").write_text("\n".join(lines) + "\n")
-    _, sizes, specials, roles = FAMILIES["roberta"]
-    torch.manual_seed(0)
-    base = transformers.RobertaModel(transformers.RobertaConfig(
-        vocab_size=len(specials) + len(words), max_position_embeddings=34, pad_token_id=1, **sizes))
-    base.save_pretrained(tmp_path / "init")
-    word_tokenizer(specials, roles, words).save(str(tmp_path / "init" / "tokenizer.json"))
-
+    init, data = roberta_sentiment(tmp_path)
     train_here(tmp_path / "run", *classify_sets(
-        tmp_path / "init", tmp_path / "train.tsv", None, "training.steps=12", "training.global_batch_size=8",
+        init, data, None, "training.steps=12", "training.global_batch_size=8",
         "training.seq_len=16", "training.eval_every=0", "training.lr=3e-3", "training.warmup_steps=1"))
     losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
     assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
 
     model, pre = loader.load(tmp_path / "run" / "export")
     assert (pre.args.family, pre.args.classifier_head, pre.args.labels) == ("roberta", "tanh", ["0", "1"])
+    assert not pre.args.pooler  # RobertaModel's pooler is left behind: unused, it would stall DDP
     write_encoder_folder(model, pre.tokenizer, pre.tokenizer_config, tmp_path / "hf")
     back, info = transformers.RobertaForSequenceClassification.from_pretrained(
         str(tmp_path / "hf"), output_loading_info=True)

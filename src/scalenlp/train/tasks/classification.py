@@ -74,6 +74,10 @@ def classifier_args(cfg: Config, pretrained: Pretrained, labels: list[str]) -> E
         raise ConfigError(f"model.init={cfg.model.init!r} classifies into {args.labels}, but {cfg.data.path} has "
                           f"labels {labels}; fine-tune from its encoder without the head, or use data with its labels")
     args = dataclasses.replace(args, task="classification", labels=labels, dropout=cfg.model.dropout)
+    if not args.uses_pooler_head:
+        # RoBERTa's and DistilBERT's heads have a dense layer of their own: a pooler would get no gradient (DDP
+        # refuses that) and their ...ForSequenceClassification has none.
+        args = dataclasses.replace(args, pooler=False, pooling="mean" if args.pooling == "pooler" else args.pooling)
     try:
         args.check()
     except ValueError as e:
@@ -87,8 +91,10 @@ def build_classifier(args: EncoderArgs, pretrained: Pretrained, device: torch.de
     ``args`` name, which for RoBERTa's and DistilBERT's classifiers has a dense layer of its own) the checkpoint
     lacks keeps its random init (seeded by the caller, so every rank starts from the same one)."""
     head = args.head_names if head is None else head
+    # A model built without the checkpoint's pooler (its head never reads one) leaves that weight behind.
+    state = {k: v for k, v in pretrained.state.items() if args.pooler or not k.startswith("pooler.")}
     model = Encoder(args).to(device)
-    missing, unexpected = model.load_state_dict(cast_state(pretrained.state, device, torch.float32), strict=False)
+    missing, unexpected = model.load_state_dict(cast_state(state, device, torch.float32), strict=False)
     if unexpected or set(missing) - set(head):
         wrong = (unexpected or sorted(set(missing) - set(head)))[0]
         raise UserError(f"the weights in {where} do not match its model arguments: "
