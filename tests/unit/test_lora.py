@@ -275,3 +275,44 @@ def test_lora_mistakes_are_one_line(tmp_path, hf_llama, corpus, capsys):
     assert main_train(tmp_path / "run", "lora.rank=4", "training.steps=1") == 2
     assert "LoRA fine-tunes a pretrained model: set model.init" in error_lines(capsys.readouterr().err)[0]
 
+
+
+# -- export ------------------------------------------------------------------------------------------------------
+
+def test_export_peft_loads_in_peft_onto_the_base_with_the_runs_logits(lora_run, hf_llama, tmp_path, transformers):
+    from peft import PeftModel
+
+    from scalenlp.cli import main
+
+    run, _, _ = lora_run
+    assert main(["export", "--checkpoint", str(run), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["target_modules"][0].startswith(
+        "model.layers.0.")
+    peft_model = PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(hf_llama), tmp_path / "peft")
+    merged, _ = load(run)
+    tokens = torch.randint(0, merged.args.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(tokens).logits, merged(tokens), rtol=1e-4, atol=1e-4)
+    # --merge folds a PEFT adapter into its base: the merged transformers model computes what PEFT's does.
+    assert main(["export", "--checkpoint", str(hf_llama), "--adapter", str(tmp_path / "peft"), "--merge",
+                 "--format", "hf", "--out", str(tmp_path / "merged")]) == 0
+    hf_merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        torch.testing.assert_close(hf_merged(tokens).logits, merged(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_export_mistakes_are_one_line(lora_run, hf_llama, tmp_path, capsys):
+    from scalenlp.cli import main
+
+    run, _, _ = lora_run
+    cases = [
+        (["--checkpoint", str(hf_llama), "--format", "peft"], "holds no LoRA adapter"),
+        (["--checkpoint", str(hf_llama), "--format", "hf", "--merge"], "--merge needs --adapter"),
+        (["--checkpoint", str(hf_llama), "--format", "hf", "--adapter", str(run / "export" / ADAPTER_FOLDER)],
+         "--adapter is folded in by --merge"),
+        (["--checkpoint", str(run), "--format", "peft", "--merge"], "--merge writes a whole model"),
+    ]
+    for argv, message in cases:
+        assert main(["export", *argv, "--out", str(tmp_path / "out")]) == 2
+        lines = error_lines(capsys.readouterr().err)
+        assert len(lines) == 1 and message in lines[0], (argv, lines)

@@ -90,7 +90,8 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, spec.rank, device=device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # PEFT's default init (nn.Linear's)
         self.scaling = spec.scaling
-        self.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+        # A probability, not an nn.Dropout: a tensor-parallel style visits every submodule as a linear.
+        self.lora_dropout = spec.dropout
         self.lora_magnitude = None
         if spec.dora:
             with torch.no_grad():
@@ -106,7 +107,7 @@ class LoRALinear(nn.Linear):
             out = F.linear(x, weight, self.bias)
         else:  # an NF4 base computes in its own dtype (bf16), which autograd keeps it in (no dequantized copy)
             out = F.linear(x.to(weight.dtype), weight, self.bias).to(x.dtype)
-        dropped = self.lora_dropout(x)
+        dropped = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         lora = F.linear(F.linear(dropped, self.lora_A), self.lora_B) * self.scaling
         if self.lora_magnitude is None:
             return out + lora
