@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.engine.decoder_engine import Engine
@@ -16,7 +17,10 @@ from scalenlp.engine.lora import LoraSlots
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.models.adapter_io import write_adapter
 from scalenlp.models.adapters import LoraSpec, adapter_weights, add_adapters, match_targets, merge_adapters
+from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.io import load_pretrained
+from scalenlp.serving.app import create_app
+from scalenlp.serving.backend import LocalBackend
 
 torch.set_num_threads(1)
 KEY = "sk-test"
@@ -135,3 +139,98 @@ def test_dense_and_gathered_products_equal_the_merged_layer(tiny_export, adapter
         for row, name in enumerate(("beta", None, "alpha", "beta")[:rows]):
             ref = adapters[name][1] if name else load_pretrained(tiny_export)
             torch.testing.assert_close(got[row], ref(tokens[row:row + 1])[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_export, adapters):
+    """The tiny export served with alpha loaded and a free slot, behind an API key."""
+    model = load_pretrained(tiny_export)
+    slots = LoraSlots(model, 2, 4, torch.float32)
+    slots.load("alpha", adapters["alpha"][0])
+    engine = engine_on(model, tiny_export, adapters=slots)
+    with TestClient(create_app(LocalBackend(engine, "tiny"), api_key=KEY)) as client:
+        client.headers["Authorization"] = f"Bearer {KEY}"
+        yield client, engine
+    engine.stop()
+
+
+def complete(client, model: str, prompt=PROMPTS[1]):
+    return client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 8,
+                                                "temperature": 0, "ignore_eos": True})
+
+
+def test_models_lists_the_adapters_and_requests_pick_them(server, adapters):
+    client, engine = server
+    listed = client.get("/v1/models").json()["data"]
+    assert [(m["id"], m.get("parent")) for m in listed] == [("tiny", None), ("alpha", "tiny")]
+    assert listed[1]["root"] == str(adapters["alpha"][0])
+    out = complete(client, "alpha").json()
+    assert out["model"] == "alpha"
+    assert out["choices"][0]["text"] == engine.tokenizer.decode(greedy(engine, [PROMPTS[1]], "alpha")[0])
+    assert complete(client, "tiny").json()["choices"][0]["text"] != out["choices"][0]["text"]
+    missing = complete(client, "gamma")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert "'tiny', 'alpha'" in missing.json()["error"]["message"]
+
+
+def test_adapters_load_and_unload_at_run_time_behind_the_key(server, adapters):
+    client, engine = server
+    body = {"lora_name": "beta", "lora_path": str(adapters["beta"][0])}
+    assert client.post("/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert complete(client, "beta").status_code == 404
+    assert client.post("/v1/load_lora_adapter", json=body).status_code == 200
+    assert "beta" in [m["id"] for m in client.get("/v1/models").json()["data"]]
+    expected = engine.tokenizer.decode(greedy(engine, [PROMPTS[1]], "beta")[0])
+    assert complete(client, "beta").json()["choices"][0]["text"] == expected
+    again = client.post("/v1/load_lora_adapter", json=body)
+    assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+    full = client.post("/v1/load_lora_adapter", json={**body, "lora_name": "gamma"})
+    assert full.status_code == 400 and "all 2 adapter slots are in use" in full.json()["error"]["message"]
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "beta"}).status_code == 200
+    assert complete(client, "beta").status_code == 404
+    gone = client.post("/v1/unload_lora_adapter", json={"lora_name": "beta"})
+    assert gone.status_code == 404 and "adapters: alpha" in gone.json()["error"]["message"]
+    # the freed slot takes another adapter
+    assert client.post("/v1/load_lora_adapter", json={**body, "lora_name": "gamma"}).status_code == 200
+    assert complete(client, "gamma").json()["choices"][0]["text"] == expected
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200
+
+
+def test_without_an_api_key_the_admin_routes_are_refused(tiny_export):
+    model = load_pretrained(tiny_export)
+    engine = engine_on(model, tiny_export, adapters=LoraSlots(model, 1, 4, torch.float32))
+    try:
+        with TestClient(create_app(LocalBackend(engine, "tiny"))) as client:
+            r = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nowhere"})
+            assert r.status_code == 403 and "start the server with --api-key-file" in r.json()["error"]["message"]
+            assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 403
+    finally:
+        engine.stop()
+
+
+def test_bad_adapters_are_one_line(server, tmp_path, tiny_export):
+    client, _ = server
+
+    def load(path, name="bad"):
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "\n" not in message
+        return message
+
+    def folder(name, model, spec):
+        write_adapter(tmp_path / name, spec, adapter_weights(model), None)
+        return tmp_path / name
+
+    assert "is not an adapter folder: it needs adapter_config.json" in load(tmp_path / "nowhere")
+    torch.manual_seed(0)
+    other = Transformer(ModelArgs(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    add_adapters(other, LoraSpec(rank=2, alpha=4), match_targets(other, "all-linear"))
+    assert "needs (2, 64) and (32, 2); it was made for another base model" in load(folder("other", other, LoraSpec(rank=2, alpha=4)))
+    wide = adapted(tiny_export, 0, rank=8)
+    assert "rank 8, more than this engine's --max-lora-rank 4" in load(folder("wide", wide, LoraSpec(8, 16)))
+    dora = load_pretrained(tiny_export)
+    add_adapters(dora, LoraSpec(rank=2, alpha=4, dora=True), match_targets(dora, "all-linear"))
+    assert "DoRA adapter" in load(folder("dora", dora, LoraSpec(rank=2, alpha=4, dora=True)))
+    assert "the base model's name" in load(tmp_path / "dora", name="tiny")
+    assert "non-empty" in load(tmp_path / "dora", name=" spaced ")

@@ -35,8 +35,9 @@ def engine_config(args) -> EngineConfig | EncoderEngineConfig:
 
     if not is_encoder(args.checkpoint):
         return EngineConfig.from_args(args)
-    if args.tp > 1 or args.compile:
-        raise UserError("--tp and --compile are for decoders; serve an encoder without them")
+    if args.tp > 1 or args.compile or args.lora or args.max_loras:
+        raise UserError("--tp, --compile and the LoRA flags are for decoders; serve an encoder without them (an "
+                        "encoder's adapter is served merged: scalenlp export --merge)")
     return EncoderEngineConfig.from_args(args)
 
 
@@ -49,6 +50,12 @@ def run(args) -> int:
     config = engine_config(args)
     config.check()
     model_name = args.model_name or default_model_name(args.checkpoint)
+    if isinstance(config, EngineConfig) and config.serves_adapters:
+        if model_name in config.adapters():
+            raise UserError(f"--lora names an adapter {model_name!r}, the base model's name; rename the adapter or "
+                            f"set --model-name")
+        if args.replicas:
+            raise UserError("LoRA adapters are served by one process for now; drop --replicas or the --lora flags")
     for module in ("fastapi", "uvicorn"):  # before a model is loaded
         require(module, "serve")
     if args.replicas:

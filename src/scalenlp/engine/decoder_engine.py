@@ -352,8 +352,6 @@ class Engine:
         for slot, r in list(self._running.items()):
             if r.cancelled:
                 del self._running[slot]
-        if self.adapters is not None and self.adapters.retiring:
-            self._release_adapters()
         if self._scoring:
             self._score_batch()
         admitted = self._admit()
@@ -361,6 +359,8 @@ class Engine:
             self._prefill(admitted)
         if self._running:  # includes the requests just prefilled: they decode their second token now
             self._decode_step()
+        if self.adapters is not None and self.adapters.retiring:  # after this step's requests have finished
+            self._release_adapters()
         self.steps += 1
 
     def _score_batch(self) -> None:
@@ -443,6 +443,17 @@ class Engine:
         logits = self._decode(tokens.to(self.device), positions.to(self.device), kv_len=kv_len)
         index = torch.tensor([r.slot for r in live], device=self.device)
         self._sample_and_emit(live, logits[index, -1])
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving the LoRA adapter ``name``: requests for it are refused from now on (UnknownAdapter),
+        those queued or running finish on it, and its slot is reused once they have."""
+        from scalenlp.engine.lora import UnknownAdapter
+
+        if self.adapters is None:
+            raise UnknownAdapter(f"no adapter named {name!r}: this engine serves no LoRA adapters")
+        with self._wake:
+            self.adapters.unload(name)
+            self._release_adapters()
 
     def _adapter_index(self, name: str) -> int:
         from scalenlp.engine.lora import UnknownAdapter

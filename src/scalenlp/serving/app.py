@@ -15,6 +15,7 @@ from scalenlp.serving.protocol import (
     ERROR_SCHEMA,
     APIError,
     _chat_request_model,
+    _lora_request_models,
     _request_model,
     check_request,
     complete_chat,
@@ -129,18 +130,25 @@ def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAUL
 
         return Response(backend.metrics(), media_type=CONTENT_TYPE_LATEST)
 
+    def adapters() -> dict[str, str]:
+        """{name: folder} of the LoRA adapters the backend serves beside its model (none for most backends)."""
+        return backend.adapters() if hasattr(backend, "adapters") else {}
+
     @app.get("/v1/models", responses=error_responses(401))
     async def models():
-        return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "created": 0,
-                                            "owned_by": "scalenlp"}]}
+        base = {"id": backend.model_name, "object": "model", "created": 0, "owned_by": "scalenlp"}
+        # Adapters as vLLM lists them: their own id, the base model as parent, their folder as root.
+        return {"object": "list", "data": [base, *({**base, "id": name, "root": path, "parent": backend.model_name}
+                                                   for name, path in adapters().items())]}
 
     completion_responses = {200: {"description": "a completion, or with `stream` a stream of server-sent events",
                                   "content": {"text/event-stream": {"schema": {"type": "string"}}}},
                             **error_responses(400, 401, 404, 413, 429, 500, 503)}
 
     def check_model(req) -> None:
-        if req.model != backend.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {backend.model_name!r}",
+        if req.model != backend.model_name and req.model not in adapters():
+            served = ", ".join(repr(n) for n in (backend.model_name, *adapters()))
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 
     async def answer(request: Request, stream: bool, complete, chunks: Callable[[], AsyncIterator[dict]]):
@@ -170,6 +178,7 @@ def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAUL
                             lambda: stream_chat(backend, completion))
 
     add_encoder_routes(app, backend, check_model)
+    add_adapter_routes(app, backend, api_key)
 
     def openapi() -> dict:
         """FastAPI's document, less its 422 (validation errors are 400s here), with the error schema and
@@ -192,6 +201,37 @@ def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAUL
 
     app.openapi = openapi
     return app
+
+
+def add_adapter_routes(app, backend, api_key: str | None) -> None:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes): change what the server serves, so
+    only a holder of the API key may (the key middleware answers 401 before these run); a server without a key
+    refuses them."""
+    from fastapi.responses import PlainTextResponse
+
+    LoadLoraRequest, UnloadLoraRequest = _lora_request_models()
+    admin = error_responses(400, 401, 403, 404)
+
+    def allowed() -> None:
+        if api_key is None:
+            raise APIError(403, "loading and unloading adapters needs an API key; start the server with "
+                           "--api-key-file FILE (or SCALENLP_API_KEY) and send it as `Authorization: Bearer KEY`",
+                           type="permission_error", code="no_api_key")
+        if not hasattr(backend, "load_adapter"):
+            raise APIError(400, "this server does not serve LoRA adapters (an encoder, or replicas on Ray); serve a "
+                           "decoder in one process with --max-loras N")
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=admin)
+    async def load_lora_adapter(req: LoadLoraRequest):
+        allowed()
+        await backend.load_adapter(req.lora_name, req.lora_path)
+        return f"Success: LoRA adapter '{req.lora_name}' added successfully."
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=admin)
+    async def unload_lora_adapter(req: UnloadLoraRequest):
+        allowed()
+        await backend.unload_adapter(req.lora_name)
+        return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
 
 
 async def _first(chunks: AsyncIterator[dict]) -> dict | None:

@@ -56,6 +56,37 @@ class LocalBackend:
         self.e2e = Histogram("scalenlp_e2e_request_latency_seconds", "arrival to last token",
                              buckets=buckets, registry=self.registry)
 
+    def adapters(self) -> dict[str, str]:
+        """{name: folder} of the LoRA adapters served beside the model."""
+        slots = self.engine.adapters
+        if slots is None:
+            return {}
+        with slots.lock:
+            return dict(slots.paths)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter in folder ``path`` as model ``name``; what cannot be served is a 400."""
+        from scalenlp.errors import UserError
+
+        if self.engine.adapters is None:
+            raise APIError(400, "this server was started without adapter slots; start it with --max-loras N (and "
+                           "--max-lora-rank R) to load adapters at run time", param="lora_name")
+        if name == self.model_name:
+            raise APIError(400, f"{name!r} is the base model's name; give the adapter another", param="lora_name")
+        try:  # reading the folder takes a while: off the event loop
+            await asyncio.to_thread(self.engine.adapters.load, name, path)
+        except UserError as e:
+            raise APIError(400, str(e)) from None
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``: new requests for it get 404, those in flight finish on it."""
+        from scalenlp.engine.lora import UnknownAdapter
+
+        try:
+            self.engine.unload_adapter(name)
+        except UnknownAdapter as e:
+            raise APIError(404, str(e), param="lora_name", code="model_not_found") from None
+
     async def chat_prompt(self, messages: list) -> list[int]:
         """The prompt ids of a conversation, by the checkpoint's chat template (a 400 when it cannot)."""
         return await asyncio.to_thread(chat_ids, self.engine.tokenizer, messages, self.engine.tokenizer_config)
@@ -95,6 +126,7 @@ class LocalBackend:
         """Submit every choice of the request; yield (choice index, Delta, prompt length) as they come.
         Leaving early (client gone, cancelled) cancels the engine requests, freeing their slots."""
         from scalenlp.engine.decoder_engine import EngineDead, QueueFull, RequestError
+        from scalenlp.engine.lora import UnknownAdapter
 
         prompts = prompts_of(req)
         params = self._limited(sampling_params(req), len(prompts) * req.n, "max_tokens" in req.model_fields_set)
@@ -114,7 +146,10 @@ class LocalBackend:
                 callbacks.append(lambda d, i=index: loop.call_soon_threadsafe(queue.put_nowait, (i, d)))
                 lengths.append(len(ids))
         try:
-            requests = self.engine.submit_many(items, callbacks)
+            requests = self.engine.submit_many(items, callbacks,
+                                               adapter=None if req.model == self.model_name else req.model)
+        except UnknownAdapter as e:  # unloaded since the app checked the name
+            raise APIError(404, str(e), param="model", code="model_not_found") from None
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         except QueueFull as e:
@@ -167,7 +202,7 @@ class LocalBackend:
                 prompt_tokens += prompt_len
             if delta.finish_reason is not None:
                 c["finish_reason"] = delta.finish_reason
-        return completion_object(self.model_name, choices, usage(prompt_tokens, completion_tokens))
+        return completion_object(req.model, choices, usage(prompt_tokens, completion_tokens))
 
     async def stream(self, req) -> AsyncIterator[dict]:
         """Completion chunks; a last chunk with only usage when stream_options.include_usage is set."""
@@ -185,10 +220,10 @@ class LocalBackend:
             if req.logprobs is not None:
                 logprobs = _empty_logprobs()
                 _append_logprobs(logprobs, "", delta)
-            yield completion_object(self.model_name, [{"index": i, "text": delta.text, "logprobs": logprobs,
-                                                       "finish_reason": delta.finish_reason}], None, cid, created)
+            yield completion_object(req.model, [{"index": i, "text": delta.text, "logprobs": logprobs,
+                                                 "finish_reason": delta.finish_reason}], None, cid, created)
         if (req.stream_options or {}).get("include_usage"):
-            yield completion_object(self.model_name, [], usage(prompt_tokens, completion_tokens), cid, created)
+            yield completion_object(req.model, [], usage(prompt_tokens, completion_tokens), cid, created)
 
     async def health(self) -> tuple[bool, str]:
         """Send a one-token request through the engine; healthy if it finishes, or if the engine is

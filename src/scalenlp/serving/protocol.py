@@ -86,6 +86,22 @@ def _chat_request_model():
     return ChatRequest
 
 
+@functools.cache
+def _lora_request_models():
+    """The bodies of the admin routes that load and unload LoRA adapters, named as vLLM names them."""
+    from pydantic import BaseModel, ConfigDict
+
+    class UnloadLoraRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        lora_name: str
+
+    class LoadLoraRequest(UnloadLoraRequest):
+        lora_path: str
+
+    return LoadLoraRequest, UnloadLoraRequest
+
+
 def sampling_params(req):
     """The sampling settings of a request, from the fields every generation route shares."""
     from scalenlp.engine.sampling import SamplingParams
@@ -238,7 +254,8 @@ ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error":
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
-ERRORS = {400: "invalid request", 401: "missing or wrong API key", 404: "no such model or route",
+ERRORS = {400: "invalid request", 401: "missing or wrong API key", 403: "the server has no API key to guard this route",
+          404: "no such model or route",
           405: "method not allowed", 413: "request body too large", 429: "queue full; retry later",
           500: "generating a choice failed", 503: "the engine stopped"}
 
