@@ -19,7 +19,7 @@ the MLP ``w1``/``w2``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +93,11 @@ class EncoderArgs:
         if self.max_seq_len < 1:
             raise ValueError(f"max_seq_len {self.max_seq_len} leaves no position for a token (the position table "
                              f"has max_seq_len + position_offset = {self.max_seq_len + self.position_offset} rows)")
+
+    def without_pooler(self) -> EncoderArgs:
+        """These arguments for a model whose head never reads the pooler (which would get no gradient: DDP refuses
+        that): no pooler, and sentence embeddings mean-pooled where they were the pooler's output."""
+        return replace(self, pooler=False, pooling="mean" if self.pooling == "pooler" else self.pooling)
 
     @property
     def uses_pooler_head(self) -> bool:

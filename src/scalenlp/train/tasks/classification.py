@@ -77,7 +77,7 @@ def classifier_args(cfg: Config, pretrained: Pretrained, labels: list[str]) -> E
     if not args.uses_pooler_head:
         # RoBERTa's and DistilBERT's heads have a dense layer of their own: a pooler would get no gradient (DDP
         # refuses that) and their ...ForSequenceClassification has none.
-        args = dataclasses.replace(args, pooler=False, pooling="mean" if args.pooling == "pooler" else args.pooling)
+        args = args.without_pooler()
     try:
         args.check()
     except ValueError as e:
