@@ -67,6 +67,22 @@ def block_plan(sequence_parallel: bool, has_w3: bool) -> dict[str, ParallelStyle
     return {name: style for name, style in plan.items() if style is not None}
 
 
+def norm_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Plan for a block's norms beyond the two of every block (training and inference alike).
+
+    Per-head q/k norms (Qwen3, Gemma 3) see only this rank's heads: their one weight is a Replicate DTensor
+    over an input sharded on the heads (dim 2 of (B, T, H, D)), so its gradient, a sum over every head, is
+    reduced over the ranks as one process would have it. Post-norms (Gemma) see the attention's and the MLP's
+    outputs: whole and replicated without sequence parallelism (plain parameters, equal gradients on every
+    rank), sharded on the sequence with it, like the pre-norms."""
+    plan: dict[str, ParallelStyle] = {}
+    if block.attention.q_norm is not None:
+        plan |= {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True) for n in ("q_norm", "k_norm")}
+    if sequence_parallel and block.post_attention_norm is not None:
+        plan |= {n: SequenceParallel(use_local_output=True) for n in ("post_attention_norm", "post_ffn_norm")}
+    return plan
+
+
 def outer_plan(model: nn.Module, sequence_parallel: bool, shard_logits: bool = False) -> dict[str, ParallelStyle]:
     """Plan for the embeddings, final norm and output projection that this model (or stage) holds.
     With ``shard_logits`` the output projection returns its logits as a DTensor sharded on the
@@ -105,6 +121,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, sha
         plan = block_plan(sequence_parallel, block.feed_forward.w3 is not None)
         parallelize_module(block, tp_mesh, plan)
         shard_adapters(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, norm_plan(block, sequence_parallel))
     parallelize_module(model, tp_mesh, outer_plan(model, sequence_parallel, shard_logits))
     if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         # Both styles shard the (vocab, dim) matrix by rows (Shard(0)), so one DTensor serves both again.
