@@ -38,6 +38,14 @@ MODULES = "modules.json"
 ST_MODULE = "sentence_transformers.models."
 
 
+OUR_BLOCK = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "attention_norm", "feed_forward.w1",
+             "feed_forward.w2", "ffn_norm")
+BERT_BLOCK = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+              "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm")
+DISTILBERT_BLOCK = ("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin", "sa_layer_norm",
+                    "ffn.lin1", "ffn.lin2", "output_layer_norm")
+
+
 @dataclass(frozen=True)
 class Family:
     model_type: str
@@ -49,23 +57,19 @@ class Family:
     """Our EncoderArgs field -> its config.json key."""
     classifier_names: dict[str, str]
     """Our sequence-classification head modules -> theirs, where they differ."""
+    layers: str = "encoder.layer"
+    """Where the blocks are, each under its index."""
+    block_names: tuple[str, ...] = BERT_BLOCK
+    """A block's modules in OUR_BLOCK's order."""
 
     def encoder_pairs(self, args: EncoderArgs) -> list[tuple[str, str]]:
         """(our name, the name in the bare ``...Model``) for every encoder tensor."""
-        distil = self.model_type == "distilbert"
         embeddings = ["tok_embeddings", "pos_embeddings"] + (["type_embeddings"] if args.type_vocab_size else [])
         pairs = [(f"{ours}.weight", f"embeddings.{theirs}.weight") for ours, theirs in zip(
             embeddings, ("word_embeddings", "position_embeddings", "token_type_embeddings"))]
         modules = [("emb_norm", "embeddings.LayerNorm")] + ([("pooler", "pooler.dense")] if args.pooler else [])
-        layer = (("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin", "sa_layer_norm",
-                  "ffn.lin1", "ffn.lin2", "output_layer_norm") if distil else
-                 ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-                  "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm"))
-        ours = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "attention_norm", "feed_forward.w1",
-                "feed_forward.w2", "ffn_norm")
         for i in range(args.n_layers):
-            hf = f"transformer.layer.{i}." if distil else f"encoder.layer.{i}."
-            modules += [(f"layers.{i}.{a}", hf + b) for a, b in zip(ours, layer)]
+            modules += [(f"layers.{i}.{a}", f"{self.layers}.{i}.{b}") for a, b in zip(OUR_BLOCK, self.block_names)]
         return pairs + [(a + suffix, b + suffix) for a, b in modules for suffix in (".weight", ".bias")]
 
     def head_pairs(self, args: EncoderArgs) -> list[tuple[str, str]]:
@@ -97,7 +101,8 @@ FAMILY = {f.model_type: f for f in (
     Family("roberta", "Roberta", "roberta.", BERT_KEYS, ROBERTA_HEAD),
     Family("xlm-roberta", "XLMRoberta", "roberta.", BERT_KEYS, ROBERTA_HEAD),
     Family("distilbert", "DistilBert", "distilbert.", {"dim": "dim", "n_layers": "n_layers", "n_heads": "n_heads",
-           "ffn_dim": "hidden_dim", "dropout": "dropout", "activation": "activation"}, {"head_dense": "pre_classifier"}),
+           "ffn_dim": "hidden_dim", "dropout": "dropout", "activation": "activation"}, {"head_dense": "pre_classifier"},
+           "transformer.layer", DISTILBERT_BLOCK),
 )}
 assert tuple(FAMILY) == FAMILIES
 
