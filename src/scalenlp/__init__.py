@@ -8,6 +8,8 @@ The Python API (the CLI is a thin layer over it)::
     with scalenlp.LLM("runs/python") as llm:                                # serve's defaults (EngineConfig's)
         print(llm.generate("Return the", scalenlp.SamplingParams(max_tokens=20, temperature=0)))
     model, pretrained = scalenlp.load("model.gguf")                         # any checkpoint kind
+    tagger = scalenlp.encoder_from_checkpoint(scalenlp.EncoderEngineConfig("runs/ner"))   # an encoder's batcher
+    print(tagger.tag(["Paul flew to Paris"])); tagger.stop()                # also .run("embed"/"classify", texts)
     scalenlp.plan("llama-8b", seq=8192, global_batch=256, devices=64).layouts  # fastest layouts that fit
 
 Names are imported on first use, so ``import scalenlp`` (and ``scalenlp --help``) stays light.
@@ -27,6 +29,7 @@ _EXPORTS = {
     "load": "scalenlp.loader", "read": "scalenlp.loader", "Pretrained": "scalenlp.models.pretrained",
     "Engine": "scalenlp.engine.decoder_engine", "SamplingParams": "scalenlp.engine.sampling", "LLM": "scalenlp.engine.llm",
     "EngineConfig": "scalenlp.engine.config", "EncoderEngineConfig": "scalenlp.engine.config",
+    "encoder_from_checkpoint": "scalenlp.engine.encoder_engine",
     "ServeLimits": "scalenlp.serving.limits",
     "plan": "scalenlp.plan.planner", "Plan": "scalenlp.plan.planner",
 }

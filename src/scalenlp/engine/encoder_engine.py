@@ -1,12 +1,13 @@
-"""A batcher for encoders: concurrent embedding and classification requests share forward passes.
+"""A batcher for encoders: concurrent embedding, classification and tagging requests share forward passes.
 
 Each request's texts become units in a queue. A worker thread takes up to ``forward_batch`` units of one
-kind (embed or classify), waiting at most ``batch_wait_ms`` after the oldest one arrived for more to come,
+kind (embed, classify or tag), waiting at most ``batch_wait_ms`` after the oldest one arrived for more to come,
 pads them to the longest, runs one forward and hands each row back; a request's future completes
 when its last row does. A batch is filled round-robin across the waiting requests (each request's texts
 shortest first), so a one-text request behind a 2,048-text one is served within about one forward pass.
 A request whose future is cancelled (its client left) leaves the queue at once: its texts not yet taken
-into a batch are never encoded.
+into a batch are never encoded. A text to tag is cut into windows of whole words (``data.tags.word_windows``)
+when it is longer than the model's window, each window a unit, so no word is lost.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 from tokenizers import Tokenizer
 
 from scalenlp.compress.quantized import quantization_of
+from scalenlp.data.entities import text_entities
+from scalenlp.data.tags import plain_tokenizer, special_ends, word_windows
 from scalenlp.engine.config import EncoderEngineConfig
 from scalenlp.engine.decoder_engine import EngineDead, QueueFull, RequestError, pick_device, pick_dtype
 from scalenlp.errors import UserError
@@ -31,7 +34,7 @@ from scalenlp.models.hf import read_hf_config
 from scalenlp.models.hf_encoder import is_encoder_config
 from scalenlp.models.io import load_model_args
 
-KINDS = ("embed", "classify")
+KINDS = ("embed", "classify", "tag")
 
 
 def is_encoder(checkpoint: str | Path) -> bool:
@@ -82,9 +85,8 @@ class EncoderEngine:
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(self.max_seq_len)
         # The special tokens wrapped around a text ([CLS] ... [SEP]), added to token-id inputs as well.
-        probe = self.tokenizer.encode("a")
-        content = [i for i, special in enumerate(probe.special_tokens_mask) if not special]
-        self.prefix, self.suffix = probe.ids[:content[0]], probe.ids[content[-1] + 1:]
+        self.prefix, self.suffix = special_ends(self.tokenizer)
+        self.words = plain_tokenizer(tokenizer)  # texts to tag are cut into windows here, not truncated
         self.forward_batch, self.batch_wait_ms = forward_batch, batch_wait_ms
         self.max_queue, self.max_batch_texts = max_queue, max_batch_texts
         self.max_text_chars, self.max_request_tokens = max_text_chars, max_request_tokens
@@ -99,6 +101,10 @@ class EncoderEngine:
     @property
     def labels(self) -> list[str]:
         return self.args.labels if self.args.task == "classification" else []
+
+    @property
+    def is_tagger(self) -> bool:
+        return self.args.task == "token_classification"
 
     def start(self) -> EncoderEngine:
         self.thread = threading.Thread(target=self._loop, name="scalenlp-encoder", daemon=True)
@@ -127,20 +133,8 @@ class EncoderEngine:
     def encode(self, inputs: list[str | list[int]]) -> list[list[int]]:
         """Token ids per input, special tokens included, truncated to ``max_seq_len``. Text is tokenized; token
         ids are taken as the text's tokens and wrapped in the special tokens. RequestError for bad input."""
-        if not inputs:
-            raise RequestError("the input must not be empty")
-        if len(inputs) > self.max_batch_texts:
-            raise RequestError(f"{len(inputs)} inputs in one request; this server takes at most "
-                               f"{self.max_batch_texts} (--max-batch-texts)")
+        self._check_inputs(inputs)
         texts = [x for x in inputs if isinstance(x, str)]
-        for i, x in enumerate(inputs):
-            if not x or (isinstance(x, str) and not x.strip()):
-                raise RequestError(f"input {i} is empty; every input must hold some text or token ids")
-            if len(x) > self.max_text_chars:
-                raise RequestError(f"input {i} holds {len(x)} {'characters' if isinstance(x, str) else 'token ids'}; "
-                                   f"this server takes at most {self.max_text_chars} per input (--max-text-chars)")
-            if not isinstance(x, str) and not all(0 <= t < self.args.vocab_size for t in x):
-                raise RequestError(f"input {i} has token ids outside the vocabulary [0, {self.args.vocab_size})")
         encoded = iter(self.tokenizer.encode_batch(texts))
         out = []
         room = self.max_seq_len - len(self.prefix) - len(self.suffix)
@@ -154,6 +148,54 @@ class EncoderEngine:
                 out.append(self.prefix + list(x[:room]) + self.suffix)
         return out
 
+    def _word_windows(self, texts: list[str]) -> list[tuple[object, list[tuple[int, int]]]]:
+        """Each text's encoding (no special tokens) and its windows of whole words."""
+        room = self.max_seq_len - len(self.prefix) - len(self.suffix)
+        return [(e, word_windows(e.word_ids, room)) for e in self.words.encode_batch(texts, add_special_tokens=False)]
+
+    def tag_windows(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of every window of every text, in order, special tokens included (``entities`` reads the
+        rows back). RequestError for bad input, or for token ids: tagging needs text, to give character offsets."""
+        self._check_inputs(texts)
+        for i, x in enumerate(texts):
+            if not isinstance(x, str):
+                raise RequestError(f"input {i} is token ids; tagging takes texts (entities come back with the "
+                                   f"character offsets of the text)")
+        split = self._word_windows(texts)
+        for i, (_, windows) in enumerate(split):
+            if not windows:
+                raise RequestError(f"input {i} becomes no token at all under this model's tokenizer; send some text")
+        return [self.prefix + e.ids[start:end] + self.suffix for e, windows in split for start, end in windows]
+
+    def entities(self, texts: list[str], rows: list[torch.Tensor]) -> list[list[dict]]:
+        """The entities of each text from the rows ``submit("tag", tag_windows(texts))`` returned."""
+        out, k = [], 0
+        for text, (e, windows) in zip(texts, self._word_windows(texts)):
+            parts = [row[len(self.prefix):len(row) - len(self.suffix)] for row in rows[k:k + len(windows)]]
+            k += len(windows)
+            probs = torch.cat(parts).numpy() if parts else torch.zeros(0, len(self.args.labels)).numpy()
+            out.append(text_entities(text, e.offsets, e.word_ids, probs, self.args.labels))
+        return out
+
+    def tag(self, texts: list[str]) -> list[list[dict]]:
+        """Entities of each text (type, text, start, end character offsets, score), long texts in windows."""
+        return self.entities(texts, self.submit("tag", self.tag_windows(texts)).result())
+
+    def _check_inputs(self, inputs: list[str | list[int]]) -> None:
+        if not inputs:
+            raise RequestError("the input must not be empty")
+        if len(inputs) > self.max_batch_texts:
+            raise RequestError(f"{len(inputs)} inputs in one request; this server takes at most "
+                               f"{self.max_batch_texts} (--max-batch-texts)")
+        for i, x in enumerate(inputs):
+            if not x or (isinstance(x, str) and not x.strip()):
+                raise RequestError(f"input {i} is empty; every input must hold some text or token ids")
+            if len(x) > self.max_text_chars:
+                raise RequestError(f"input {i} holds {len(x)} {'characters' if isinstance(x, str) else 'token ids'}; "
+                                   f"this server takes at most {self.max_text_chars} per input (--max-text-chars)")
+            if not isinstance(x, str) and not all(0 <= t < self.args.vocab_size for t in x):
+                raise RequestError(f"input {i} has token ids outside the vocabulary [0, {self.args.vocab_size})")
+
     def price(self, ids: list[list[int]]) -> int:
         """The tokens these encoded texts cost; RequestError past ``max_request_tokens`` (checked before queueing)."""
         tokens = sum(map(len, ids))
@@ -164,10 +206,16 @@ class EncoderEngine:
 
     def submit(self, kind: str, ids: list[list[int]], *, bypass_queue_limit: bool = False) -> Future:
         """Queue encoded texts (see ``encode``); the future's result is a float32 tensor, one row per text:
-        the sentence embeddings, or the class probabilities. Cancelling the future drops its queued texts."""
+        the sentence embeddings, or the class probabilities; for "tag", a list of (tokens, tags) tensors of
+        tag probabilities. Cancelling the future drops its queued texts."""
         if kind == "classify" and not self.labels:
             raise RequestError(f"this model is not a classifier (its task is {self.args.task!r}); classification "
-                               "needs a checkpoint fine-tuned for it")
+                               "needs a checkpoint fine-tuned for it"
+                               + (": tag texts with /v1/tag or `scalenlp tag`" if self.is_tagger else ""))
+        if kind == "tag" and not self.is_tagger:
+            raise RequestError(f"this model is not a tagger (its task is {self.args.task!r}); tagging needs a "
+                               f"checkpoint fine-tuned with training.task=\"token_classification\""
+                               + (": classify texts with /v1/classify or `scalenlp classify`" if self.labels else ""))
         job = Job(kind, ids)
         with self.cond:
             if not self.alive:
@@ -211,7 +259,7 @@ class EncoderEngine:
                 batch, self.queues[kind] = fair_batch(queue, self.forward_batch)
                 return kind, batch
 
-    def _forward(self, kind: str, batch: list[tuple[Job, int]]) -> torch.Tensor:
+    def _forward(self, kind: str, batch: list[tuple[Job, int]]) -> torch.Tensor | list[torch.Tensor]:
         rows = [job.ids[i] for job, i in batch]
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), self.args.pad_token_id, dtype=torch.long)
@@ -226,7 +274,8 @@ class EncoderEngine:
         ids, mask = ids.to(self.device), mask.to(self.device)
         with torch.inference_mode():
             out = self.model.embed(ids, mask) if kind == "embed" else self.model(ids, mask).float().softmax(-1)
-        return out.float().cpu()
+        out = out.float().cpu()
+        return [probs[:len(row)] for probs, row in zip(out, rows)] if kind == "tag" else out
 
     def _loop(self) -> None:
         try:
@@ -243,8 +292,8 @@ class EncoderEngine:
                 for (job, i), row in zip(batch, out):
                     job.rows[i] = row
                     job.left -= 1
-                    if job.left == 0:
-                        _settle(job.future, result=torch.stack(job.rows))
+                    if job.left == 0:  # a tagged text's rows differ in length: they stay a list
+                        _settle(job.future, result=job.rows if kind == "tag" else torch.stack(job.rows))
         except BaseException as e:
             self.error = e
             raise
@@ -291,7 +340,8 @@ def encoder_from_checkpoint(config: EncoderEngineConfig) -> EncoderEngine:
     spec = quantization_of(config.quantize, config.group_size)
     pre = read(config.checkpoint)
     if not isinstance(pre.args, EncoderArgs):
-        raise UserError(f"{config.checkpoint} is a decoder (it generates text); embed and classify need an encoder")
+        raise UserError(f"{config.checkpoint} is a decoder (it generates text); embed, classify and tag need an "
+                        f"encoder")
     torch_device = torch.device(config.device) if config.device else pick_device()
     model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, config.dtype), quantize=spec)
     return EncoderEngine(model, pre.tokenizer, max_seq_len=config.max_seq_len or sentence_max_len(pre.path),

@@ -312,6 +312,9 @@ class EncoderReplica(EngineReplica):
     async def classify(self, body: dict) -> dict:
         return await self._answer("classify", request_models()[1], body)
 
+    async def tag(self, body: dict) -> dict:
+        return await self._answer("tag", request_models()[2], body)
+
 
 class RayEncoderBackend(EncoderOnly, RayBackend):
     """The router's backend for encoder replicas: requests are forwarded as they came, retried as generation's are."""
@@ -321,6 +324,9 @@ class RayEncoderBackend(EncoderOnly, RayBackend):
 
     async def classify(self, req) -> dict:
         return await self.call("classify", req.model_dump(exclude_none=True))
+
+    async def tag(self, req) -> dict:
+        return await self.call("tag", req.model_dump(exclude_none=True))
 
 
 class Router:

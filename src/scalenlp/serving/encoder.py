@@ -1,8 +1,8 @@
-"""The encoder routes of `scalenlp serve`: ``POST /v1/embeddings`` (OpenAI's embeddings API) and
-``POST /v1/classify`` (label and probabilities per text), on the same app, auth and error shapes as
-generation.
+"""The encoder routes of `scalenlp serve`: ``POST /v1/embeddings`` (OpenAI's embeddings API),
+``POST /v1/classify`` (label and probabilities per text) and ``POST /v1/tag`` (entities per text: type, text,
+character offsets, score), on the same app, auth and error shapes as generation.
 
-A backend that serves an encoder has ``embeddings`` and ``classify``; ``EncoderBackend`` runs them on an
+A backend that serves an encoder has ``embeddings``, ``classify`` and ``tag``; ``EncoderBackend`` runs them on an
 ``EncoderEngine`` in this process, the Ray backend forwards them to replicas. The routes answer a
 decoder's backend, which has neither, with a 400 that says which routes it serves, and an encoder's
 backend answers the generation routes the same way.
@@ -18,13 +18,14 @@ from typing import Any, Literal
 from scalenlp.engine.config import EncoderEngineConfig
 from scalenlp.serving.protocol import APIError, error_responses
 
-ENCODER_ONLY = "this model is an encoder: use /v1/embeddings or /v1/classify"
+ENCODER_ONLY = "this model is an encoder: use /v1/embeddings or /v1/classify, or /v1/tag for a tagger"
 DECODER_ONLY = "this model is a decoder (it generates text): use /v1/completions or /v1/chat/completions"
 
 
 @functools.cache
 def request_models():
-    """(EmbeddingRequest, ClassifyRequest), built on first use so that `scalenlp --help` does not import pydantic."""
+    """(EmbeddingRequest, ClassifyRequest, TagRequest), built on first use so that `scalenlp --help` does not
+    import pydantic."""
     from pydantic import BaseModel, ConfigDict
 
     class EmbeddingRequest(BaseModel):
@@ -43,7 +44,10 @@ def request_models():
         input: str | list[str]
         user: str | None = None
 
-    return EmbeddingRequest, ClassifyRequest
+    class TagRequest(ClassifyRequest):
+        pass
+
+    return EmbeddingRequest, ClassifyRequest, TagRequest
 
 
 def inputs_of(value: str | list) -> list[str | list[int]]:
@@ -84,14 +88,15 @@ class EncoderBackend(EncoderOnly):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCounters(engine))
 
-    async def _run(self, kind: str, inputs: list[str | list[int]]):
-        """(rows of the engine's output, the token ids they came from). The request is priced (characters per
-        text, then tokens) before it is queued; cancelling this coroutine (the client left) drops its texts."""
+    async def _run(self, kind: str, inputs: list[str | list[int]], encode=None):
+        """(rows of the engine's output, the token ids they came from: ``encode``'s, the engine's ``encode`` by
+        default). The request is priced (characters per text, then tokens) before it is queued; cancelling this
+        coroutine (the client left) drops its texts."""
         from scalenlp.engine.decoder_engine import EngineDead, QueueFull, RequestError
 
         try:
             # Tokenizing thousands of texts takes a while, and the tokenizer lets go of the GIL meanwhile.
-            ids = await asyncio.to_thread(self.engine.encode, inputs)
+            ids = await asyncio.to_thread(encode or self.engine.encode, inputs)
             self.engine.price(ids)
             future = self.engine.submit(kind, ids)
         except RequestError as e:
@@ -120,6 +125,13 @@ class EncoderBackend(EncoderOnly):
         rows, ids = await self._run("classify", inputs_of(req.input))
         data = [{"index": i, "label": labels[int(row.argmax())],
                  "probabilities": dict(zip(labels, row.tolist()))} for i, row in enumerate(rows)]
+        return {"object": "list", "data": data, "model": self.model_name, "usage": usage_of(ids)}
+
+    async def tag(self, req) -> dict:
+        texts = inputs_of(req.input)
+        rows, ids = await self._run("tag", texts, self.engine.tag_windows)
+        entities = await asyncio.to_thread(self.engine.entities, texts, rows)
+        data = [{"index": i, "entities": found} for i, found in enumerate(entities)]
         return {"object": "list", "data": data, "model": self.model_name, "usage": usage_of(ids)}
 
     async def health(self) -> tuple[bool, str]:
@@ -182,13 +194,13 @@ def vector(row, encoding_format: str) -> list[float] | str:
 
 
 def add_encoder_routes(app, backend, check_model) -> None:
-    """/v1/embeddings and /v1/classify on the server's app; ``check_model`` answers a wrong model name."""
+    """/v1/embeddings, /v1/classify and /v1/tag on the server's app; ``check_model`` answers a wrong model name."""
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
     from scalenlp.serving.protocol import unless_disconnected
 
-    EmbeddingRequest, ClassifyRequest = request_models()
+    EmbeddingRequest, ClassifyRequest, TagRequest = request_models()
 
     async def served(req, request, route: str) -> Any:
         """The backend's answer as JSON; if the client leaves first, its texts leave the queue."""
@@ -209,6 +221,10 @@ def add_encoder_routes(app, backend, check_model) -> None:
     @app.post("/v1/classify", responses=responses)
     async def classify(req: ClassifyRequest, request: Request):
         return await served(req, request, "classify")
+
+    @app.post("/v1/tag", responses=responses)
+    async def tag(req: TagRequest, request: Request):
+        return await served(req, request, "tag")
 
 
 def build_encoder_backend(config: EncoderEngineConfig, model_name: str) -> EncoderBackend:
