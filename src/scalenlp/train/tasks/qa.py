@@ -142,17 +142,14 @@ class QuestionAnswering(Task):
     def build_model(self, cfg: Config, pretrained: Pretrained, device: torch.device) -> tuple[EncoderArgs, Encoder]:
         self.check_checkpoint(cfg, pretrained.args)
         # The span head reads every token's hidden state, never the pooler: the model is built without it, as
-        # transformers' ...ForQuestionAnswering is (an unused weight would get no gradient under DDP).
-        args = dataclasses.replace(pretrained.args, task="question_answering", labels=[], dropout=cfg.model.dropout,
-                                   pooler=False, pooling="mean" if pretrained.args.pooling == "pooler"
-                                   else pretrained.args.pooling)
+        # transformers' ...ForQuestionAnswering is.
+        args = dataclasses.replace(pretrained.args, task="question_answering", labels=[],
+                                   dropout=cfg.model.dropout).without_pooler()
         try:
             args.check()
         except ValueError as e:
             raise ConfigError(f"model.init={cfg.model.init!r} cannot answer questions: {e}") from None
-        state = {k: v for k, v in pretrained.state.items() if not k.startswith("pooler.")}
-        return args, build_classifier(args, dataclasses.replace(pretrained, state=state), device,
-                                      where=cfg.model.init)
+        return args, build_classifier(args, pretrained, device, where=cfg.model.init)
 
     def micro_batch_loss(self, model: torch.nn.Module, micro: tuple[torch.Tensor, ...],
                          dims: ParallelDims) -> torch.Tensor:
