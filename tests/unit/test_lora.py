@@ -274,6 +274,9 @@ def test_lora_mistakes_are_one_line(tmp_path, hf_llama, corpus, capsys):
         assert len(lines) == 1 and message in lines[0], (sets, lines)
     assert main_train(tmp_path / "run", "lora.rank=4", "training.steps=1") == 2
     assert "LoRA fine-tunes a pretrained model: set model.init" in error_lines(capsys.readouterr().err)[0]
+    assert main_train(tmp_path / "run", *base, "lora.rank=4", "lora.quantize_base=nf4", "parallel.data_parallel=zero3",
+                      nproc=2) == 2
+    assert "runs in one process or under parallel.data_parallel=\"ddp\"" in error_lines(capsys.readouterr().err)[0]
 
 
 

@@ -31,6 +31,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_mb: int) -> DDP:
     """Replicate ``model`` over the (flattened, 1-D) data-parallel mesh; gradients all-reduced in buckets."""
     device = next(model.parameters()).device
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        # A LoRA run's frozen base: every rank read it from model.init, so DDP need not broadcast it at the start
+        # (which an NF4 tensor, QLoRA's, cannot go through).
+        DDP._set_params_and_buffers_to_ignore_for_model(model, frozen)
     # Gradients as views into the all-reduce buckets: otherwise DDP holds a second copy of them (4Ψ).
     return DDP(model, process_group=dp_mesh.get_group(), bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
                device_ids=None if device.type == "cpu" else [device.index])

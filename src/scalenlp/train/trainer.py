@@ -68,6 +68,11 @@ def validate_run(cfg: Config, world_size: int, pretrained: Pretrained | None = N
                           f"its floating-point original, then quantize the result")
     args = task.model_args(cfg, pretrained)
     check_layout(args, dims, cfg)
+    if cfg.lora.quantize_base and (dims.tp > 1 or dims.pp > 1 or dims.dp > 1 and cfg.parallel.data_parallel
+                                   not in ("ddp", "zero1")):
+        raise ConfigError("lora.quantize_base=\"nf4\" (QLoRA) runs in one process or under parallel.data_parallel="
+                          "\"ddp\" or \"zero1\", whose replicas keep the NF4 base whole; not sharded by ZeRO-2/3, "
+                          "tensor or pipeline parallelism")
     with torch.device("meta"):  # [lora]'s targets, ranks and lora.init against the model, at no cost
         task.add_adapters(cfg, task.model_class(args), quantize=False)
     return dims

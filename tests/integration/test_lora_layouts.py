@@ -1,0 +1,58 @@
+"""LoRA under every layout, 2 processes on gloo: DDP, ZeRO-3 (FSDP2 sharding the frozen base with the adapters),
+tensor parallelism (adapters sharded as the layer they wrap) and pipeline parallelism each resume the one-process
+run's adapter checkpoint, train its next steps with its losses and gradient norms, and save adapters that export to
+its merged model. In-process LoRA tests: tests/unit/test_lora.py."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from scalenlp.loader import load
+from train_helpers import FINETUNE, read_metrics, run_train, train_here
+
+pytestmark = pytest.mark.slow  # one two-process run a layout: 30-60 s each here under load
+
+LAYOUTS = {"ddp": ["parallel.data_parallel=ddp"], "zero3": ["parallel.data_parallel=zero3"], "tp2": ["parallel.tp=2"],
+           "pp2": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=2"]}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, corpus, hf_llama):
+    """The one-process reference: four LoRA steps (rank 4 on every linear), a checkpoint every two."""
+    run = tmp_path_factory.mktemp("lora_single") / "run"
+    sets = [*FINETUNE, f"data.path={corpus}", f"model.init={hf_llama}", "lora.rank=4", "lora.alpha=8",
+            "training.steps=4", "checkpoint.every=2", "training.device=cpu"]
+    train_here(run, *sets)
+    return run, sets
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_layout_resumes_the_adapters_and_trains_like_one_process(tmp_path, single, layout):
+    reference, sets = single
+    run = tmp_path / layout
+    shutil.copytree(reference / "checkpoints" / "step-2", run / "checkpoints" / "step-2")
+    run_train(run, *sets, *LAYOUTS[layout], "checkpoint.resume=true", nproc=2)
+    expected, got = read_metrics(reference)[2:], read_metrics(run)
+    assert [r["step"] for r in got] == [3, 4]
+    for a, b in zip(expected, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), layout
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), layout
+    ours, theirs = load(run)[0].state_dict(), load(reference)[0].state_dict()
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-6, msg=f"{layout}: {name}")
+
+
+def test_qlora_under_ddp_trains_like_one_process(tmp_path, corpus, hf_llama):
+    """The NF4 base is built alike on every rank (DDP does not broadcast it); the adapters' gradients average. The
+    base computes in bf16, whose rounding differs between a batch of 4 and two of 2: the third step's loss moved by
+    1e-5 relative here, so the tolerance is 1e-4 (a gradient not averaged over the ranks moves it by far more)."""
+    sets = [*FINETUNE, f"data.path={corpus}", f"model.init={hf_llama}", "lora.rank=4", "lora.quantize_base=nf4",
+            "training.steps=3", "checkpoint.export=false", "training.device=cpu"]
+    train_here(tmp_path / "single", *sets)
+    run_train(tmp_path / "ddp", *sets, "parallel.data_parallel=ddp", nproc=2)
+    for a, b in zip(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "ddp"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
