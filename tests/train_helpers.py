@@ -219,7 +219,7 @@ HF_DECODERS = {
         tie_word_embeddings=False, head_dim=16, sliding_window=4, query_pre_attn_scalar=20, pad_token_id=None,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}})),
 }
 
 

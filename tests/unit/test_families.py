@@ -83,12 +83,14 @@ def test_export_loads_back_in_the_same_class(family, tmp_path):
 
 
 def test_options_read_from_each_config(family):
-    """What the adapters make of the configs: the window only on the layers layer_types names."""
+    """What the adapters make of the configs: the window only on the layers layer_types names, Gemma 3's linear
+    RoPE scaling."""
     model_type, _, hf = family
     args = args_from_hf(hf.config)
     expected = {"qwen2": (4, (1,)), "mistral": (4, (0, 1)), "gemma2": (4, (0,)), "gemma3_text": (4, (0,))}
     assert (args.sliding_window, args.local_layers) == expected.get(model_type, (0, ()))
     assert args.qkv_bias == (model_type == "qwen2") and args.qk_norm == (model_type in ("qwen3", "gemma3_text"))
+    assert args.rope_factor == (8.0 if model_type == "gemma3_text" else 0.0)  # linear, on the global layers only
 
 
 def test_unknown_family_is_one_error_naming_the_supported_ones():

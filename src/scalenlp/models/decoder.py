@@ -54,6 +54,7 @@ class ModelArgs:
     sliding_window: int = 0  # the keys a query of a local layer sees, itself included (Mistral, Gemma); 0 = all
     local_layers: tuple = ()  # the layers that attend within sliding_window; the others see every earlier key
     rope_local_theta: float = 0.0  # the local layers' own RoPE base (Gemma 3); 0 = rope_theta
+    rope_factor: float = 0.0  # linear RoPE scaling: positions divided by it (Gemma 3's global layers); 0 = none
     attn_scale: float = 0.0  # what scores are multiplied by; 0 = head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
     attn_softcap: float = 0.0  # scores become cap * tanh(scores / cap) (Gemma 2); 0 = not capped
     logit_softcap: float = 0.0  # the same on the output logits (Gemma 2); 0 = not capped
@@ -95,6 +96,8 @@ class ModelArgs:
             raise ValueError("norm_offset and qk_norm need norm='rmsnorm'")
         if self.rope_local_theta and self.position != "rope":
             raise ValueError("rope_local_theta needs position='rope'")
+        if self.rope_factor < 0 or self.rope_factor and self.rope_scaling:
+            raise ValueError(f"rope_factor {self.rope_factor} must be positive, and not set with rope_scaling")
         for name, value, allowed in (("norm", self.norm, ("rmsnorm", "layernorm")),
                                      ("activation", self.activation, ("swiglu", "geglu", "gelu")),
                                      ("position", self.position, ("rope", "learned"))):
@@ -156,6 +159,8 @@ def rope_tables(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tenso
     inv_freq = rope_inv_freq(args, device)
     if args.rope_scaling:
         inv_freq = llama3_scaled(inv_freq, *args.rope_scaling)
+    if args.rope_factor:
+        inv_freq = inv_freq / args.rope_factor
     if args.rope_local_theta:
         inv_freq = torch.cat([inv_freq, rope_inv_freq(args, device, args.rope_local_theta)])
     positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)

@@ -30,12 +30,13 @@ def matches(args: ModelArgs) -> bool:
             and not any(getattr(args, k) for k in _OPTIONS))
 
 
-def rope(params: dict, family: str) -> tuple[float | None, tuple]:
-    """(base, ModelArgs.rope_scaling) from one set of RoPE parameters (``rope_scaling`` / ``rope_parameters``);
-    plain RoPE and Llama 3.1's scaling are supported, anything else is one UserError."""
+def rope(params: dict, family: str) -> tuple[float | None, dict]:
+    """(base, the ModelArgs fields of its scaling) from one set of RoPE parameters (``rope_scaling`` /
+    ``rope_parameters``): plain RoPE, linear scaling and Llama 3.1's are supported, anything else is one UserError."""
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", None, "llama3"):
-        raise UserError(f"{family}: RoPE scaling {kind!r} is not supported; only plain RoPE and Llama 3.1's (llama3)")
+    if kind not in ("default", None, "llama3", "linear"):
+        raise UserError(f"{family}: RoPE scaling {kind!r} is not supported; only plain RoPE, linear and Llama 3.1's "
+                        f"(llama3)")
     missing = [k for k in LLAMA3_ROPE_KEYS if k not in params] if kind == "llama3" else []
     if missing:
         raise UserError(f"config.json's llama3 RoPE scaling lacks {', '.join(missing)}; it is not a complete "
@@ -43,7 +44,18 @@ def rope(params: dict, family: str) -> tuple[float | None, tuple]:
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UserError(f"{family}: partial_rotary_factor {params['partial_rotary_factor']} is not supported; "
                         f"only RoPE over the whole head")
-    return params.get("rope_theta"), () if kind != "llama3" else tuple(params[k] for k in LLAMA3_ROPE_KEYS)
+    if kind == "linear":
+        return params.get("rope_theta"), dict(rope_factor=float(params["factor"]))
+    if kind == "llama3":
+        return params.get("rope_theta"), dict(rope_scaling=tuple(params[k] for k in LLAMA3_ROPE_KEYS))
+    return params.get("rope_theta"), {}
+
+
+def scaling_config(args: ModelArgs) -> dict | None:
+    """transformers' RoPE scaling parameters of a model, None for plain RoPE (the reverse of ``rope``)."""
+    if args.rope_scaling:
+        return dict(rope_type="llama3", **dict(zip(LLAMA3_ROPE_KEYS, args.rope_scaling)))
+    return dict(rope_type="linear", factor=args.rope_factor) if args.rope_factor else None
 
 
 def window(c: dict, n_layers: int, default_types=None) -> dict:
@@ -93,7 +105,7 @@ def common(c: dict, family: str, **options) -> ModelArgs:
     fields = dict(vocab_size=c["vocab_size"], dim=dim, n_layers=c["num_hidden_layers"], n_heads=heads,
                   n_kv_heads=c.get("num_key_value_heads") or heads, ffn_dim=c["intermediate_size"],
                   max_seq_len=c.get("max_position_embeddings", 2048), norm_eps=c.get("rms_norm_eps", 1e-6),
-                  rope_theta=c.get("rope_theta") or theta or 10000.0, rope_scaling=scaling,
+                  rope_theta=c.get("rope_theta") or theta or 10000.0, **scaling,
                   tie_embeddings=c.get("tie_word_embeddings", False),
                   fixed_head_dim=head_dim if head_dim != dim // heads else 0, **SHAPE)
     return ModelArgs(**(fields | options))
@@ -106,7 +118,7 @@ def common_config(args: ModelArgs) -> dict:
                 num_key_value_heads=args.n_kv_heads, max_position_embeddings=args.max_seq_len,
                 rms_norm_eps=args.norm_eps, tie_word_embeddings=args.tie_embeddings, head_dim=args.head_dim,
                 bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                rope_parameters=dict(rope_type="default", rope_theta=args.rope_theta))
+                rope_parameters=(scaling_config(args) or dict(rope_type="default")) | dict(rope_theta=args.rope_theta))
 
 
 def args_from_config(c: dict) -> ModelArgs:
@@ -122,8 +134,7 @@ def config_kwargs(args: ModelArgs) -> dict:
                 rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta, attention_bias=args.bias,
                 mlp_bias=args.bias, tie_word_embeddings=args.tie_embeddings, head_dim=args.head_dim,
                 bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                rope_scaling=dict(rope_type="llama3", **dict(zip(LLAMA3_ROPE_KEYS, args.rope_scaling)))
-                if args.rope_scaling else None)
+                rope_scaling=scaling_config(args))
 
 
 def pairs(args: ModelArgs, norms: dict[str, str] = NORMS) -> list[tuple[str, str]]:
