@@ -26,7 +26,7 @@ from scalenlp.models.adapters import (
     merge_adapters,
 )
 from scalenlp.models.decoder import ModelArgs, Transformer
-from train_helpers import FINETUNE, classify_sets, error_lines, main_train, tiny_encoder, train_here
+from train_helpers import FINETUNE, SFT, classify_sets, error_lines, main_train, tiny_encoder, train_here
 
 torch.set_num_threads(1)
 ARGS = ModelArgs(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
@@ -237,6 +237,15 @@ def test_lora_trains_a_classifier_head_beside_the_adapters(tmp_path, transformer
     assert all(".lora_" in k or "classifier" in k for k in keys if k.startswith("model."))
     model, _ = load(tmp_path / "run")
     assert isinstance(model, Encoder) and model.classifier.weight.shape[0] == 2
+
+
+def test_lora_fine_tunes_a_chat_model(tmp_path, hf_llama, chats):
+    records = train_here(tmp_path / "run", *SFT, f"data.path={chats}", f"model.init={hf_llama}", *LORA,
+                         "lora.targets=attention.w[qv]", "training.steps=4", "checkpoint.every=0")
+    assert records[-1]["loss"] < records[0]["loss"]
+    keys = FileSystemReaderKeys(tmp_path / "run" / "checkpoints" / "step-4")
+    assert {k for k in keys if k.startswith("model.")} == {f"model.layers.{i}.attention.{w}.lora_{m}" for i in (0, 1)
+                                                          for w in ("wq", "wv") for m in "AB"}
 
 
 def FileSystemReaderKeys(path) -> set[str]:
