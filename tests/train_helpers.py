@@ -280,3 +280,23 @@ def roberta_sentiment(folder: Path) -> tuple[Path, Path]:
     transformers.RobertaModel(config).save_pretrained(folder / "init")
     word_tokenizer(words, "<pad>", "<unk>", "<s>", "</s>").save(str(folder / "init" / "tokenizer.json"))
     return folder / "init", folder / "train.tsv"
+
+
+def write_tagged(path: Path, sentences: int, seed: int = 0) -> Path:
+    """A CoNLL file of short sentences whose words give their tags away: a first name (B-PER) perhaps with a
+    surname (I-PER), a city (B-LOC), "new york" (B-LOC I-LOC), other words O."""
+    import random
+
+    rng = random.Random(seed)
+    filler = "we saw a big dog then went home today and it rained on the old bridge".split()
+    names, surnames, cities = ["paul", "mary", "ahmed", "li"], ["smith", "jones"], ["paris", "rome", "lagos"]
+    lines = []
+    for _ in range(sentences):
+        words = [(w, "O") for w in rng.sample(filler, rng.randint(2, 7))]
+        entity = rng.choice([[(rng.choice(names), "B-PER")], [(rng.choice(names), "B-PER"),
+                                                               (rng.choice(surnames), "I-PER")],
+                             [(rng.choice(cities), "B-LOC")], [("new", "B-LOC"), ("york", "I-LOC")]])
+        at = rng.randint(0, len(words))
+        lines += [f"{w}\t{t}" for w, t in words[:at] + entity + words[at:]] + [""]
+    path.write_text("\n".join(lines))
+    return path
