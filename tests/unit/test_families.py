@@ -104,3 +104,20 @@ def test_phi3_long_context_rope_is_one_error():
               "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}
     with pytest.raises(UserError, match="Phi-3: RoPE scaling 'longrope' is not supported"):
         args_from_hf(config)
+
+
+def test_fine_tuned_family_exports_as_its_class(tmp_path, corpus, transformers):
+    """model_args.json carries the family (hf_type, the window's layers), so a run fine-tuned from a Gemma 3 folder
+    exports as a Gemma3ForCausalLM computing what the run's model computes."""
+    from train_helpers import FINETUNE, train_here
+
+    folder = tmp_path / "hf"
+    make_hf_decoder(folder, "gemma3_text", corpus)
+    train_here(tmp_path / "run", *FINETUNE, f"data.path={corpus}", f"model.init={folder}", "training.steps=1")
+    trained, _ = load(tmp_path / "run")
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "out")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back).__name__ == "Gemma3ForCausalLM"
+    tokens = torch.randint(0, back.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert relative_error(trained(tokens), back(tokens).logits) < 1e-4
