@@ -22,6 +22,7 @@ COMMANDS = {
     "classify": ("scalenlp.cli.encode", "label texts with a classification encoder (label and probabilities)"),
     "embed": ("scalenlp.cli.encode", "sentence embeddings of texts from an encoder (pooled as its folder says)"),
     "tag": ("scalenlp.cli.tag", "named entities in texts from a token-classification encoder (type, offsets, score)"),
+    "qa": ("scalenlp.cli.qa", "answer a question from a context with a question-answering encoder (text, offsets)"),
     "export": ("scalenlp.cli.export", "write a checkpoint as a Hugging Face folder or a GGUF file"),
     "quantize": ("scalenlp.cli.quantize", "write a checkpoint with int8 or int4 weights that every command loads"),
     "prune": ("scalenlp.cli.prune", "prune a checkpoint (magnitude, wanda, 2:4 or structured) to an export"),

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 
 from scalenlp.compress.quantized import quantization_of
 from scalenlp.data.entities import text_entities
+from scalenlp.data.spans import Answer, Windower, best_answer, char_spans
 from scalenlp.data.tags import plain_tokenizer, special_ends, word_windows
 from scalenlp.engine.config import EncoderEngineConfig
 from scalenlp.engine.decoder_engine import EngineDead, QueueFull, RequestError, pick_device, pick_dtype
@@ -34,7 +35,11 @@ from scalenlp.models.hf import read_hf_config
 from scalenlp.models.hf_encoder import is_encoder_config
 from scalenlp.models.io import load_model_args
 
-KINDS = ("embed", "classify", "tag")
+KINDS = ("embed", "classify", "tag", "qa")
+PER_TOKEN = ("tag", "qa")  # kinds whose rows are per token (a list of tensors), not one vector per text
+# Question answering: a context longer than the model's window is cut into windows overlapping by this fraction of
+# it (128 tokens of 512, as the reference recipe overlaps 384-token windows by 128 at most).
+QA_OVERLAP = 0.25
 
 
 def is_encoder(checkpoint: str | Path) -> bool:
@@ -58,6 +63,7 @@ def sentence_max_len(folder: Path) -> int | None:
 class Job:
     kind: str
     ids: list[list[int]]
+    types: list[list[int]] | None = None  # token type ids (segments) of each row; None: all 0
     future: Future = field(default_factory=Future)
     rows: list = field(default_factory=list)
     left: int = 0  # rows not computed yet
@@ -87,6 +93,8 @@ class EncoderEngine:
         # The special tokens wrapped around a text ([CLS] ... [SEP]), added to token-id inputs as well.
         self.prefix, self.suffix = special_ends(self.tokenizer)
         self.words = plain_tokenizer(tokenizer)  # texts to tag are cut into windows here, not truncated
+        self.windower = (Windower(tokenizer, self.max_seq_len, int(self.max_seq_len * QA_OVERLAP))
+                         if self.args.task == "question_answering" else None)
         self.forward_batch, self.batch_wait_ms = forward_batch, batch_wait_ms
         self.max_queue, self.max_batch_texts = max_queue, max_batch_texts
         self.max_text_chars, self.max_request_tokens = max_text_chars, max_request_tokens
@@ -181,6 +189,49 @@ class EncoderEngine:
         """Entities of each text (type, text, start, end character offsets, score), long texts in windows."""
         return self.entities(texts, self.submit("tag", self.tag_windows(texts)).result())
 
+    def qa_windows(self, questions: list[str], contexts: list[str]) -> list[list]:
+        """The windows (tokenizers Encodings: ids, segments, offsets) of each (question, context) pair.
+        RequestError for bad input: no pairs, unequal lists, an empty or too long text, a question too long
+        for a window."""
+        self._check_answers_questions()
+        if len(questions) != len(contexts):
+            raise RequestError(f"{len(questions)} questions and {len(contexts)} contexts; send one context per "
+                               f"question")
+        self._check_inputs(questions)
+        self._check_inputs(contexts)
+        if any(not isinstance(x, str) for x in questions + contexts):
+            raise RequestError("questions and contexts must be texts")
+        windows = self.windower(questions, contexts)
+        for i, w in enumerate(windows):
+            if isinstance(w, str):
+                raise RequestError(f"question {i}: {w}")
+        return windows
+
+    def _check_answers_questions(self) -> None:
+        if self.windower is None:
+            raise RequestError(f"this model does not answer questions (its task is {self.args.task!r}); question "
+                               f"answering needs a checkpoint fine-tuned with training.task=\"qa\"")
+
+    def answers(self, contexts: list[str], windows: list[list], rows: list[torch.Tensor], allow_empty: bool = False,
+                n_best: int = 20, max_answer_len: int = 30) -> list[Answer]:
+        """The answer to each question from its windows (``qa_windows``) and the (tokens, 2) start and end logits
+        ``submit("qa", ...)`` returned for them, in order."""
+        out, k = [], 0
+        for context, ws in zip(contexts, windows):
+            logits = rows[k:k + len(ws)]
+            k += len(ws)
+            out.append(best_answer([x[:, 0] for x in logits], [x[:, 1] for x in logits], [char_spans(w) for w in ws],
+                                   context, n_best, max_answer_len, allow_empty))
+        return out
+
+    def answer(self, questions: list[str], contexts: list[str], allow_empty: bool = False) -> list[Answer]:
+        """The answer to each question in its context: text, character offsets, probability; with
+        ``allow_empty`` (a SQuAD v2.0 model) the empty answer when "no answer" scores above every span."""
+        windows = self.qa_windows(questions, contexts)
+        flat = [w for ws in windows for w in ws]
+        rows = self.submit("qa", [w.ids for w in flat], types=[w.type_ids for w in flat]).result()
+        return self.answers(contexts, windows, rows, allow_empty)
+
     def _check_inputs(self, inputs: list[str | list[int]]) -> None:
         if not inputs:
             raise RequestError("the input must not be empty")
@@ -204,10 +255,12 @@ class EncoderEngine:
                                f"{self.max_request_tokens} per request (--max-request-tokens): split it")
         return tokens
 
-    def submit(self, kind: str, ids: list[list[int]], *, bypass_queue_limit: bool = False) -> Future:
+    def submit(self, kind: str, ids: list[list[int]], *, types: list[list[int]] | None = None,
+               bypass_queue_limit: bool = False) -> Future:
         """Queue encoded texts (see ``encode``); the future's result is a float32 tensor, one row per text:
         the sentence embeddings, or the class probabilities; for "tag", a list of (tokens, tags) tensors of
-        tag probabilities. Cancelling the future drops its queued texts."""
+        tag probabilities; for "qa", a list of (tokens, 2) start and end logits. ``types``: each row's token type
+        ids (a question answering window's segments). Cancelling the future drops its queued texts."""
         if kind == "classify" and not self.labels:
             raise RequestError(f"this model is not a classifier (its task is {self.args.task!r}); classification "
                                "needs a checkpoint fine-tuned for it"
@@ -216,7 +269,9 @@ class EncoderEngine:
             raise RequestError(f"this model is not a tagger (its task is {self.args.task!r}); tagging needs a "
                                f"checkpoint fine-tuned with training.task=\"token_classification\""
                                + (": classify texts with /v1/classify or `scalenlp classify`" if self.labels else ""))
-        job = Job(kind, ids)
+        if kind == "qa":
+            self._check_answers_questions()
+        job = Job(kind, ids, types)
         with self.cond:
             if not self.alive:
                 raise EngineDead(f"the encoder is not running: {self.error!r}")
@@ -264,18 +319,26 @@ class EncoderEngine:
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), self.args.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, row in enumerate(rows):
+        types = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, (row, (job, i)) in enumerate(zip(rows, batch)):
             ids[r, :len(row)] = torch.tensor(row)
             mask[r, :len(row)] = 1
+            if job.types is not None:
+                types[r, :len(row)] = torch.tensor(job.types[i])
         self.forwards += 1
         self.texts += len(rows)
         self.tokens += int(mask.sum())
         self.padded_tokens += mask.numel()
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask, types = ids.to(self.device), mask.to(self.device), types.to(self.device)
         with torch.inference_mode():
-            out = self.model.embed(ids, mask) if kind == "embed" else self.model(ids, mask).float().softmax(-1)
+            if kind == "embed":
+                out = self.model.embed(ids, mask)
+            elif kind == "qa":  # start and end logits: answers are ranked by their sums across windows
+                out = self.model(ids, mask, types)
+            else:
+                out = self.model(ids, mask, types).float().softmax(-1)
         out = out.float().cpu()
-        return [probs[:len(row)] for probs, row in zip(out, rows)] if kind == "tag" else out
+        return [probs[:len(row)] for probs, row in zip(out, rows)] if kind in PER_TOKEN else out
 
     def _loop(self) -> None:
         try:
@@ -292,8 +355,8 @@ class EncoderEngine:
                 for (job, i), row in zip(batch, out):
                     job.rows[i] = row
                     job.left -= 1
-                    if job.left == 0:  # a tagged text's rows differ in length: they stay a list
-                        _settle(job.future, result=job.rows if kind == "tag" else torch.stack(job.rows))
+                    if job.left == 0:  # per-token rows differ in length: they stay a list
+                        _settle(job.future, result=job.rows if kind in PER_TOKEN else torch.stack(job.rows))
         except BaseException as e:
             self.error = e
             raise

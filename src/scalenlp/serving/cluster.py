@@ -315,6 +315,9 @@ class EncoderReplica(EngineReplica):
     async def tag(self, body: dict) -> dict:
         return await self._answer("tag", request_models()[2], body)
 
+    async def qa(self, body: dict) -> dict:
+        return await self._answer("qa", request_models()[3], body)
+
 
 class RayEncoderBackend(EncoderOnly, RayBackend):
     """The router's backend for encoder replicas: requests are forwarded as they came, retried as generation's are."""
@@ -327,6 +330,9 @@ class RayEncoderBackend(EncoderOnly, RayBackend):
 
     async def tag(self, req) -> dict:
         return await self.call("tag", req.model_dump(exclude_none=True))
+
+    async def qa(self, req) -> dict:
+        return await self.call("qa", req.model_dump(exclude_none=True))
 
 
 class Router:

@@ -1,6 +1,7 @@
 """The encoder routes of `scalenlp serve`: ``POST /v1/embeddings`` (OpenAI's embeddings API),
-``POST /v1/classify`` (label and probabilities per text) and ``POST /v1/tag`` (entities per text: type, text,
-character offsets, score), on the same app, auth and error shapes as generation.
+``POST /v1/classify`` (label and probabilities per text), ``POST /v1/tag`` (entities per text: type, text,
+character offsets, score) and ``POST /v1/qa`` (the answer to each question in its context: text, character
+offsets, score), on the same app, auth and error shapes as generation.
 
 A backend that serves an encoder has ``embeddings``, ``classify`` and ``tag``; ``EncoderBackend`` runs them on an
 ``EncoderEngine`` in this process, the Ray backend forwards them to replicas. The routes answer a
@@ -24,8 +25,7 @@ DECODER_ONLY = "this model is a decoder (it generates text): use /v1/completions
 
 @functools.cache
 def request_models():
-    """(EmbeddingRequest, ClassifyRequest, TagRequest), built on first use so that `scalenlp --help` does not
-    import pydantic."""
+    """(EmbeddingRequest, ClassifyRequest, TagRequest, QARequest), built on first use so that `scalenlp --help` does not import pydantic."""
     from pydantic import BaseModel, ConfigDict
 
     class EmbeddingRequest(BaseModel):
@@ -47,7 +47,16 @@ def request_models():
     class TagRequest(ClassifyRequest):
         pass
 
-    return EmbeddingRequest, ClassifyRequest, TagRequest
+    class QARequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        model: str
+        question: str | list[str]
+        context: str | list[str]  # one per question, or one for them all
+        allow_empty: bool = False  # SQuAD v2.0: answer "" when "no answer" scores above every span
+        user: str | None = None
+
+    return EmbeddingRequest, ClassifyRequest, TagRequest, QARequest
 
 
 def inputs_of(value: str | list) -> list[str | list[int]]:
@@ -96,9 +105,11 @@ class EncoderBackend(EncoderOnly):
 
         try:
             # Tokenizing thousands of texts takes a while, and the tokenizer lets go of the GIL meanwhile.
-            ids = await asyncio.to_thread(encode or self.engine.encode, inputs)
+            encoded = await asyncio.to_thread(encode or self.engine.encode, inputs)
+            # Question answering's windows come with their segments (and the windows, to read answers from).
+            ids, types = (encoded[0], encoded[1]) if isinstance(encoded, tuple) else (encoded, None)
             self.engine.price(ids)
-            future = self.engine.submit(kind, ids)
+            future = self.engine.submit(kind, ids, types=types)
         except RequestError as e:
             raise APIError(400, str(e), param="input") from None
         except QueueFull as e:
@@ -106,7 +117,7 @@ class EncoderBackend(EncoderOnly):
         except EngineDead as e:
             raise APIError(503, str(e), type="server_error") from None
         try:
-            return await asyncio.wrap_future(future), ids
+            return await asyncio.wrap_future(future), encoded
         except EngineDead as e:
             raise APIError(503, str(e), type="server_error") from None
 
@@ -132,6 +143,23 @@ class EncoderBackend(EncoderOnly):
         rows, ids = await self._run("tag", texts, self.engine.tag_windows)
         entities = await asyncio.to_thread(self.engine.entities, texts, rows)
         data = [{"index": i, "entities": found} for i, found in enumerate(entities)]
+        return {"object": "list", "data": data, "model": self.model_name, "usage": usage_of(ids)}
+
+    async def qa(self, req) -> dict:
+        questions = [req.question] if isinstance(req.question, str) else list(req.question)
+        contexts = [req.context] if isinstance(req.context, str) else list(req.context)
+        if len(contexts) == 1:
+            contexts *= len(questions)
+
+        def windows(_):
+            found = self.engine.qa_windows(questions, contexts)
+            flat = [w for ws in found for w in ws]
+            return [w.ids for w in flat], [w.type_ids for w in flat], found
+
+        rows, (ids, _, found) = await self._run("qa", [], windows)
+        answers = await asyncio.to_thread(self.engine.answers, contexts, found, rows, req.allow_empty)
+        data = [{"index": i, "answer": a.text, "start": a.start, "end": a.end, "score": a.score}
+                for i, a in enumerate(answers)]
         return {"object": "list", "data": data, "model": self.model_name, "usage": usage_of(ids)}
 
     async def health(self) -> tuple[bool, str]:
@@ -194,13 +222,13 @@ def vector(row, encoding_format: str) -> list[float] | str:
 
 
 def add_encoder_routes(app, backend, check_model) -> None:
-    """/v1/embeddings, /v1/classify and /v1/tag on the server's app; ``check_model`` answers a wrong model name."""
+    """/v1/embeddings, /v1/classify, /v1/tag and /v1/qa on the server's app; ``check_model`` answers a wrong model name."""
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
     from scalenlp.serving.protocol import unless_disconnected
 
-    EmbeddingRequest, ClassifyRequest, TagRequest = request_models()
+    EmbeddingRequest, ClassifyRequest, TagRequest, QARequest = request_models()
 
     async def served(req, request, route: str) -> Any:
         """The backend's answer as JSON; if the client leaves first, its texts leave the queue."""
@@ -225,6 +253,10 @@ def add_encoder_routes(app, backend, check_model) -> None:
     @app.post("/v1/tag", responses=responses)
     async def tag(req: TagRequest, request: Request):
         return await served(req, request, "tag")
+
+    @app.post("/v1/qa", responses=responses)
+    async def qa(req: QARequest, request: Request):
+        return await served(req, request, "qa")
 
 
 def build_encoder_backend(config: EncoderEngineConfig, model_name: str) -> EncoderBackend:
