@@ -13,8 +13,9 @@ from fastapi.testclient import TestClient
 
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.engine.decoder_engine import Engine
-from scalenlp.engine.lora import LoraSlots
+from scalenlp.engine.lora import LoraSlots, UnknownAdapter
 from scalenlp.engine.sampling import SamplingParams
+from scalenlp.errors import UserError
 from scalenlp.models.adapter_io import write_adapter
 from scalenlp.models.adapters import LoraSpec, adapter_weights, add_adapters, match_targets, merge_adapters
 from scalenlp.models.decoder import ModelArgs, Transformer
@@ -122,23 +123,27 @@ def test_a_mixed_batch_gives_each_adapter_its_merged_models_tokens(tiny_export, 
         engine.stop()
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-def test_dense_and_gathered_products_equal_the_merged_layer(tiny_export, adapters, rows):
-    """Rows outnumbering the highest slot used compute densely with a mask, fewer gather per row: a batch of one
-    row on slot 2 gathers; both equal each row's merged model."""
+@pytest.mark.parametrize("rows,tokens,dense", [(1, 1, False), (4, 1, True), (4, 2, False)])
+def test_dense_and_gathered_products_equal_the_merged_layer(tiny_export, adapters, rows, tokens, dense):
+    """A decode step (one token per row) with rows outnumbering the highest slot used computes densely with a mask,
+    a prefill or fewer rows gather per row: each equals each row's merged model."""
     model = load_pretrained(tiny_export)
     slots = LoraSlots(model, 3, 4, torch.float32)
     for name, (path, _) in adapters.items():
         slots.load(name, path)
-    plan = [slots.index_of(n) for n in ("beta", None, "alpha", "beta")[:rows]]
-    tokens = torch.tensor([p[:2] for p in PROMPTS])[:rows]
-    slots.select(plan)
-    assert (slots.selection.mask is None) == (rows == 1)
+    plan = ("beta", None, "alpha", "beta")[:rows]
+    tokens = torch.tensor([p[:tokens] for p in PROMPTS])[:rows]
+    layer = slots.layers["layers.0.attention.wq"]
+    calls = []
+    layer.register_forward_hook(lambda m, args, out: calls.append(m.selection.mask is not None and
+                                                                  args[0].shape[-2] == 1))
+    slots.select([slots.index_of(n) for n in plan])
     with torch.no_grad():
         got = model(tokens)
-        for row, name in enumerate(("beta", None, "alpha", "beta")[:rows]):
+        for row, name in enumerate(plan):
             ref = adapters[name][1] if name else load_pretrained(tiny_export)
             torch.testing.assert_close(got[row], ref(tokens[row:row + 1])[0], rtol=1e-4, atol=1e-4)
+    assert calls == [dense]
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +239,87 @@ def test_bad_adapters_are_one_line(server, tmp_path, tiny_export):
     assert "DoRA adapter" in load(folder("dora", dora, LoraSpec(rank=2, alpha=4, dora=True)))
     assert "the base model's name" in load(tmp_path / "dora", name="tiny")
     assert "non-empty" in load(tmp_path / "dora", name=" spaced ")
+
+
+def test_unloading_an_adapter_lets_its_requests_finish(tiny_export, adapters):
+    engine = serving(tiny_export, adapters)
+    try:
+        expected = greedy(engine, PROMPTS[:2], "alpha")
+        long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        got = [[], []]
+        finished = [threading.Event(), threading.Event()]
+
+        def on_event(i):
+            def event(d):
+                got[i] += d.token_ids
+                if d.finish_reason is not None:
+                    finished[i].set()
+            return event
+
+        engine.submit_many([(p, long) for p in PROMPTS[:2]], [on_event(0), on_event(1)], adapter="alpha")
+        while not got[0]:  # running on the adapter
+            finished[0].wait(0.01)
+        engine.unload_adapter("alpha")
+        with pytest.raises(UnknownAdapter, match=r"no adapter named 'alpha' is loaded \(adapters: beta\)"):
+            engine.submit(PROMPTS[0], GREEDY, print, adapter="alpha")
+        assert engine.adapters.retiring == {1}  # its slot waits for the requests in flight
+        for event in finished:
+            event.wait()
+        assert [g[:8] for g in got] == expected and all(len(g) == 100 for g in got)
+        greedy(engine, PROMPTS[:1])  # a step after they finished frees the slot
+        assert engine.adapters.retiring == set()
+        engine.adapters.load("gamma", adapters["beta"][0])
+        assert engine.adapters.index_of("gamma") == 1
+        assert greedy(engine, PROMPTS, "gamma") == greedy(engine, PROMPTS, "beta")
+    finally:
+        engine.stop()
+
+
+def test_serve_flags_load_adapters_and_bad_flags_are_one_line(tiny_export, adapters):
+    from scalenlp.engine.config import EngineConfig
+    from scalenlp.engine.llm import LLM
+
+    flags = [f"{name}={path}" for name, (path, _) in adapters.items()]
+    with LLM(tiny_export, lora=flags, dtype="float32") as llm:
+        slots = llm.engine.adapters
+        assert (slots.max_loras, slots.max_rank, sorted(slots.names)) == (2, 4, ["alpha", "beta"])
+        out = llm.generate(["the quick"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), "alpha")
+    merged = engine_on(adapters["alpha"][1], tiny_export)
+    try:
+        assert out == merged.generate(["the quick"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    finally:
+        merged.stop()
+    for lora, message in ((["alpha"], "must be NAME=PATH"), (["a=x", "a=y"], "names 'a' twice")):
+        with pytest.raises(UserError, match=message):
+            EngineConfig(tiny_export, lora=lora).check()
+    with pytest.raises(UserError, match="--max-loras 1 is fewer than the 2 --lora adapters"):
+        EngineConfig(tiny_export, lora=flags, max_loras=1).check()
+    with pytest.raises(UserError, match="not served with --tp or --compile"):
+        EngineConfig(tiny_export, lora=flags, compile=True).check()
+
+
+def test_an_adapter_peft_made_serves_peft_s_greedy_tokens(hf_llama, tmp_path, transformers):
+    from peft import LoraConfig, get_peft_model
+
+    from scalenlp.loader import load
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_llama).eval()
+    torch.manual_seed(3)
+    peft_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    peft_model.save_pretrained(tmp_path / "peft")
+    prompt = [5, 17, 60, 33, 102]
+    with torch.no_grad():
+        expected = peft_model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    model, pre = load(hf_llama, dtype=torch.float32)
+    slots = LoraSlots(model, 1, 4, torch.float32)
+    slots.load("peft", tmp_path / "peft")
+    engine = Engine(model, pre.tokenizer, max_batch=2, pack_weights=False, adapters=slots).start()
+    try:
+        assert greedy(engine, [prompt], "peft")[0] == expected[0, len(prompt):].tolist()
+        assert greedy(engine, [prompt])[0] != expected[0, len(prompt):].tolist()
+    finally:
+        engine.stop()

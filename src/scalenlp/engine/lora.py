@@ -8,11 +8,13 @@ unloading one writes a slot and never copies the model. The engine says which ad
 (``LoraSlots.select``, 0 for the base model); the layers share that choice.
 
 Two ways to compute the per-row products, chosen per forward:
-  - dense: when a batch has at least as many rows as the highest slot it uses, ``x`` goes through the stacked A of
-    slots ``0..hi`` as one matmul, a mask keeps each row's own slot's columns (a base row keeps none), and one
-    matmul through the stacked B follows. Each adapter's weights are read once per layer, not once per row;
-  - gathered: with fewer rows than slots (a lone request on a high slot), each row's A and B are gathered by its
-    index and multiplied batch-wise (``bmm``), so that slots no row uses are not read.
+  - dense, for a decode step (one token per row) with at least as many rows as the highest slot used: ``x`` goes
+    through the stacked A of slots ``0..hi`` as one matmul, a mask keeps each row's own slot's columns (a base row
+    keeps none), and one matmul through the stacked B follows. Each adapter's weights are read once per layer,
+    where gathering would copy them once per row: at one token per row, reading weights is the cost;
+  - gathered, otherwise: each row's A and B are gathered by its index and multiplied batch-wise (``bmm``). A
+    prefill's many tokens per row make the products' arithmetic the cost, and dense would multiply every token by
+    every slot's A; with fewer rows than slots (a lone request on a high slot) unused slots are not read.
 Both give the same numbers as the adapter merged into the base weight (up to float rounding).
 
 The engine changes a slot only when no request waiting or running uses it: an unloaded adapter's name is gone at
@@ -83,7 +85,7 @@ class MultiLoRALinear(nn.Module):
         if not any(self.present[s] for s in sel.used):
             return out
         r = self.rank
-        if sel.mask is not None:
+        if sel.mask is not None and x.shape[-2] == 1:  # a decode step: see the module's docstring
             h = F.linear(x, self.lora_A[:sel.hi].view(sel.hi * r, self.in_features)) * sel.mask
             return out + F.linear(h, self.lora_B[:, :sel.hi].reshape(self.out_features, sel.hi * r))
         a = self.lora_A[sel.rows]  # (rows, rank, in)
@@ -223,6 +225,7 @@ class LoraSlots:
             return
         sel.hi = sel.used[-1] + 1
         device = next(iter(self.layers.values())).lora_A.device
+        sel.rows = torch.tensor([self.max_loras if i == BASE else i - 1 for i in indices], device=device)
         if sel.hi <= len(indices):
             mask = torch.zeros(len(indices), sel.hi, self.max_rank)
             for row, i in enumerate(indices):
@@ -230,8 +233,6 @@ class LoraSlots:
                     mask[row, i - 1] = 1
             dtype = next(iter(self.layers.values())).lora_A.dtype
             sel.mask = mask.view(len(indices), 1, -1).to(device=device, dtype=dtype)
-        else:
-            sel.rows = torch.tensor([self.max_loras if i == BASE else i - 1 for i in indices], device=device)
 
 
 def read_folder(path: str | Path, args) -> tuple[LoraSpec, dict[str, LoraWeights]]:
