@@ -15,8 +15,10 @@ import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from scalenlp.data.tokenizer import find_bos_token_id, find_eos_token_id
 from scalenlp.errors import UserError
-from scalenlp.models.gguf import PRE_TOKENIZERS, read_tokenizer
+from scalenlp.models.decoder import ModelArgs, Transformer
+from scalenlp.models.gguf import PRE_TOKENIZERS, read_gguf, read_tokenizer, write_gguf
 
 # Lines the data's own lines lack: runs of spaces, tabs, lone newlines, digits beside letters, symbols, emoji.
 EDGES = ["", " ", "  two leading spaces", "trailing spaces   ", "\n", "\n\nafter blank lines\n", "tab\tand\t\ttabs",
@@ -88,7 +90,7 @@ def _write_tokenizer_gguf(path: Path, write) -> Path:
     return path
 
 
-def _sentencepiece_gguf(model: Path, path: Path) -> Path:
+def _sentencepiece_gguf(model: Path, path: Path, add_eos: bool = False) -> Path:
     """The SentencePiece vocabulary as llama.cpp's converter writes it: pieces, scores and piece types (GGUF's token
     types are SentencePiece's piece types), the special ids, add_bos, and the dummy prefix as add_space_prefix."""
     proto = sentencepiece_model_pb2.ModelProto()
@@ -105,7 +107,7 @@ def _sentencepiece_gguf(model: Path, path: Path) -> Path:
         writer.add_eos_token_id(sp.eos_id())
         writer.add_unk_token_id(sp.unk_id())
         writer.add_add_bos_token(True)
-        writer.add_add_eos_token(False)
+        writer.add_add_eos_token(add_eos)
         writer.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
     return _write_tokenizer_gguf(path, write)
 
@@ -137,33 +139,36 @@ def _parity(ours: Tokenizer, theirs, lines: list[str], quirk=lambda line: line) 
         assert theirs.decode(ids, clean_up_tokenization_spaces=False) == line
 
 
-def test_llama2_sentencepiece_equals_sentencepiece_and_transformers(transformers, llama2, lines):
-    model, path = llama2
+def _read_and_match_sentencepiece(model: Path, path: Path, lines: list[str], hf_class, **hf_options):
+    """The file's tokenizer as scalenlp reads it (checked to give SentencePiece's ids on every line), its config,
+    SentencePiece's own and transformers' (``hf_class``) tokenizer of the model."""
     tokenizer, config = read_tokenizer(path)
-    assert config == {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}
     sp = spm.SentencePieceProcessor(model_file=str(model))
-    hf = transformers.LlamaTokenizer.from_pretrained(str(model.parent))
-    assert tokenizer.get_vocab() == hf.get_vocab()
-    byte_fallback = 0
     for line in lines:
-        ids = tokenizer.encode(line, add_special_tokens=False).ids
-        assert ids == sp.encode(line), line
-        byte_fallback += any(tokenizer.id_to_token(i).startswith("<0x") for i in ids)
+        assert tokenizer.encode(line, add_special_tokens=False).ids == sp.encode(line), line
+    return tokenizer, config, sp, hf_class.from_pretrained(str(model.parent), **hf_options)
+
+
+def test_llama2_sentencepiece_equals_sentencepiece_and_transformers(transformers, llama2, lines, tmp_path):
+    tokenizer, config, sp, hf = _read_and_match_sentencepiece(*llama2, lines, transformers.LlamaTokenizer)
+    assert config == {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}
+    assert tokenizer.get_vocab() == hf.get_vocab()
+    byte_fallback = sum(any(tokenizer.id_to_token(i).startswith("<0x") for i in tokenizer.encode(line).ids)
+                        for line in lines)
     assert byte_fallback > 50  # the accents, other scripts and emoji the 1000 pieces lack come out as bytes
     # transformers' Metaspace adds no ▁ before a text that already starts with a space, where SentencePiece (and
     # llama.cpp) add one to any text: " a" is "▁▁a" here, "▁a" there; the same text with one more space agrees.
     _parity(tokenizer, hf, lines, quirk=lambda line: " " + line if line.startswith(" ") else line)
-    # BOS starts every text, as add_bos_token says.
+    # BOS starts every text, as add_bos_token says; EOS ends it where add_eos_token says so.
     assert tokenizer.encode("Hello").ids == [sp.bos_id(), *sp.encode("Hello")]
+    with_eos, _ = read_tokenizer(_sentencepiece_gguf(llama2[0], tmp_path / "eos.gguf", add_eos=True))
+    assert with_eos.encode("Hello").ids == [sp.bos_id(), *sp.encode("Hello"), sp.eos_id()]
 
 
 def test_llama2_special_tokens_in_text_match_llama_cpp(transformers, llama2):
     """Control tokens written in the text are one token each, and the text after one starts with ▁ again, as in
     llama.cpp (and transformers' legacy Llama tokenizer, whose prefix comes back after every special token)."""
-    model, path = llama2
-    tokenizer, _ = read_tokenizer(path)
-    hf = transformers.LlamaTokenizer.from_pretrained(str(model.parent), legacy=True)
-    sp = spm.SentencePieceProcessor(model_file=str(model))
+    tokenizer, _, sp, hf = _read_and_match_sentencepiece(*llama2, [], transformers.LlamaTokenizer, legacy=True)
     text = "<s>[INST] Who wrote Hamlet? [/INST] Shakespeare.</s><s>[INST] And when?</s>"
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     assert ids == hf.encode(text, add_special_tokens=False)
@@ -172,18 +177,15 @@ def test_llama2_special_tokens_in_text_match_llama_cpp(transformers, llama2):
 
 
 def test_gemma_sentencepiece_without_prefix_space(transformers, gemma, lines):
-    model, path = gemma
-    tokenizer, config = read_tokenizer(path)
+    tokenizer, config, sp, hf = _read_and_match_sentencepiece(*gemma, lines, transformers.GemmaTokenizer)
     assert config == {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True}
-    sp = spm.SentencePieceProcessor(model_file=str(model))
-    hf = transformers.GemmaTokenizer.from_pretrained(str(model.parent))
-    for line in lines:
-        assert tokenizer.encode(line, add_special_tokens=False).ids == sp.encode(line), line
     _parity(tokenizer, hf, lines)  # no prefix space, so no quirk either
     chat = "<start_of_turn>user\nWho wrote Hamlet?<end_of_turn>\n<start_of_turn>model\n"
     ids = tokenizer.encode(chat).ids
     assert ids == [sp.bos_id(), *sp.encode(chat)] == [sp.bos_id(), *hf.encode(chat, add_special_tokens=False)]
     assert ids.count(sp.piece_to_id("<start_of_turn>")) == 2  # user-defined pieces stay whole
+    # Documents are marked with Gemma's own BOS and EOS even where no tokenizer config names them.
+    assert (find_bos_token_id(tokenizer), find_eos_token_id(tokenizer)) == (sp.bos_id(), sp.eos_id())
 
 
 @pytest.fixture(scope="module")
@@ -253,3 +255,48 @@ def test_unsupported_tokenizers_are_one_line(tmp_path):
     with pytest.raises(UserError, match="pre-tokenization 'qwen2' is not supported; supported: gpt-2, smollm, "
                                         "llama-bpe"):
         read_tokenizer(_write_tokenizer_gguf(tmp_path / "qwen.gguf", vocabulary("gpt2", tokenizer_pre="qwen2")))
+
+
+@pytest.mark.parametrize("kind", ["llama2", "gemma", "llama3"])
+def test_written_back_by_write_gguf(request, kind, lines, tmp_path):
+    """A tiny model with each file's vocabulary, written by write_gguf and read back whole by read_gguf: the same ids
+    and config, and the token kinds llama.cpp needs (bytes, unknown, control, user-defined) as the file had them."""
+    _, path = request.getfixturevalue(kind)
+    tokenizer, config = read_tokenizer(path)
+    args = ModelArgs(vocab_size=tokenizer.get_vocab_size(), dim=32, n_layers=1, n_heads=2, ffn_dim=64, max_seq_len=64)
+    out = write_gguf(Transformer(args), tokenizer, config, tmp_path / f"{kind}.gguf", "f32")
+    back = read_gguf(out)
+    assert back.tokenizer_config == config
+    for line in lines:
+        assert back.tokenizer.encode(line).ids == tokenizer.encode(line).ids, line
+    before, after = gguf.GGUFReader(path), gguf.GGUFReader(out)
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.token_type", "tokenizer.ggml.add_space_prefix",
+                "tokenizer.ggml.pre", "tokenizer.ggml.unknown_token_id"):
+        if key != "tokenizer.ggml.pre" or kind == "llama3":  # SentencePiece files name no pre-tokenization
+            assert _contents(after, key) == _contents(before, key), key
+
+
+def _contents(reader: gguf.GGUFReader, key: str):
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def test_transformers_reads_the_sentencepiece_file_we_write(transformers, llama2, lines, tmp_path):
+    """transformers' own GGUF reader makes the same tokenizer of what write_gguf wrote (but for its Metaspace quirk)."""
+    _, path = llama2
+    tokenizer, config = read_tokenizer(path)
+    args = ModelArgs(vocab_size=tokenizer.get_vocab_size(), dim=32, n_layers=1, n_heads=2, ffn_dim=64, max_seq_len=64)
+    write_gguf(Transformer(args), tokenizer, config, tmp_path / "llama2.gguf", "f32")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="llama2.gguf")
+    _parity(tokenizer, hf, lines, quirk=lambda line: " " + line if line.startswith(" ") else line)
+
+
+def test_metaspace_tokenizer_is_not_written_as_llama_cpp_would_differ(transformers, llama2, tmp_path):
+    """transformers' own Llama tokenizer (Metaspace: no ▁ added before a leading space) cannot be written as a
+    llama.cpp vocabulary without changing its ids: one clear line."""
+    model, _ = llama2
+    hf = transformers.LlamaTokenizer.from_pretrained(str(model.parent))
+    args = ModelArgs(vocab_size=len(hf), dim=32, n_layers=1, n_heads=2, ffn_dim=64, max_seq_len=64)
+    with pytest.raises(UserError, match="Metaspace adds none before a leading space.*export it with --format hf"):
+        write_gguf(Transformer(args), hf.backend_tokenizer, {}, tmp_path / "metaspace.gguf", "f32")
+    assert not list(tmp_path.iterdir())

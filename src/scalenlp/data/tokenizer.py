@@ -18,8 +18,9 @@ from scalenlp.errors import UserError
 EOS = "<|endoftext|>"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # BOS, EOS and the chat template, in Hugging Face's field names
 # Document-end and -start tokens of common tokenizer families, tried before the tokenizer's own config files.
-EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>")
-BOS_CANDIDATES = ("<s>", "<|begin_of_text|>")
+# (GPT-2 / SmolLM, Llama 2 / Mistral, Llama 3, Gemma.)
+EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>", "<eos>")
+BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
 MIN_VOCAB = 257  # the 256 byte symbols plus EOS
 
 

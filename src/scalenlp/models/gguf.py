@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -65,6 +66,7 @@ PRE_TOKENIZERS = {  # the first name of each split is the one written
 # tokenizer.ggml.model: the tokenizer kinds read (llama.cpp's names) and what each is.
 TOKENIZER_KINDS = {"gpt2": "byte-level BPE: GPT-2, SmolLM, Llama 3", "llama": "SentencePiece: Llama 2, Mistral, Gemma"}
 SPACE = "\u2581"  # SentencePiece's visible space, which stands for " " inside its pieces
+BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")  # SentencePiece's byte-fallback tokens
 
 
 def _field(reader: gguf.GGUFReader, key: str, default=None):
@@ -394,10 +396,14 @@ def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer: Tokenizer, config: dict
     from scalenlp.data.tokenizer import find_eos_token_id
 
     spec = json.loads(tokenizer.to_str())
-    if spec["model"]["type"] != "BPE" or spec.get("normalizer") is not None:
+    if spec["model"]["type"] != "BPE":
+        raise UserError(f"GGUF export supports BPE tokenizers (byte-level as GPT-2's, SmolLM's and Llama 3's, or "
+                        f"SentencePiece-style as Llama 2's); this one is a {spec['model']['type']} model")
+    space_prefix = _space_prefix(tokenizer) if spec["model"].get("byte_fallback") else None
+    if space_prefix is None and spec.get("normalizer") is not None:
         raise UserError("GGUF export supports byte-level BPE tokenizers without a normalizer (GPT-2, SmolLM, "
-                        f"scalenlp's own); this one is a {spec['model']['type']} model")
-    pre = _pre_name(tokenizer)
+                        "Llama 3, scalenlp's own) and SentencePiece-style ones with byte fallback; this one has a "
+                        f"normalizer and no byte fallback ({tokenizer.normalizer!r}); export it with --format hf")
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     if len(vocab) > vocab_size or max(vocab.values()) >= vocab_size:
         raise UserError(f"the tokenizer has {len(vocab)} tokens but the model only {vocab_size} embeddings; "
@@ -411,12 +417,16 @@ def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer: Tokenizer, config: dict
         tokens[i] = token
         types[i] = (gguf.TokenType.NORMAL if i not in added else
                     gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
+    merges = [m.split(" ", 1) if isinstance(m, str) else m for m in spec["model"]["merges"]]
+    if space_prefix is None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(_pre_name(tokenizer))
+        writer.add_token_merges([" ".join(m) for m in merges])
+    else:
+        _write_sentencepiece(writer, tokens, types, ["".join(m) for m in merges], spec["model"].get("unk_token"),
+                             space_prefix)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges(merges)
     ids = Pretrained(None, {}, tokenizer, config)
     eos = ids.token_id("eos_token")
     eos = find_eos_token_id(tokenizer) if eos is None else eos
@@ -429,6 +439,45 @@ def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer: Tokenizer, config: dict
     writer.add_add_bos_token(bos is not None and tokenizer.encode("a").ids[0] == bos)
     if config.get("chat_template"):
         writer.add_chat_template(config["chat_template"])
+
+
+def _write_sentencepiece(writer: gguf.GGUFWriter, tokens: list[str], types: list[int], merged: list[str],
+                         unk: str | None, space_prefix: bool) -> None:
+    """A SentencePiece-style BPE as llama.cpp's "llama" vocabulary, which has scores instead of merges: a token
+    scores minus the rank of its first merge (``merged``: each merge's token, in rank order), so that llama.cpp's
+    best-score-first merging (and ``_sentencepiece``) takes them in the same order. <0xNN> tokens are marked as
+    bytes, which llama.cpp needs for byte fallback."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    scores = [0.0] * len(tokens)
+    for rank in reversed(range(len(merged))):
+        scores[ids[merged[rank]]] = -float(rank + 1)
+    for i, token in enumerate(tokens):
+        if types[i] == gguf.TokenType.NORMAL and BYTE_TOKEN.fullmatch(token):
+            types[i] = gguf.TokenType.BYTE
+    if unk is not None and unk in ids:
+        types[ids[unk]] = gguf.TokenType.UNKNOWN
+        writer.add_unk_token_id(ids[unk])
+    writer.add_tokenizer_model("llama")
+    writer.add_token_scores(scores)
+    writer.add_add_space_prefix(space_prefix)
+
+
+def _space_prefix(tokenizer: Tokenizer) -> bool:
+    """Whether a SentencePiece-style tokenizer starts texts with ▁ (llama.cpp's add_space_prefix), judged by what it
+    does to texts with and without a leading space: llama.cpp turns each space into ▁, keeps the text whole, and adds
+    one ▁ before any text, or none before any."""
+    def seen(text: str) -> list[str]:
+        text = tokenizer.normalizer.normalize_str(text) if tokenizer.normalizer else text
+        return [p for p, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)] if tokenizer.pre_tokenizer else [text]
+
+    probes = ("a b", " a  b\nc")
+    for prefix in (True, False):
+        if all(seen(text) == [SPACE * prefix + text.replace(" ", SPACE)] for text in probes):
+            return prefix
+    raise UserError(f"GGUF export of a SentencePiece-style tokenizer needs spaces turned into {SPACE} on the whole "
+                    f"text and one {SPACE} added before every text or none, as llama.cpp does; this one makes "
+                    f"{[seen(text) for text in probes]!r} of {probes!r} (transformers' Metaspace adds none before a "
+                    f"leading space); export it with --format hf")
 
 
 def _pre_name(tokenizer: Tokenizer) -> str:
