@@ -33,11 +33,14 @@ class Perplexity:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    EngineConfig.add_arguments(parser, (*LOAD_OPTIONS, "max_batch", "tp"), dtype={
+    EngineConfig.add_arguments(parser, (*LOAD_OPTIONS, "max_seq_len", "max_batch", "tp"), dtype={
         "default": "float32", "help": "weight dtype (default float32: perplexity and accuracy are quality figures, "
                                       "bf16 shifts them)"},
         tp={"help": "with --tasks or --chat: tensor-parallel processes for the model (gloo on CPU, NCCL on GPUs)"},
-        max_batch={"help": "with --tasks: most sequences in one forward, the engine's cache rows (default 8)"})
+        max_batch={"help": "with --tasks: most sequences in one forward, the engine's cache rows (default 8)"},
+        max_seq_len={"help": "with --tasks: positions per cache row, which a longer question and choice are cut to "
+                             "from the left (default: the model's context length; a smaller one saves cache memory "
+                             "on long-context models)"})
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--data", help="UTF-8 text file whose perplexity to measure")
     what.add_argument("--chat", metavar="FILE.jsonl",
