@@ -124,7 +124,8 @@ class TrainingConfig:
                           "(a `messages` list per line, rendered with model.init's chat template; loss on "
                           "assistant tokens only) | classification: an encoder (model.init) with a sequence "
                           "classification head on labelled rows (data.path, data.eval_path); training.seq_len is "
-                          "the longest row, in tokens")
+                          "the longest row, in tokens | token_classification: an encoder tagging BIO words (CoNLL or "
+                          "JSONL data.path, data.eval_path; entity F1); training.seq_len is the window")
     on_nonfinite: str = opt("stop", "a step whose loss or gradient is not finite: stop (error naming step and "
                                     "rank; nothing saved from it) | skip (drop its update) | rollback (reload the "
                                     "newest checkpoint, read on with the next data)")
@@ -140,7 +141,8 @@ class CheckpointConfig:
                                   "the final checkpoint and one before a stop are still awaited")
     export: bool = opt(True, "write final weights as safetensors + config to <run_dir>/export")
     keep_best: str = opt("", "classification: also export the model at its best evaluation to <run_dir>/best, "
-                             "judged by accuracy or macro_f1 (qa: f1 or exact_match); empty keeps no best")
+                             "judged by accuracy or macro_f1 (qa: f1 or exact_match; token_classification: f1, precision "
+                             "or recall); empty keeps no best")
 
 
 @dataclass
