@@ -66,14 +66,18 @@ def greedy(engine: Engine, prompts, adapter=None) -> list[list[int]]:
 
     events = [queue.Queue() for _ in prompts]
     engine.submit_many([(p, GREEDY) for p in prompts], [q.put for q in events], adapter=adapter)
+    return collect(events)
+
+
+def collect(events) -> list[list[int]]:
+    """The token ids each queue of Deltas received, up to its finish."""
     out = []
     for q in events:
-        ids = []
-        while True:
+        ids, finished = [], False
+        while not finished:
             d = q.get()
             ids += d.token_ids
-            if d.finish_reason is not None:
-                break
+            finished = d.finish_reason is not None
         out.append(ids)
     return out
 
@@ -87,20 +91,15 @@ def serving(export, adapters, max_loras=3, rank=4) -> Engine:
 
 
 def mixed(engine: Engine, plan: list[str | None]) -> list[list[int]]:
-    """The greedy ids of PROMPTS[i] for adapter plan[i], all submitted together (one continuous batch)."""
-    results: list = [None] * len(plan)
-    barrier = threading.Barrier(len(plan))
+    """The greedy ids of PROMPTS[i] for adapter plan[i], all in one batch: submitted while this thread holds the
+    engine's lock, so that its loop admits them together."""
+    import queue
 
-    def one(i):
-        barrier.wait()
-        results[i] = greedy(engine, [PROMPTS[i]], plan[i])[0]
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(plan))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    events = [queue.Queue() for _ in plan]
+    with engine._wake:
+        for i, name in enumerate(plan):
+            engine.submit(PROMPTS[i], GREEDY, events[i].put, adapter=name)
+    return collect(events)
 
 
 def test_a_mixed_batch_gives_each_adapter_its_merged_models_tokens(tiny_export, adapters):
