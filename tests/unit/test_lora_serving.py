@@ -297,6 +297,24 @@ def test_serve_flags_load_adapters_and_bad_flags_are_one_line(tiny_export, adapt
         EngineConfig(tiny_export, lora=flags, compile=True).check()
 
 
+def test_serve_takes_repeated_lora_flags_and_generate_none():
+    import argparse
+
+    from scalenlp.cli import generate, serve
+    from scalenlp.engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--checkpoint", "m", "--lora", "a=x", "--lora", "b = y", "--max-loras", "3"])
+    config = EngineConfig.from_args(args)
+    assert config.adapters() == {"a": "x", "b": "y"} and config.max_loras == 3 and config.serves_adapters
+    assert not EngineConfig.from_args(parser.parse_args(["--checkpoint", "m"])).serves_adapters
+    terminal = argparse.ArgumentParser()
+    generate.add_arguments(terminal)
+    with pytest.raises(SystemExit):
+        terminal.parse_args(["--checkpoint", "m", "--lora", "a=x"])
+
+
 def test_an_adapter_peft_made_serves_peft_s_greedy_tokens(hf_llama, tmp_path, transformers):
     from peft import LoraConfig, get_peft_model
 
