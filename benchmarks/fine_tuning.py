@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from scalenlp.config import TrainingConfig
 
@@ -63,3 +64,19 @@ def run_scalenlp(sets: list[str], nproc: int, run_dir: Path, score: str) -> dict
     counts = np.diff([0] + [r["step"] for r in steps])  # a record's step_time_s is the mean since the last one
     seconds = float(sum(n * r["step_time_s"] for n, r in zip(counts, steps)))
     return {"seconds": seconds, "wall": wall, "loss": steps[-1]["loss"], **[r for r in records if score in r][-1]}
+
+
+def optimizer_step(model, optimizer, scheduler, loss) -> None:
+    """The reference loop's update after a forward: backward, clip at 1.0, step, schedule, clear."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def print_table(rows: list[tuple[str, str, str]], other: str) -> None:
+    """A markdown table of (figure, scalenlp's, ``other``'s) rows."""
+    print(f"\n| {'':34} | {'scalenlp':>16} | {other:>16} |\n|{'-' * 36}|{'-' * 18}|{'-' * 18}|")
+    for name, a, b in rows:
+        print(f"| {name:34} | {a:>16} | {b:>16} |")

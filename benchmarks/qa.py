@@ -31,7 +31,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fine_tuning import add_schedule_arguments, run_scalenlp, schedule_of, schedule_sets
+from fine_tuning import (
+    add_schedule_arguments,
+    optimizer_step,
+    print_table,
+    run_scalenlp,
+    schedule_of,
+    schedule_sets,
+)
 from scalenlp.config import TrainingConfig
 from scalenlp.data.labeled import LabeledLoader
 from scalenlp.data.spans import make_windows, read_qa
@@ -129,11 +136,7 @@ class ReferenceLoop:
             batch = self._batch(rows, self.train)
             labels = torch.tensor([self.train["labels"][i] for i in rows])
             loss = self.model(**batch, start_positions=labels[:, 0], end_positions=labels[:, 1]).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer_step(self.model, self.optimizer, self.scheduler, loss)
             self.seconds += time.perf_counter() - start
             self.losses.append(loss.item())
             self.step += 1
@@ -224,9 +227,7 @@ def main() -> None:
         ("dev exact match", f"{ours['exact_match']:.2f}", f"{theirs['exact_match']:.2f}"),
         ("dev F1", f"{ours['f1']:.2f}", f"{theirs['f1']:.2f}"),
     ]
-    print(f"\n| {'':34} | {'scalenlp':>16} | {'transformers':>16} |\n|{'-' * 36}|{'-' * 18}|{'-' * 18}|")
-    for name, a, b in rows:
-        print(f"| {name:34} | {a:>16} | {b:>16} |")
+    print_table(rows, "transformers")
     print(f"\nsamples/s ratio scalenlp / transformers: {ours_rate / ref_rate:.2f}x (goal >= 1.2x); F1 difference "
           f"{ours['f1'] - theirs['f1']:+.2f} (goal >= -1)")
 
