@@ -1,0 +1,174 @@
+"""LoRA and QLoRA fine-tuning of SmolLM2-135M against a full fine-tune, and against peft + transformers.
+
+    OMP_NUM_THREADS=1 python benchmarks/adapters.py [--steps 3] [--batch 1] [--seq 128]
+
+Each measurement runs in a process of its own (so one's memory never counts in another's), on the same random
+token batches, with fused AdamW over what trains:
+
+- full: every weight trains (fp32);
+- lora: rank 16 (alpha 32) on every linear of the blocks (lora.targets = all-linear), the base frozen;
+- qlora: the same with the frozen block linears in NF4 (compress/nf4.py);
+- peft: transformers' LlamaForCausalLM of the same weights with peft's LoraConfig(r=16, lora_alpha=32,
+  target_modules="all-linear").
+
+Figures: parameters that train; resident memory once the model is built (at rest) and its peak over the training
+steps (Linux's VmHWM, reset after loading, so the transient of reading the GGUF file is not counted); tokens/s over
+the steps after the first (which pays one-time allocations). Speed against peft is measured apart, in one process
+holding both models and taking their steps in turn, so that other work on the machine weighs on both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+KINDS = ("full", "lora", "qlora", "peft")
+RANK, ALPHA = 16, 32
+
+
+def _status(key: str) -> int:
+    """A /proc/self/status figure in bytes (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _settle() -> None:
+    """Hand freed memory back to the system, so resident memory shows what is still held."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _our_model(kind: str):
+    from scalenlp.loader import read
+    from scalenlp.models.adapters import LoraSpec, adaptable, add_adapters, freeze_all_but_adapters, match_targets
+    from scalenlp.models.io import build_decoder
+    from scalenlp.models.packaged import packaged_model
+
+    pre = read(packaged_model("smollm2"))
+    model = build_decoder(pre.args, pre.state, "cpu", torch.float32).train()
+    del pre
+    if kind in ("lora", "qlora"):
+        if kind == "qlora":
+            from scalenlp.compress.nf4 import quantize_nf4
+
+            quantize_nf4(model, adaptable(model))
+        add_adapters(model, LoraSpec(RANK, ALPHA), match_targets(model, "all-linear"))
+        freeze_all_but_adapters(model)
+    # The summed loss (computed a chunk of tokens at a time), as a mean like transformers'.
+    return model, lambda tokens: model(tokens[:, :-1], targets=tokens[:, 1:]) / tokens[:, 1:].numel()
+
+
+def _peft_model():
+    from peft import LoraConfig, get_peft_model
+
+    from scalenlp.loader import load
+    from scalenlp.models.hf import to_hf
+    from scalenlp.models.packaged import packaged_model
+
+    ours, _ = load(packaged_model("smollm2"), dtype=torch.float32)
+    hf = to_hf(ours)
+    del ours
+    model = get_peft_model(hf, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear")).train()
+    # transformers shifts the labels itself: the same T - 1 predicted tokens a row as ours.
+    return model, lambda tokens: model(input_ids=tokens, labels=tokens).loss
+
+
+def measure(kind: str, steps: int, batch: int, seq: int) -> dict:
+    torch.manual_seed(0)
+    model, loss_of = _peft_model() if kind == "peft" else _our_model(kind)
+    params = list(model.parameters())
+    trained = [p for p in params if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=True)
+    vocab = 49152
+    batches = [torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(i))
+               for i in range(steps)]
+    _settle()
+    at_rest = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS from here
+    times, losses = [], []
+    for tokens in batches:
+        start = time.perf_counter()
+        loss = loss_of(tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    timed = times[1:] or times
+    return {"kind": kind, "params": sum(p.numel() for p in params), "trained": sum(p.numel() for p in trained),
+            "rss_at_rest": at_rest, "rss_peak": _status("VmHWM"),
+            "tokens_per_s": batch * seq * len(timed) / sum(timed), "losses": losses}
+
+
+def speed(steps: int, batch: int, seq: int) -> dict:
+    """Seconds per step of our LoRA and of peft's, the two models' steps taken in turn in this one process: on a
+    machine shared with other work the load then weighs on both alike (separate processes meet different loads)."""
+    torch.manual_seed(0)
+    runs = {"lora": _our_model("lora"), "peft": _peft_model()}
+    optimizers = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=True)
+                  for k, (m, _) in runs.items()}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for i in range(steps + 1):  # the first round pays one-time allocations: not timed
+        tokens = torch.randint(0, 49152, (batch, seq + 1), generator=torch.Generator().manual_seed(i))
+        for kind, (_, loss_of) in runs.items():
+            start = time.perf_counter()
+            loss_of(tokens).backward()
+            optimizers[kind].step()
+            optimizers[kind].zero_grad(set_to_none=True)
+            if i:
+                times[kind].append(time.perf_counter() - start)
+    return {k: batch * seq * len(t) / sum(t) for k, t in times.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--only", choices=("memory", "speed"), help="one of the two parts")
+    parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)  # a child process's measurement
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one, args.steps, args.batch, args.seq)))
+        return 0
+    if args.only != "memory":
+        fast = speed(args.steps, args.batch, args.seq)
+        print(f"tokens/s, steps in turn in one process: lora {fast['lora']:,.1f}, peft+transformers "
+              f"{fast['peft']:,.1f}: lora / peft = {fast['lora'] / fast['peft']:.2f}x")
+    if args.only == "speed":
+        return 0
+    results = {}
+    for kind in KINDS:
+        out = subprocess.run([sys.executable, __file__, "--one", kind, "--steps", str(args.steps), "--batch",
+                              str(args.batch), "--seq", str(args.seq)], capture_output=True, text=True, check=True)
+        results[kind] = json.loads(out.stdout.strip().splitlines()[-1])
+    mib = 2 ** 20
+    print(f"SmolLM2-135M, batch {args.batch} x {args.seq} tokens, {args.steps} steps, "
+          f"{torch.get_num_threads()} thread(s)")
+    print(f"{'run':>6} | {'trained params':>16} | {'RSS at rest':>11} | {'peak RSS (steps)':>16} | {'tokens/s':>8}")
+    for kind, r in results.items():
+        print(f"{kind:>6} | {r['trained']:>9,} ({r['trained'] / r['params']:.2%}) | {r['rss_at_rest'] / mib:>7,.0f} MiB "
+              f"| {r['rss_peak'] / mib:>12,.0f} MiB | {r['tokens_per_s']:>8,.0f}")
+    full, lora, qlora, peft = (results[k] for k in KINDS)
+    print(f"peak RSS: lora / full = {lora['rss_peak'] / full['rss_peak']:.2f}, qlora / lora = "
+          f"{qlora['rss_peak'] / lora['rss_peak']:.2f}; at rest: qlora / lora = "
+          f"{qlora['rss_at_rest'] / lora['rss_at_rest']:.2f}")
+    print(f"tokens/s in separate processes (each met its own load; the one-process figure above is the fair one): "
+          f"lora / peft = {lora['tokens_per_s'] / peft['tokens_per_s']:.2f}x, lora / full = "
+          f"{lora['tokens_per_s'] / full['tokens_per_s']:.2f}x, qlora / lora = "
+          f"{qlora['tokens_per_s'] / lora['tokens_per_s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
