@@ -300,3 +300,28 @@ def write_tagged(path: Path, sentences: int, seed: int = 0) -> Path:
         lines += [f"{w}\t{t}" for w, t in words[:at] + entity + words[at:]] + [""]
     path.write_text("\n".join(lines))
     return path
+
+
+# One fact per context, its answer a single word: a tiny model learns to point at it within a few dozen steps.
+NAMES = ["Ada", "Alan", "Grace", "Linus", "Ken", "Barbara", "Edsger", "Donald"]
+PLACES = ["Paris", "Rome", "Oslo", "Lima", "Cairo", "Quito", "Hanoi", "Accra"]
+
+
+def write_questions(path: Path, n: int, offset: int = 0) -> Path:
+    """n questions "Where does NAME live?" as JSONL, each context a sentence naming the place."""
+    rows = []
+    for i in range(n):
+        name, place = NAMES[(i + offset) % len(NAMES)], PLACES[(i * 3 + offset) % len(PLACES)]
+        context = f"{name} lives in {place} and works there every day."
+        rows.append({"id": f"q{i}", "question": f"Where does {name} live?", "context": context,
+                     "answers": {"text": [place], "answer_start": [context.index(place)]}})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def qa_sets(init: Path, train: Path, dev: Path, *extra: str) -> list[str]:
+    """The overrides of a short training.task = "qa" run on CPU with the files above."""
+    return ["training.task=qa", f"model.init={init}", f"data.path={train}", f"data.eval_path={dev}",
+            "training.device=cpu", "training.seq_len=32", "data.doc_stride=8", "training.global_batch_size=8",
+            "training.lr=3e-3", "training.warmup_steps=0", "training.weight_decay=0", "checkpoint.every=0",
+            "training.log_every=10", *extra]

@@ -1,6 +1,6 @@
 """training.task = "qa" with two processes through `scalenlp train`: the steps and the evaluation of one process
 under ZeRO-3 and tensor parallelism, and a ZeRO-3 fine-tune of the packaged MiniLM on SQuAD questions whose F1
-rises (the task in one process and its mistakes: tests/unit/test_qa_training.py)."""
+rises (the task in one process and its mistakes: tests/unit/test_qa_task.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """training.task = "token_classification" with two processes: under ZeRO-3 and tensor parallelism the losses are the
 one-process run's step by step, and the entity scores, each rank predicting its share of the eval windows, are
-the whole file's (its single-process behaviour, in this process: tests/unit/test_tagging_training.py)."""
+the whole file's (its single-process behaviour, in this process: tests/unit/test_tagging_task.py)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ import json
 import httpx
 import pytest
 import torch
-from test_qa_training import qa_sets, write_questions
 
 from infer_helpers import ServerThread, minilm_classifier
 from scalenlp import loader
@@ -20,7 +19,7 @@ from scalenlp.engine.decoder_engine import RequestError
 from scalenlp.engine.encoder_engine import encoder_from_checkpoint
 from scalenlp.serving.app import create_app
 from scalenlp.serving.encoder import EncoderBackend
-from train_helpers import tiny_encoder, train_here
+from train_helpers import qa_sets, tiny_encoder, train_here, write_questions
 
 CONTEXT = "Grace lives in Lima and works there every day."
 # Longer than the tiny model's 64-token window: the engine reads it in overlapping windows.

@@ -8,29 +8,7 @@ import json
 import pytest
 import torch
 
-from train_helpers import error_lines, main_train, tiny_encoder, train_here
-
-# One fact per context, its answer a single word: a tiny model learns to point at it within a few dozen steps.
-NAMES = ["Ada", "Alan", "Grace", "Linus", "Ken", "Barbara", "Edsger", "Donald"]
-PLACES = ["Paris", "Rome", "Oslo", "Lima", "Cairo", "Quito", "Hanoi", "Accra"]
-
-
-def write_questions(path, n: int, offset: int = 0):
-    rows = []
-    for i in range(n):
-        name, place = NAMES[(i + offset) % len(NAMES)], PLACES[(i * 3 + offset) % len(PLACES)]
-        context = f"{name} lives in {place} and works there every day."
-        rows.append({"id": f"q{i}", "question": f"Where does {name} live?", "context": context,
-                     "answers": {"text": [place], "answer_start": [context.index(place)]}})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def qa_sets(init, train, dev, *extra):
-    return ["training.task=qa", f"model.init={init}", f"data.path={train}", f"data.eval_path={dev}",
-            "training.device=cpu", "training.seq_len=32", "data.doc_stride=8", "training.global_batch_size=8",
-            "training.lr=3e-3", "training.warmup_steps=0", "training.weight_decay=0", "checkpoint.every=0",
-            "training.log_every=10", *extra]
+from train_helpers import error_lines, main_train, qa_sets, tiny_encoder, train_here, write_questions
 
 
 @pytest.fixture(scope="module")
