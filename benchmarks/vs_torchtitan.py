@@ -57,7 +57,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from scalenlp.models.hf import LLAMA3_ROPE_KEYS
+from scalenlp.models.families.llama import LLAMA3_ROPE_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT.parent / "shared" / "peers" / "torchtitan"  # where the repo sits beside shared/, as in CI

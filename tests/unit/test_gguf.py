@@ -312,8 +312,13 @@ def test_write_refuses_what_gguf_cannot_express(own, tmp_path):
     tokenizer, _, args = own
     gpt2 = Transformer(ModelArgs(vocab_size=args.vocab_size, norm="layernorm", activation="gelu",
                                  position="learned", bias=True))
-    with pytest.raises(UserError, match="Llama-shaped"):
+    with pytest.raises(UserError, match="GGUF export writes Llama's architecture"):
         write_gguf(gpt2, tokenizer, {}, tmp_path / "gpt2.gguf")
+    # Llama-shaped but with Qwen2's q/k/v biases and a sliding window: llama.cpp's llama would drop both
+    qwen = Transformer(ModelArgs(vocab_size=args.vocab_size, qkv_bias=True, sliding_window=8,
+                                 local_layers=(0,), hf_type="qwen2"))
+    with pytest.raises(UserError, match=r"options \['qkv_bias', 'sliding_window'\]; export it with --format hf"):
+        write_gguf(qwen, tokenizer, {}, tmp_path / "qwen2.gguf")
     llama = Transformer(ModelArgs(vocab_size=args.vocab_size))
     with pytest.raises(UserError, match="choose one of f32, f16, q8_0"):
         write_gguf(llama, tokenizer, {}, tmp_path / "q4.gguf", "q4_0")

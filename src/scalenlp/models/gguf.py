@@ -28,7 +28,7 @@ from torch import nn
 
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, llama3_scaled, rope_inv_freq, rope_turns
-from scalenlp.models.hf import LLAMA_SHAPE, _llama_pairs
+from scalenlp.models.families import llama
 from scalenlp.models.pretrained import Pretrained
 
 ARCHITECTURES = ("llama",)
@@ -77,7 +77,7 @@ def _field(reader: gguf.GGUFReader, key: str, default=None):
 def _name_map(n_layers: int, bias: bool) -> dict[str, str]:
     """Our parameter name -> its GGUF tensor name, through Hugging Face's names (which gguf maps)."""
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
-    return {ours: names.get_name(hf, try_suffixes=(".weight", ".bias")) for ours, hf in _llama_pairs(n_layers, bias)}
+    return {ours: names.get_name(hf, try_suffixes=(".weight", ".bias")) for ours, hf in llama.llama_pairs(n_layers, bias)}
 
 
 def _rope_rows(w: torch.Tensor, n_heads: int, to_gguf: bool) -> torch.Tensor:
@@ -171,7 +171,7 @@ def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
                      max_seq_len=meta("context_length"), norm_eps=_decimal(meta("attention.layer_norm_rms_epsilon")),
                      rope_theta=_decimal(meta("rope.freq_base", 10000.0)),
                      bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
-                     fixed_head_dim=head_dim if head_dim != dim // heads else 0, **LLAMA_SHAPE)
+                     fixed_head_dim=head_dim if head_dim != dim // heads else 0, **llama.SHAPE)
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None:
         original = meta("rope.scaling.original_context_length", LLAMA31_ORIGINAL_CONTEXT)
@@ -332,9 +332,11 @@ def write_gguf(model: nn.Module, tokenizer: Tokenizer, tokenizer_config: dict, o
     are ``dtype`` (f32, f16 or q8_0); norms and biases stay F32, as llama.cpp's converter keeps them.
     Written to a temporary name, then renamed: a crash leaves no half-written file under ``out_path``."""
     args = model.args
-    shape = {k: getattr(args, k) for k in LLAMA_SHAPE}
-    if shape != LLAMA_SHAPE:
-        raise UserError(f"GGUF export needs a Llama-shaped decoder {LLAMA_SHAPE}, this one has {shape}; "
+    if not llama.matches(args):  # the other families' options (biases, q/k norms, windows...) have no place in it
+        shape = {k: getattr(args, k) for k in llama.SHAPE}
+        options = sorted(k for k in llama.OPTIONS if getattr(args, k))
+        raise UserError(f"GGUF export writes Llama's architecture: it needs {llama.SHAPE} and none of "
+                        f"{', '.join(llama.OPTIONS)}; this model has {shape}, options {options or 'none'}; "
                         f"export it with --format hf instead")
     if dtype not in WRITE_TYPES:
         raise UserError(f"GGUF weight type {dtype!r} is not supported; choose one of {', '.join(WRITE_TYPES)}")

@@ -16,10 +16,7 @@ from scalenlp.data.tokenizer import load_tokenizer
 from scalenlp.errors import UserError
 from scalenlp.models import families
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
-from scalenlp.models.families import llama
 from scalenlp.models.pretrained import Pretrained, read_tokenizer_config
-
-LLAMA_SHAPE, LLAMA3_ROPE_KEYS, _llama_pairs = llama.SHAPE, llama.LLAMA3_ROPE_KEYS, llama.llama_pairs
 
 
 def family(args: ModelArgs) -> str:

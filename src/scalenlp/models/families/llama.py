@@ -20,14 +20,14 @@ LINEARS = (("attention.wq", "self_attn.q_proj"), ("attention.wk", "self_attn.k_p
            ("attention.wv", "self_attn.v_proj"), ("attention.wo", "self_attn.o_proj"),
            ("feed_forward.w1", "mlp.gate_proj"), ("feed_forward.w3", "mlp.up_proj"),
            ("feed_forward.w2", "mlp.down_proj"))
-_OPTIONS = ("qkv_bias", "qk_norm", "norm_offset", "post_norms", "sliding_window", "rope_local_theta", "attn_scale",
+OPTIONS = ("qkv_bias", "qk_norm", "norm_offset", "post_norms", "sliding_window", "rope_local_theta", "attn_scale",
             "attn_softcap", "logit_softcap", "embed_scale")
 
 
 def matches(args: ModelArgs) -> bool:
     """A Llama-shaped model without any of the other families' options."""
     return (all(getattr(args, k) == v for k, v in SHAPE.items())
-            and not any(getattr(args, k) for k in _OPTIONS))
+            and not any(getattr(args, k) for k in OPTIONS))
 
 
 def rope(params: dict, family: str) -> tuple[float | None, dict]:
