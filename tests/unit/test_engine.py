@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from infer_helpers import make_export
+from infer_helpers import make_export, run_request
 from scalenlp.compress.prune import prune
 from scalenlp.compress.quantized import Quantization, build_quantized
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
@@ -292,3 +292,32 @@ def test_a_packed_model_refuses_pruning_quantization_and_saving_in_one_line(expo
     with pytest.raises(UserError, match="no .* as when an Engine packs it for inference; save the model as loaded"):
         save_pretrained(model, tmp_path / "saved")  # its state dict holds no linear weights
     assert not (tmp_path / "saved").exists()
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])
+def test_streamed_text_is_the_decoded_sequence_less_the_prompt(tiny_export, kind):
+    """Concatenated deltas equal decode(prompt + output) less decode(prompt), also for a SentencePiece decoder,
+    which drops the space before a sequence's first word: decoded token by token, every word ran together."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from infer_helpers import SENTENCES
+    from scalenlp.models.flavors import build_model, model_args
+
+    tok = load_tokenizer(tiny_export)
+    if kind == "sentencepiece":
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(prepend_scheme="first")
+        tok.train_from_iterator(SENTENCES, trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>"]))
+    torch.manual_seed(0)  # a model whose every token id is one of the tokenizer's
+    engine = Engine(build_model(model_args("debug", vocab_size=tok.get_vocab_size())), tok, eos_id=None).start()
+    try:
+        prompt = tok.encode("the quick brown fox").ids
+        text, ids, _ = run_request(engine, prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    finally:
+        engine.stop()
+    full, head = tok.decode(prompt + ids), tok.decode(prompt)
+    assert full.startswith(head) and text == full[len(head):]
+    if kind == "sentencepiece":  # words stay apart, not run together
+        words = [tok.id_to_token(i) for i in ids if tok.id_to_token(i).startswith("\u2581")]
+        assert text.count(" ") == len(words) >= 3, (text, words)

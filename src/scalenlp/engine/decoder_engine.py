@@ -33,6 +33,8 @@ from scalenlp.errors import UserError
 from scalenlp.parallel.mesh import device_type
 
 log = logging.getLogger(__name__)
+# Settled tokens decoded before the new ones when streaming, so that these decode as they do mid-sequence.
+DECODE_CONTEXT = 4
 # model -> the last engine built on it: the KV cache lives in the model, so only one engine may run on it at a time.
 _ENGINE_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -536,9 +538,18 @@ class Engine:
         if token in self.stop_ids and not r.params.ignore_eos:
             r.finish_reason = "stop"
             return
-        # Decode from a few settled tokens back: byte-level BPE splits a character across tokens,
-        # and a token's text can depend on its neighbour; text ending in U+FFFD is not settled yet.
-        pending = self.tokenizer.decode(r.output_ids[r.read_offset:], skip_special_tokens=False)
+        # The unsettled tokens are decoded after a few settled ones and only the text they add is kept: a
+        # token's text depends on its neighbours (SentencePiece decoders drop the space of a sequence's first
+        # word, byte-level BPE splits characters across tokens); text ending in U+FFFD is not settled yet.
+        before = r.output_ids[max(0, r.read_offset - DECODE_CONTEXT):r.read_offset]
+        if len(before) < DECODE_CONTEXT:
+            before = r.prompt_ids[len(r.prompt_ids) - (DECODE_CONTEXT - len(before)):] + before
+        settled = self.tokenizer.decode(before, skip_special_tokens=False)
+        pending = self.tokenizer.decode(before + r.output_ids[r.read_offset:], skip_special_tokens=False)
+        if pending.startswith(settled):
+            pending = pending[len(settled):]
+        else:  # a normalizing decoder rewrote the settled text: the new tokens alone
+            pending = self.tokenizer.decode(r.output_ids[r.read_offset:], skip_special_tokens=False)
         if not pending.endswith("\ufffd"):
             r.text += pending
             r.read_offset = len(r.output_ids)
