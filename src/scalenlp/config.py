@@ -140,9 +140,9 @@ class CheckpointConfig:
                                   "async_save; costs one host-memory copy of model and optimizer state); "
                                   "the final checkpoint and one before a stop are still awaited")
     export: bool = opt(True, "write final weights as safetensors + config to <run_dir>/export")
-    keep_best: str = opt("", "classification: also export the model at its best evaluation to <run_dir>/best, "
-                             "judged by accuracy or macro_f1 (qa: f1 or exact_match; token_classification: f1, precision "
-                             "or recall); empty keeps no best")
+    keep_best: str = opt("", "also export the model at its best evaluation to <run_dir>/best, judged by "
+                             "(classification) accuracy or macro_f1, (qa) f1 or exact_match, (token_classification) "
+                             "f1, precision or recall; empty keeps no best")
 
 
 @dataclass

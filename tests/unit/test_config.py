@@ -43,3 +43,11 @@ def test_shipped_configs_load_and_validate(smollm2):
         p = cfg.parallel
         dp_shard = 2 if p.dp_shard == -1 else p.dp_shard  # "the rest of the world": try two data-parallel shards
         validate_run(cfg, p.dp_replicate * dp_shard * p.tp * p.pp, smollm2 if cfg.model.init else None)
+
+
+def test_keep_best_names_the_tasks_it_applies_to():
+    from scalenlp.train.tasks import load_config as task_config
+
+    with pytest.raises(ConfigError, match=r"keep_best applies to the tasks scored by evaluation \(classification, "
+                                          r"qa, token_classification\), not training.task='lm'; remove it"):
+        task_config(None, ["checkpoint.keep_best=f1"])

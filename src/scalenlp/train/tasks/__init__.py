@@ -12,8 +12,8 @@ learning the next token), registered in ``TASKS``. It provides:
   ``best_scores``: those checkpoint.keep_best may keep the best checkpoint by;
 - ``record`` and ``progress``: what a metrics record and its log line add; ``model_class``: what the export holds.
 
-Extractive question answering (a span head: start and end logits, exact match and F1) or token classification
-(per-token labels, entity F1) is one more module: a Task subclass overriding these, and its line in ``TASKS``.
+A new task is one more module: a Task subclass overriding these, and its line in ``TASKS`` (qa.py and
+token_classification.py were added so).
 """
 
 from __future__ import annotations

@@ -54,7 +54,8 @@ class Task:
     def validate(self, cfg: Config) -> None:
         """This task's config rules; config.validate has checked those every run shares."""
         if cfg.checkpoint.keep_best and not self.best_scores:
-            raise ConfigError("checkpoint.keep_best applies to training.task=\"classification\"; remove it")
+            raise ConfigError("checkpoint.keep_best applies to the tasks scored by evaluation (classification, qa, "
+                              f"token_classification), not training.task={cfg.training.task!r}; remove it")
         if cfg.data.reset_positions and not self.packs_documents:
             raise ConfigError(f"data.reset_positions applies to packed text (training.task=\"lm\"); "
                               f"training.task={cfg.training.task!r} starts every row at position 0 already: remove it")
