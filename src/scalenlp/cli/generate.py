@@ -42,7 +42,8 @@ def stream_to_stdout(engine, prompt_ids: list[int], params) -> tuple[str, str]:
 
 
 def run(args) -> int:
-    from scalenlp.engine.decoder_engine import RequestError, check_text
+    from scalenlp.data.text import check_text
+    from scalenlp.engine.decoder_engine import RequestError
     from scalenlp.engine.sampling import InvalidParam, SamplingParams
     from scalenlp.errors import UserError
 
@@ -55,8 +56,6 @@ def run(args) -> int:
             check_text(prompt, "--prompt")
     except InvalidParam as e:
         raise UserError(f"--{e.param.replace('_', '-')}: {e}") from None
-    except RequestError as e:
-        raise UserError(str(e)) from None
     from scalenlp.engine.llm import engine_from_checkpoint
 
     engine = engine_from_checkpoint(EngineConfig.from_args(args))

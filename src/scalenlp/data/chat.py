@@ -22,6 +22,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from scalenlp.data.text import json_problem
 from scalenlp.data.tokenizer import find_eos_token_id
 from scalenlp.errors import UserError
 
@@ -46,6 +47,10 @@ def check_messages(messages: Any) -> None:
             raise ChatError(f"messages[{i}].role is {m.get('role')!r}; it must be one of {', '.join(ROLES)}")
         if not isinstance(m.get("content"), str):
             raise ChatError(f"messages[{i}].content must be a string, got {type(m.get('content')).__name__}")
+    # Every string, other keys' too: the template may write any of them, and the tokenizer cannot encode a lone
+    # surrogate.
+    if (problem := json_problem(messages, "messages")) is not None:
+        raise ChatError(problem)
 
 
 def _raise_exception(message: str):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scalenlp.data.text import check_text
 from scalenlp.engine.packing import can_pack, pack_linears
 from scalenlp.engine.sampling import InvalidParam, SamplingBatch, SamplingParams, sample
 from scalenlp.errors import UserError
@@ -213,7 +214,7 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; RequestError if it is not Unicode text. Called off the event loop by
         the server: ``encode_batch`` lets other threads run meanwhile, where ``encode`` holds the GIL."""
-        check_text(text, "the prompt")
+        check_text(text, "the prompt", error=RequestError)
         return self.tokenizer.encode_batch([text])[0].ids
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -577,13 +578,3 @@ def _tell(r: Request, delta: Delta) -> None:
         r.on_event(delta)
     except Exception:  # noqa: BLE001 - nobody is left to tell
         log.warning("could not deliver a request's final event", exc_info=True)
-
-
-def check_text(text: str, what: str) -> None:
-    """RequestError unless ``text`` can be encoded as UTF-8: a lone surrogate (from JSON's "\\ud800",
-    or from undecodable bytes on a command line) cannot, and the tokenizer would fail on it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(f"{what} is not valid Unicode text (a lone surrogate at character {e.start}); "
-                           "send UTF-8 text") from None

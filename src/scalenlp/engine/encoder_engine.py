@@ -26,6 +26,7 @@ from scalenlp.compress.quantized import quantization_of
 from scalenlp.data.entities import text_entities
 from scalenlp.data.spans import Answer, Windower, best_answer, char_spans
 from scalenlp.data.tags import plain_tokenizer, special_ends, word_windows
+from scalenlp.data.text import check_text
 from scalenlp.engine.config import EncoderEngineConfig
 from scalenlp.engine.decoder_engine import EngineDead, QueueFull, RequestError, pick_device, pick_dtype
 from scalenlp.errors import UserError
@@ -241,10 +242,12 @@ class EncoderEngine:
         for i, x in enumerate(inputs):
             if not x or (isinstance(x, str) and not x.strip()):
                 raise RequestError(f"input {i} is empty; every input must hold some text or token ids")
-            if len(x) > self.max_text_chars:
-                raise RequestError(f"input {i} holds {len(x)} {'characters' if isinstance(x, str) else 'token ids'}; "
-                                   f"this server takes at most {self.max_text_chars} per input (--max-text-chars)")
-            if not isinstance(x, str) and not all(0 <= t < self.args.vocab_size for t in x):
+            if isinstance(x, str):
+                check_text(x, f"input {i}", self.max_text_chars, " per input (--max-text-chars)", RequestError)
+            elif len(x) > self.max_text_chars:
+                raise RequestError(f"input {i} holds {len(x)} token ids; this server takes at most "
+                                   f"{self.max_text_chars} per input (--max-text-chars)")
+            elif not all(0 <= t < self.args.vocab_size for t in x):
                 raise RequestError(f"input {i} has token ids outside the vocabulary [0, {self.args.vocab_size})")
 
     def price(self, ids: list[list[int]]) -> int:
