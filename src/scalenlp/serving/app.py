@@ -5,10 +5,10 @@ FastAPI is imported inside the functions that build and run the app: `scalenlp -
 command, and so this module.
 """
 
-import hmac
 import json
 from collections.abc import AsyncIterator, Callable
 
+from scalenlp.auth import authorized
 from scalenlp.serving.encoder import add_encoder_routes
 from scalenlp.serving.limits import DEFAULT_MAX_BODY_BYTES
 from scalenlp.serving.protocol import (
@@ -61,12 +61,6 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
-def _authorized(header: str, api_key: str) -> bool:
-    """``Authorization: Bearer KEY``; the scheme is case-insensitive (RFC 7235), the key compared in constant time."""
-    scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
-
-
 def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -107,7 +101,7 @@ def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAUL
     @app.middleware("http")
     async def require_api_key(request: Request, call_next):
         if api_key is not None and request.url.path != "/health":
-            if not _authorized(request.headers.get("authorization", ""), api_key):
+            if not authorized(request.headers.get("authorization", ""), api_key):
                 return error_response(APIError(401, "missing or wrong API key; send `Authorization: Bearer KEY`",
                                                code="invalid_api_key"))
         return await call_next(request)

@@ -8,9 +8,9 @@ as light as the engine configs it sits beside, with no FastAPI, pydantic or torc
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from scalenlp.auth import key_of
 from scalenlp.engine.config import Options, option
 from scalenlp.errors import UserError
 
@@ -59,12 +59,6 @@ def api_key_of(api_key: str | None, api_key_file: str | None) -> str | None:
     the key out of the process list."""
     if api_key is not None and api_key_file is not None:
         raise UserError("--api-key and --api-key-file both give the API key; keep one")
-    if api_key_file is not None:
-        try:
-            lines = open(api_key_file, encoding="utf-8").read().splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read the API key from --api-key-file {api_key_file}: {e}") from None
-        if not lines or not lines[0].strip():
-            raise UserError(f"--api-key-file {api_key_file} is empty; put the key on its first line")
-        return lines[0].strip()
-    return api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if api_key is not None:
+        return api_key
+    return key_of(api_key_file, "--api-key-file", API_KEY_ENV)
