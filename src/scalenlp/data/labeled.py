@@ -6,7 +6,9 @@ files name it differently from split to split); the label under ``label_field``;
 pairs under ``text_pair_field``. Rows that cannot be read, and rows with an empty text, are skipped and
 reported with their line numbers (the first few, then a count), so one bad line does not cost a run.
 
-Labels are strings ("0", "positive", ...). The label set comes from the training file, sorted (by value when
+Labels are strings ("0", "positive", ...) or whole numbers (read as their digits); any other JSON value (true,
+2.5, a list) is a row that cannot be used. A row with a text or label that is not valid Unicode (a byte that is
+not UTF-8, a lone surrogate) is skipped like any other. The label set comes from the training file, sorted (by value when
 every label is a number), and travels with the checkpoint as a plain list; the eval file may only use labels
 from it.
 
@@ -20,7 +22,6 @@ shuffled, so a batch holds rows of similar length without the epoch running from
 from __future__ import annotations
 
 import csv
-import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,7 +32,8 @@ import torch
 from tokenizers import Tokenizer
 
 from scalenlp.data.dataset import GlobalBatchLoader
-from scalenlp.data.sources import _decode_error, _open_text, read_tsv, tsv_text_column
+from scalenlp.data.sources import read_tsv, tsv_text_column
+from scalenlp.data.text import json_row, open_rows, text_problem
 from scalenlp.errors import UserError, require
 
 LABELED_FORMATS = (".tsv", ".csv", ".jsonl", ".parquet")
@@ -102,19 +104,24 @@ def _row_problem(text, pair, label, text_pair_field: str) -> str | None:
     for name, value in (("text", text), *((("pair text", pair),) if text_pair_field else ())):
         if value is None or isinstance(value, str) and not value.strip():
             return f"empty {name}"
-        if not isinstance(value, str):
-            return f"{name} is {type(value).__name__}, not a string"
+        if (problem := text_problem(value, name)) is not None:
+            return problem
     if label is None or isinstance(label, str) and not label.strip():
         return "empty label"
+    if isinstance(label, str) and (problem := text_problem(label, "the label")) is not None:
+        return problem
     if _label_text(label) is None:
         return f"label {label!r} is not a string or a whole number"
     return None
 
 
 def _label_text(label) -> str | None:
-    """A label as the string it is known by: strings stripped, whole numbers (1, 1.0) as their digits."""
+    """A label as the string it is known by: strings stripped, whole numbers (1, 1.0) as their digits; None for
+    anything else. JSON's true and false are Python ints, but no class: refused, not a class "True"."""
     if isinstance(label, str):
         return label.strip() or None
+    if isinstance(label, bool):
+        return None
     if isinstance(label, int):
         return str(label)
     if isinstance(label, float) and label.is_integer():
@@ -142,58 +149,51 @@ def _tsv_rows(f: Path, text_field: str, label_field: str, text_pair_field: str,
 
 def _csv_rows(f: Path, text_field: str, label_field: str, text_pair_field: str,
               skip: _Skip) -> Iterator[_Row]:
-    try:
-        with _open_text(f) as fh:
-            reader = csv.reader(fh)
-            header = next(reader, [])
-            text, pair, label = _columns(f, header, text_field, label_field, text_pair_field)
-            while True:
-                line = reader.line_num + 1  # a quoted field may span lines: the row starts after the last one read
-                try:
-                    row = next(reader)
-                except StopIteration:
-                    return
-                except csv.Error as e:
-                    skip(line, f"not valid CSV ({e})")
-                    continue
-                if not row:
-                    continue
-                if len(row) != len(header):
-                    skip(line, f"{len(row)} comma-separated fields, the header has {len(header)}")
-                    continue
-                yield line, row[text], None if pair is None else row[pair], row[label]
-    except UnicodeDecodeError as e:
-        raise _decode_error(f, e) from None
+    with open_rows(f) as fh:
+        reader = csv.reader(fh)
+        header = next(reader, [])
+        text, pair, label = _columns(f, header, text_field, label_field, text_pair_field)
+        while True:
+            line = reader.line_num + 1  # a quoted field may span lines: the row starts after the last one read
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as e:
+                skip(line, f"not valid CSV ({e})")
+                continue
+            if not row:
+                continue
+            if len(row) != len(header):
+                skip(line, f"{len(row)} comma-separated fields, the header has {len(header)}")
+                continue
+            yield line, row[text], None if pair is None else row[pair], row[label]
 
 
 def _jsonl_rows(f: Path, text_field: str, label_field: str, text_pair_field: str,
                 skip: _Skip) -> Iterator[_Row]:
     # The first object's keys act as the header: a wrong field name is one error, not a report of every line.
     names: tuple[str, str, str] | None = None
-    try:
-        with _open_text(f) as fh:
-            for line, text in enumerate(fh, 1):
-                if not text.strip():
-                    continue
-                try:
-                    record = json.loads(text)
-                except json.JSONDecodeError as e:
-                    skip(line, f"not valid JSON ({e.msg})")
-                    continue
-                if not isinstance(record, dict):
-                    skip(line, f"a JSON {type(record).__name__}, not an object")
-                    continue
-                if names is None:
-                    keys = list(record)
-                    t, p, lab = _columns(f, keys, text_field, label_field, text_pair_field)
-                    names = (keys[t], keys[p] if p is not None else "", keys[lab])
-                missing = [n for n in names if n and n not in record]
-                if missing:
-                    skip(line, f"no {', '.join(map(repr, missing))} field")
-                    continue
-                yield line, record[names[0]], record[names[1]] if names[1] else None, record[names[2]]
-    except UnicodeDecodeError as e:
-        raise _decode_error(f, e) from None
+    with open_rows(f) as fh:
+        for line, text in enumerate(fh, 1):
+            if not text.strip():
+                continue
+            record, problem = json_row(text)
+            if problem is not None:
+                skip(line, problem)
+                continue
+            if not isinstance(record, dict):
+                skip(line, f"a JSON {type(record).__name__}, not an object")
+                continue
+            if names is None:
+                keys = list(record)
+                t, p, lab = _columns(f, keys, text_field, label_field, text_pair_field)
+                names = (keys[t], keys[p] if p is not None else "", keys[lab])
+            missing = [n for n in names if n and n not in record]
+            if missing:
+                skip(line, f"no {', '.join(map(repr, missing))} field")
+                continue
+            yield line, record[names[0]], record[names[1]] if names[1] else None, record[names[2]]
 
 
 def _parquet_rows(f: Path, text_field: str, label_field: str, text_pair_field: str,

@@ -13,7 +13,7 @@ whole row, so a conversation packed after another would see it, and its position
 as they do when the model is asked a question at inference. Padding costs compute on short rows instead,
 little for chat sets whose conversations have similar lengths.
 
-Lines that cannot be used (not UTF-8, not JSON, no ``messages`` list, an unknown role, a template that
+Lines that cannot be used (not UTF-8 or a lone surrogate, not JSON, a number too long to read, no ``messages`` list, an unknown role, a template that
 fails on them, no assistant token within the row) are skipped and reported with their line numbers. The
 last ``data.val_fraction`` of the conversations is the held-out split.
 """
@@ -33,6 +33,7 @@ from scalenlp.data.chat import ChatError, chat_template, end_of_turn_ids, render
 from scalenlp.data.dataset import open_tokens
 from scalenlp.data.prepare import Plan, build_entry
 from scalenlp.data.sources import Corpus
+from scalenlp.data.text import json_row, open_rows
 from scalenlp.errors import UserError
 
 # Bump when the rows written for the same inputs would change.
@@ -47,20 +48,14 @@ def read_conversations(files: list[Path]) -> Iterator[tuple[str, list | str]]:
         if f.suffix.lower() != ".jsonl":
             raise UserError(f"{f}: training.task=\"sft\" reads .jsonl files with a `messages` list per line; "
                             f"point data.path at such files")
-        with open(f, "rb") as fh:  # decoded per line, so one bad line is skipped, not the file
-            for lineno, raw in enumerate(fh, 1):
+        with open_rows(f) as fh:  # one bad line is skipped, not the file
+            for lineno, line in enumerate(fh, 1):
                 where = f"{f}:{lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    yield where, "not UTF-8 text"
-                    continue
                 if not line.strip():
                     continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield where, f"not valid JSON ({e.msg})"
+                record, problem = json_row(line)
+                if problem is not None:
+                    yield where, problem
                     continue
                 if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
                     yield where, "no `messages` list"

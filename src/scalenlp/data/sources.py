@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import ast
 import glob
-import json
 import os
 import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scalenlp.data.text import json_row, open_rows, text_problem
 from scalenlp.errors import UserError, require
 
 TEXT_TYPES = (".txt", ".jsonl", ".parquet", ".tsv")
@@ -114,27 +114,25 @@ def _read_txt(f: Path, text_field: str) -> Iterator[Piece]:
 
 
 def _read_jsonl(f: Path, text_field: str) -> Iterator[Piece]:
-    try:
-        with _open_text(f) as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{f}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-                if not isinstance(record, dict) or text_field not in record:
-                    raise UserError(f"{f}:{lineno}: no {text_field!r} field; set data.text_field to the field "
-                                    f"holding the text" + (f" (this line has {', '.join(map(repr, record))})"
-                                                           if isinstance(record, dict) else ""))
-                text = record[text_field]
-                if text is None:
-                    continue
-                if not isinstance(text, str):
-                    raise UserError(f"{f}:{lineno}: field {text_field!r} is {type(text).__name__}, not a string")
-                yield Piece(text)
-    except UnicodeDecodeError as e:
-        raise _decode_error(f, e) from None
+    # A pre-training corpus refuses a bad line with its file:line rather than skipping it: its documents are not
+    # counted one by one as labelled rows are, so a skipped line would go unnoticed.
+    with open_rows(f) as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            record, problem = json_row(line)
+            if problem is not None:
+                raise UserError(f"{f}:{lineno}: {problem}; each line must be one JSON object of UTF-8 text")
+            if not isinstance(record, dict) or text_field not in record:
+                raise UserError(f"{f}:{lineno}: no {text_field!r} field; set data.text_field to the field "
+                                f"holding the text" + (f" (this line has {', '.join(map(repr, record))})"
+                                                       if isinstance(record, dict) else ""))
+            text = record[text_field]
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise UserError(f"{f}:{lineno}: field {text_field!r} is {type(text).__name__}, not a string")
+            yield Piece(text)
 
 
 def _read_parquet(f: Path, text_field: str) -> Iterator[Piece]:
@@ -160,31 +158,31 @@ def _read_parquet(f: Path, text_field: str) -> Iterator[Piece]:
 def read_tsv(f: Path, on_bad_row: Callable[[int, str], None] | None = None
              ) -> tuple[list[str], Iterator[tuple[int, list[str]]]]:
     """Header and (line number, row) pairs of a tab-separated file without quoting (GLUE style). A row whose
-    width differs from the header's is an error, or, given ``on_bad_row``, reported to it and skipped."""
-    fh = _open_text(f)
-    try:
-        header = fh.readline().rstrip("\n").split("\t")
-    except UnicodeDecodeError as e:
+    width differs from the header's, or that is not UTF-8 text, is an error, or, given ``on_bad_row``, reported
+    to it and skipped."""
+    fh = open_rows(f)
+    first = fh.readline().rstrip("\n")
+    if (problem := text_problem(first, "the header")) is not None:
         fh.close()
-        raise _decode_error(f, e) from None
+        raise UserError(f"{f}:1: {problem}")
+    header = first.split("\t")
 
     def rows() -> Iterator[tuple[int, list[str]]]:
         with fh:
-            try:
-                for lineno, line in enumerate(fh, 2):
-                    line = line.rstrip("\n")
-                    if not line:
-                        continue
-                    row = line.split("\t")
-                    if len(row) != len(header):
-                        problem = f"{len(row)} tab-separated fields, the header has {len(header)}"
-                        if on_bad_row is None:
-                            raise UserError(f"{f}:{lineno}: {problem}; fix or remove the line")
-                        on_bad_row(lineno, problem)
-                        continue
-                    yield lineno, row
-            except UnicodeDecodeError as e:
-                raise _decode_error(f, e) from None
+            for lineno, line in enumerate(fh, 2):
+                line = line.rstrip("\n")
+                if not line:
+                    continue
+                row = line.split("\t")
+                problem = text_problem(line, "the row")
+                if problem is None and len(row) != len(header):
+                    problem = f"{len(row)} tab-separated fields, the header has {len(header)}"
+                if problem is not None:
+                    if on_bad_row is None:
+                        raise UserError(f"{f}:{lineno}: {problem}; fix or remove the line")
+                    on_bad_row(lineno, problem)
+                    continue
+                yield lineno, row
 
     return header, rows()
 

@@ -32,6 +32,7 @@ from tokenizers import Encoding, Tokenizer
 
 from scalenlp.data.labeled import REPORT_ROWS, LabeledDataset
 from scalenlp.data.sources import _decode_error, _open_text
+from scalenlp.data.text import json_row, open_rows, parse_json, text_problem
 from scalenlp.errors import UserError
 
 QA_FORMATS = (".json", ".jsonl")
@@ -98,6 +99,10 @@ def report_skipped(f: Path, skipped: list[tuple[int, str]], log: Callable[[str],
 
 def answer_problem(example: QAExample) -> str | None:
     """Why ``example`` cannot be used, or None."""
+    texts = [("question", example.question), ("context", example.context)]
+    for what, text in texts + [("answer", text) for text, _ in example.answers]:
+        if (problem := text_problem(text, f"the {what}")) is not None:
+            return f"question {example.id!r}: {problem}"
     if not example.question.strip() or not example.context.strip():
         return f"question {example.id!r}: empty {'question' if not example.question.strip() else 'context'}"
     for text, start in example.answers:
@@ -120,11 +125,12 @@ def _read(f: Path) -> str:
 def _squad_rows(f: Path) -> Iterator[QAExample]:
     raw = _read(f)
     try:
-        doc = json.loads(raw)
+        doc = parse_json(raw)
+    except ValueError as e:
+        raise UserError(f"{f}: {e}; a .json file must be SQuAD's layout") from None
+    try:
         articles = doc["data"]
         qas = [(p["context"], qa) for article in articles for p in article["paragraphs"] for qa in p["qas"]]
-    except json.JSONDecodeError as e:
-        raise UserError(f"{f}:{e.lineno}: not valid JSON ({e.msg}); a .json file must be SQuAD's layout") from None
     except (KeyError, TypeError) as e:
         raise UserError(f"{f} is not in SQuAD's layout ({{\"data\": [{{\"paragraphs\": [{{\"context\", \"qas\"}}]}}]}}"
                         f", missing {e}); use SQuAD JSON or .jsonl") from None
@@ -141,13 +147,14 @@ def _squad_rows(f: Path) -> Iterator[QAExample]:
 
 
 def _jsonl_rows(f: Path, skipped: list[tuple[int, str]]) -> Iterator[QAExample]:
-    for line, text in enumerate(_read(f).splitlines(), 1):
+    with open_rows(f) as fh:
+        lines = fh.read().splitlines()
+    for line, text in enumerate(lines, 1):
         if not text.strip():
             continue
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as e:
-            skipped.append((line, f"not valid JSON ({e.msg})"))
+        record, problem = json_row(text)
+        if problem is not None:
+            skipped.append((line, problem))
             continue
         missing = [k for k in ("question", "context", "answers") if not isinstance(record, dict) or k not in record]
         if missing:

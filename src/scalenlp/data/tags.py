@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from tokenizers import Tokenizer
 from scalenlp.data.entities import OUTSIDE, bio_problem, split_tag
 from scalenlp.data.labeled import IGNORE_LABEL, REPORT_ROWS, LabeledDataset
 from scalenlp.data.sft import IGNORE_INDEX
-from scalenlp.data.sources import _decode_error, _open_text
+from scalenlp.data.text import json_row, open_rows, text_problem
 from scalenlp.errors import UserError
 
 DOCSTART = "-DOCSTART-"
@@ -59,19 +58,16 @@ def read_tagged(path: str | Path, log: Callable[[str], None] = print) -> TaggedS
     jsonl = f.suffix.lower() == ".jsonl"
     out = TaggedSentences(f, [], [], [])
     skipped: list[tuple[int, str]] = []
-    try:
-        for lines, words, tags, problem in (_jsonl_sentences if jsonl else _conll_sentences)(f):
-            if problem is None and (order := bio_problem(tags)) is not None:
-                position, why = order
-                problem = (lines[position], f"word {position + 1}: {why}" if jsonl else why)
-            if problem is not None:
-                skipped.append(problem)
-                continue
-            out.words.append(words)
-            out.tags.append(tags)
-            out.lines.append(lines[0])
-    except UnicodeDecodeError as e:
-        raise _decode_error(f, e) from None
+    for lines, words, tags, problem in (_jsonl_sentences if jsonl else _conll_sentences)(f):
+        if problem is None and (order := bio_problem(tags)) is not None:
+            position, why = order
+            problem = (lines[position], f"word {position + 1}: {why}" if jsonl else why)
+        if problem is not None:
+            skipped.append(problem)
+            continue
+        out.words.append(words)
+        out.tags.append(tags)
+        out.lines.append(lines[0])
     if skipped:
         log(f"{f}: skipped {len(skipped)} sentence(s) that cannot be used:")
         for line, why in skipped[:REPORT_ROWS]:
@@ -90,13 +86,16 @@ def _conll_sentences(f: Path) -> Iterator[_Sentence]:
     words: list[str] = []
     tags: list[str] = []
     problem = None
-    with _open_text(f) as fh:
+    with open_rows(f) as fh:
         for number, text in enumerate(fh, 1):
             text = text.rstrip("\r\n")
             if not text.strip() or text.startswith(DOCSTART):
                 if words or problem:
                     yield lines, words, tags, problem
                 lines, words, tags, problem = [], [], [], None
+                continue
+            if (why := text_problem(text, "the line")) is not None:
+                problem = problem or (number, why)
                 continue
             # A tab-separated file may hold words with spaces in them (WNUT's do not, others' might).
             fields = text.split("\t") if "\t" in text else text.split()
@@ -111,14 +110,13 @@ def _conll_sentences(f: Path) -> Iterator[_Sentence]:
 
 
 def _jsonl_sentences(f: Path) -> Iterator[_Sentence]:
-    with _open_text(f) as fh:
+    with open_rows(f) as fh:
         for number, text in enumerate(fh, 1):
             if not text.strip():
                 continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield [], [], [], (number, f"not valid JSON ({e.msg})")
+            record, why = json_row(text)
+            if why is not None:
+                yield [], [], [], (number, why)
                 continue
             if not isinstance(record, dict) or "tokens" not in record or "tags" not in record:
                 yield [], [], [], (number, "not an object with \"tokens\" and \"tags\" lists")

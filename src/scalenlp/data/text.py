@@ -75,7 +75,8 @@ def parse_json(text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg})") from None
+        # A row is one line; a whole document (SQuAD's .json) says which of its lines.
+        raise ValueError(f"not valid JSON ({e.msg}{f' at line {e.lineno}' if e.lineno > 1 else ''})") from None
     except ValueError:  # the only other ValueError the decoder raises is an integer's digit limit
         raise ValueError(f"a number longer than {sys.get_int_max_str_digits()} digits, which JSON readers "
                          f"refuse") from None
