@@ -2,7 +2,9 @@
 
 Each line read from stdin is a user message; the answer streams to stdout and both join the history,
 which the model's chat template renders into the next prompt. ``/reset`` starts a new conversation,
-``/exit`` or end of input ends. Answers go to stdout and notices to stderr, so piped input gives
+``/exit`` or end of input ends. A line that is not UTF-8 text (``printf 'hi \xff'``) gets one error line naming
+the byte and is left out, and the conversation goes on: a typo in one line should not end a session, nor should
+the model see a guess at what the bytes meant. Answers go to stdout and notices to stderr, so piped input gives
 a transcript of the answers alone.
 """
 
@@ -29,7 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_lines(interactive: bool):
-    """User lines, with a prompt when a person is typing."""
+    """User lines, with a prompt when a person is typing. Bytes that are not UTF-8 arrive as lone surrogates
+    (``surrogateescape``) for the text check to name, instead of a decoding error that would end the chat."""
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             line = input("> ") if interactive else sys.stdin.readline()
@@ -47,6 +52,7 @@ def read_lines(interactive: bool):
 def run(args) -> int:
     from scalenlp.cli.generate import stream_to_stdout
     from scalenlp.data.chat import ChatError, chat_template, encode_chat
+    from scalenlp.data.text import text_problem
     from scalenlp.engine.decoder_engine import RequestError
     from scalenlp.engine.llm import engine_from_checkpoint
     from scalenlp.engine.sampling import SamplingParams
@@ -68,6 +74,9 @@ def run(args) -> int:
                 print("(new conversation)", file=sys.stderr)
                 continue
             if not line.strip():
+                continue
+            if (problem := text_problem(line, "this line")) is not None:
+                print(f"error: {problem}; the conversation goes on without it", file=sys.stderr)
                 continue
             turn = history + [{"role": "user", "content": line}]
             try:
