@@ -185,6 +185,12 @@ class MonitorConfig:
     metrics_port: int = opt(0, "serve every rank's CPU, memory, GPU and training figures in Prometheus' format on "
                                "this port of each machine while training (local rank 0 serves its machine's "
                                "ranks, labelled rank=N); 0 serves nothing. --metrics-port sets it")
+    metrics_host: str = opt("127.0.0.1", "address the metrics port listens on: this machine only by default; 0.0.0.0 "
+                                         "(every interface) for a Prometheus on another machine, preferably with "
+                                         "monitor.metrics_token_file. --metrics-host sets it")
+    metrics_token_file: str = opt("", "file whose first line is a key the metrics port then requires as "
+                                      "`Authorization: Bearer KEY` (else the SCALENLP_METRICS_TOKEN environment "
+                                      "variable's; neither: no key). --metrics-token-file sets it")
     interval_s: float = opt(5.0, "seconds between the resource samples served on monitor.metrics_port")
 
 
@@ -383,6 +389,9 @@ def validate(cfg: Config) -> None:
     if cfg.model.init and cfg.tokenizer.path:
         raise ConfigError(f"tokenizer.path={cfg.tokenizer.path!r} contradicts model.init, which brings its own "
                           f"tokenizer; remove tokenizer.path")
+    if not cfg.monitor.metrics_host.strip():  # an empty address would listen on every interface
+        raise ConfigError("monitor.metrics_host is empty; give the address to listen on, e.g. 127.0.0.1 (this "
+                          "machine only) or 0.0.0.0 (every interface)")
     profile_steps(cfg)
     check_lora(cfg)
 

@@ -116,6 +116,7 @@ def test_training_job_on_two_nodes(jobset_schema, tmp_path):
     assert cfg == expected
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(args.metrics_port)
     assert {"name": "metrics", "containerPort": args.metrics_port} in container["ports"]
+    assert args.metrics_host == "0.0.0.0"  # Prometheus scrapes the pod's address; the trainer's default is loopback
 
 
 def test_one_node_needs_no_rendezvous_endpoint(jobset_schema, tmp_path):

@@ -44,12 +44,12 @@ def test_cpu_meter_reads_short_windows_within_one_core():
 
 def test_collector_serves_live_ranks_only(tmp_path):
     dead = Path("/proc/sys/kernel/pid_max").read_text().strip()  # the one number Linux never gives a process
-    (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "pid": os.getpid(), "resources": {
+    (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "pid": os.getpid(), "launcher": 7, "resources": {
         "cpu_percent": 12.5, "rss_bytes": 1e8}, "training": {"step": 3, "loss": 2.5, "tokens_per_sec": 1e3}}))
-    (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1, "pid": int(dead), "resources": {
+    (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1, "pid": int(dead), "launcher": 7, "resources": {
         "cpu_percent": 1.0, "rss_bytes": 1.0}, "training": {}}))
     registry = CollectorRegistry()
-    registry.register(MachineCollector(tmp_path))
+    registry.register(MachineCollector(tmp_path, launcher=7, world_size=2))
     families = {f.name: {s.labels["rank"]: s.value for s in f.samples}
                 for f in text_string_to_metric_families(generate_latest(registry).decode())}
     assert families["scalenlp_train_cpu_percent"] == {"0": 12.5}

@@ -155,7 +155,8 @@ def training_manifests(args: argparse.Namespace) -> dict[str, dict]:
               "app.kubernetes.io/component": "train"}
     command = ["scalenlp", "train", "--config", f"{CONFIG_DIR}/train.toml", "--run-dir", f"{RUNS_DIR}/{name}",
                "--nproc", str(nproc), "--nnodes", str(args.nodes), "--max-restarts", str(args.max_restarts),
-               "--metrics-port", str(args.metrics_port)]
+               # Prometheus scrapes the pod's address, not its loopback; the pod network is the boundary.
+               "--metrics-port", str(args.metrics_port), "--metrics-host", "0.0.0.0"]
     if args.nodes > 1:
         # JobSet names pods <jobset>-<replicated job>-<job index>-<pod index>, under the subdomain <jobset>.
         command += ["--rdzv-endpoint", f"{name}-node-0-0.{name}:{RDZV_PORT}", "--rdzv-id", name]

@@ -41,6 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, metavar="P",
                    help="serve every rank's CPU, memory, GPU and training figures in Prometheus' format on port P "
                         "of each machine while training (same as --set monitor.metrics_port=P)")
+    p.add_argument("--metrics-host", metavar="ADDR",
+                   help="address --metrics-port listens on (default 127.0.0.1, this machine only; 0.0.0.0 for every "
+                        "interface; same as --set monitor.metrics_host=ADDR)")
+    p.add_argument("--metrics-token-file", metavar="FILE",
+                   help="require the key on this file's first line as `Authorization: Bearer KEY` on --metrics-port "
+                        "(default: the SCALENLP_METRICS_TOKEN environment variable's key, else none; same as --set "
+                        "monitor.metrics_token_file=FILE)")
     p.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
     p.add_argument("--list-flavors", action="store_true", help="list the model flavors and exit")
 
@@ -158,8 +165,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:<12} {n / 1e6:>10.1f}M  dim={margs.dim} layers={margs.n_layers} heads={margs.n_heads}"
                   f" kv_heads={margs.n_kv_heads} {margs.position}/{margs.norm}/{margs.activation}")
         return 0
-    if args.metrics_port is not None:  # workers receive it with the other overrides
-        args.overrides.append(f"monitor.metrics_port={args.metrics_port}")
+    for key in ("metrics_port", "metrics_host", "metrics_token_file"):  # workers receive them with the overrides
+        if getattr(args, key) is not None:
+            args.overrides.append(f"monitor.{key}={getattr(args, key)}")
     from scalenlp.train.tasks import load_config  # torch: after --help-config and --list-flavors
 
     cfg = load_config(args.config, args.overrides)

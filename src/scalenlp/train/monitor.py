@@ -10,6 +10,11 @@ pod has a single scrape target (the ``prometheus.io/port`` annotation takes one)
 prometheus_client's multiprocess mode: that mode is chosen by an environment variable before the first
 import of prometheus_client, and its files outlive crashed ranks; here a rank's series is served only
 while its process lives, so a dead rank disappears instead of showing its last values forever.
+
+The port listens on 127.0.0.1 unless ``monitor.metrics_host`` says otherwise, and takes an optional bearer key.
+The folder is in the shared /tmp, so nothing in it is trusted: it is created private (mode 0700) and refused when
+it already exists as another user's or open to others; files are written without following links; a file that is
+not a snapshot of a live rank of this run (same launcher, rank below the world size) is skipped, not served.
 """
 
 from __future__ import annotations
@@ -17,19 +22,29 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import socket
+import stat
 import tempfile
 import threading
 import time
 from pathlib import Path
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import torch
 import torch.distributed as dist
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 
+from scalenlp.auth import authorized, key_of
 from scalenlp.config import MonitorConfig
 from scalenlp.errors import UserError
 from scalenlp.hardware import resident_bytes
+
+TOKEN_ENV = "SCALENLP_METRICS_TOKEN"
+MAX_SNAPSHOT_BYTES = 1 << 16  # a snapshot is a few hundred bytes; a larger file is not one
+SNAPSHOT = re.compile(r"rank(\d{1,9})\.json")
 
 # Sample keys (as in metrics.jsonl) -> (Prometheus name, help). The GPU keys are absent on a CPU run.
 RESOURCES = {
@@ -92,9 +107,52 @@ def sample(cpu: CpuMeter, device: torch.device) -> dict[str, float]:
 
 def snapshot_folder(port: int) -> Path:
     """Where the ranks of this machine that serve on ``port`` leave their samples: machine-local (not the
-    run folder, which may be shared by every machine), one per port as one server holds a port, and one per
-    torchrun node (GROUP_RANK), for nodes that share a /tmp (network namespaces, containers of one host)."""
-    return Path(tempfile.gettempdir()) / f"scalenlp-metrics-{port}-node{os.environ.get('GROUP_RANK', '0')}"
+    run folder, which may be shared by every machine), one per user and port as one server holds a port, and one
+    per torchrun node (GROUP_RANK), for nodes that share a /tmp (network namespaces, containers of one host)."""
+    node = os.environ.get("GROUP_RANK", "0")
+    return Path(tempfile.gettempdir()) / f"scalenlp-metrics-{os.getuid()}-{port}-node{node}"
+
+
+def private_folder(path: Path) -> Path:
+    """``path`` as a folder only this user can enter: created with mode 0700, or, when it exists, checked to be a
+    folder (not a link) of this user that no one else may read or write. Anyone can create a name in /tmp first;
+    such a folder could hold links that make the ranks overwrite the user's files, or snapshots of ranks that
+    do not exist."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise UserError(f"cannot create the metrics folder {path}: {e.strerror}") from None
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise UserError(f"the metrics folder {path} already exists and is not a private folder of this user (it must "
+                        f"be a folder owned by uid {os.getuid()} with mode 0700; found "
+                        f"{'a folder' if stat.S_ISDIR(info.st_mode) else 'something else'} of uid {info.st_uid}, "
+                        f"mode {stat.S_IMODE(info.st_mode):o}); remove it or choose another --metrics-port")
+    return path
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` by a file of ``text`` readable by this user only, whole at once (a scrape never reads half
+    a file). The temporary file is created afresh, never through a link: a link planted there is removed, not
+    followed."""
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _number(value) -> float | None:
+    """A JSON number as a float; None for anything else (strings, booleans, numbers beyond a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 def _alive(pid: int) -> bool:
@@ -108,21 +166,49 @@ def _alive(pid: int) -> bool:
 
 
 class MachineCollector:
-    """Prometheus collector of the samples in a snapshot folder, one series per live rank."""
+    """Prometheus collector of the snapshots in a folder: one series per live rank of the run started by
+    ``launcher`` (the process whose children the ranks of a machine are: torchrun's agent, or the shell of a
+    one-process run), with ranks below ``world_size``."""
 
-    def __init__(self, folder: Path):
-        self.folder = folder
+    def __init__(self, folder: Path, launcher: int, world_size: int):
+        self.folder, self.launcher, self.world_size = folder, launcher, world_size
+
+    def _read(self, path: Path) -> dict | None:
+        """The snapshot in ``path`` with its figures as floats, or None when it is not one of this run's live
+        ranks: unreadable, a link, not a regular file, too large, not JSON of the right shape, another run's."""
+        try:
+            # O_NONBLOCK: a FIFO opens at once and is then refused as not a regular file, instead of blocking
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # removed meanwhile, or a link
+            return None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            data = f.read(MAX_SNAPSHOT_BYTES + 1)
+        try:
+            snap = json.loads(data) if len(data) <= MAX_SNAPSHOT_BYTES else None
+        except ValueError:  # not UTF-8, not JSON, or an integer too long to read
+            return None
+        rank = int(SNAPSHOT.fullmatch(path.name)[1])
+        if not isinstance(snap, dict) or type(snap.get("rank")) is not int or snap["rank"] != rank \
+                or rank >= self.world_size:
+            return None
+        pid = snap.get("pid")
+        if type(pid) is not int or not 0 < pid < 2**31 or snap.get("launcher") != self.launcher or not _alive(pid):
+            return None
+        found = {"rank": rank}
+        for part, names in (("resources", RESOURCES), ("training", TRAINING)):
+            given = snap.get(part)
+            given = given if isinstance(given, dict) else {}
+            found[part] = {key: value for key in names if (value := _number(given.get(key))) is not None}
+        return found
 
     def snapshots(self) -> list[dict]:
-        found = []
-        for path in sorted(self.folder.glob("rank*.json")):
-            try:
-                snap = json.loads(path.read_text())
-            except (OSError, ValueError):  # removed or replaced while read: the next scrape has it
-                continue
-            if _alive(snap["pid"]):
-                found.append(snap)
-        return found
+        try:
+            paths = sorted(p for p in self.folder.iterdir() if SNAPSHOT.fullmatch(p.name))
+        except OSError:  # the folder removed under a running job: nothing to serve, not an error page
+            return []
+        return [snap for path in paths if (snap := self._read(path)) is not None]
 
     def collect(self):
         snaps = self.snapshots()
@@ -133,6 +219,30 @@ class MachineCollector:
                     if key in snap[part]:
                         family.add_metric([str(snap["rank"])], snap[part][key])
                 yield family
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # scrapes every few seconds would flood the training log
+        pass
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int, token: str | None) -> WSGIServer:
+    """An HTTP server of ``registry`` on ``host``:``port`` in a daemon thread; with ``token``, every request without
+    `Authorization: Bearer TOKEN` gets 401."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        if token is not None and not authorized(environ.get("HTTP_AUTHORIZATION", ""), token):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+            return [b"missing or wrong key; send `Authorization: Bearer KEY`\n"]
+        return metrics(environ, start_response)
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_class = type("MetricsServer", (ThreadingMixIn, WSGIServer),
+                        {"address_family": family, "daemon_threads": True})
+    server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="scalenlp-metrics", daemon=True).start()
+    return server
 
 
 class Monitor:
@@ -146,28 +256,34 @@ class Monitor:
         self.stopped = threading.Event()
         if not cfg.metrics_port:
             return
-        self.folder = snapshot_folder(cfg.metrics_port)
-        self.folder.mkdir(exist_ok=True)
+        self.folder = private_folder(snapshot_folder(cfg.metrics_port))
         self.path = self.folder / f"rank{rank}.json"
+        self.sample_cpu = CpuMeter()  # CPU over each Prometheus sample's period
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            token = key_of(cfg.metrics_token_file, "monitor.metrics_token_file", TOKEN_ENV)
             registry = CollectorRegistry()
-            registry.register(MachineCollector(self.folder))
+            registry.register(MachineCollector(self.folder, os.getppid(), int(os.environ.get("WORLD_SIZE", "1"))))
             try:
-                self.server, _ = start_http_server(cfg.metrics_port, addr="0.0.0.0", registry=registry)
-            except OSError as e:
-                raise UserError(f"monitor.metrics_port={cfg.metrics_port}: cannot listen ({e.strerror}); choose a "
-                                f"free port with --metrics-port") from None
+                self.server = serve_metrics(registry, cfg.metrics_host, cfg.metrics_port, token)
+            except OSError as e:  # socket.gaierror included: an address that does not resolve
+                raise UserError(f"monitor.metrics_host={cfg.metrics_host} monitor.metrics_port={cfg.metrics_port}: "
+                                f"cannot listen ({e.strerror}); choose a free port with --metrics-port and an "
+                                f"address of this machine with --metrics-host") from None
         self.thread = threading.Thread(target=self._sample_every_interval, name="scalenlp-monitor", daemon=True)
         self.thread.start()
 
+    def write_sample(self) -> None:
+        """Leave this rank's newest resource sample and training figures for the machine's server."""
+        snap = {"rank": self.rank, "pid": os.getpid(), "launcher": os.getppid(),
+                "resources": sample(self.sample_cpu, self.device), "training": dict(self.training)}
+        write_private(self.path, json.dumps(snap))
+
     def _sample_every_interval(self) -> None:
-        cpu = CpuMeter()
         while not self.stopped.wait(self.interval_s):
-            snap = {"rank": self.rank, "pid": os.getpid(), "resources": sample(cpu, self.device),
-                    "training": dict(self.training)}
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(snap))
-            os.replace(tmp, self.path)  # a scrape never reads half a file
+            try:
+                self.write_sample()
+            except OSError:  # a full /tmp loses this sample, not the sampler: the next one may fit
+                pass
 
     def gather(self) -> dict[str, float]:
         """Every rank's resources over the window since the previous call, keyed ``<resource>/rank<N>``.
