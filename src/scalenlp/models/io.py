@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -54,15 +55,29 @@ def save_pretrained(model: Transformer | Encoder, out_dir: str | Path, tokenizer
     return Path(out_dir)
 
 
+def disk_full(e: BaseException) -> bool:
+    """Whether ``e`` says the device is full: an OSError's ENOSPC, or the same in safetensors' own error type."""
+    return isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left on device" in str(e)
+
+
 @contextlib.contextmanager
 def replacing_folder(out_dir: str | Path) -> Iterator[Path]:
     """An empty temporary sibling of ``out_dir`` to write into, renamed over ``out_dir`` when the block
-    finishes: a crash leaves the old folder intact."""
+    finishes: a crash leaves the old folder intact, and a block that fails leaves no temporary folder (a full
+    disk is then one error line)."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    yield tmp
+    try:
+        tmp.mkdir(parents=True)
+        yield tmp
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if disk_full(e):
+            kept = f", kept the previous {out.name}" if out.exists() else ""
+            raise UserError(f"no space left on the device while writing {out}; removed the partial {tmp.name}{kept}; "
+                            f"free space, then write it again") from None
+        raise
     if out.exists():
         old = out.with_name(out.name + ".old")
         shutil.rmtree(old, ignore_errors=True)

@@ -20,7 +20,6 @@ can rewrite them along with the files; such a checkpoint can hold any weights, a
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
@@ -43,6 +42,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from scalenlp.errors import UserError
+from scalenlp.models.io import disk_full
 from scalenlp.parallel.data_parallel import local_optimizer, restore_hyperparameters
 from scalenlp.parallel.mesh import barrier
 
@@ -134,8 +134,7 @@ def _failures(e: BaseException) -> list[BaseException]:
 
 
 def _disk_full(e: BaseException) -> bool:
-    return any(isinstance(x, OSError) and x.errno == errno.ENOSPC or "No space left on device" in str(x)
-               for x in _failures(e))
+    return any(disk_full(x) for x in _failures(e))
 
 
 def _rng_state() -> dict:

@@ -325,9 +325,14 @@ class Trainer:
                 model = self.task.model_class(self.model_args)
             load_full_model(checkpoint, model)
             adapter = adapter_weights(model) if lora else None
-            out = save_pretrained(merge_adapters(model) if lora else model, self.run_dir / folder, self.task.tokenizer,
-                                  {"config.toml": (self.run_dir / "config.toml").read_text(), **(extra_files or {})},
-                                  tokenizer_config=self.tokenizer_config)
+            try:
+                out = save_pretrained(merge_adapters(model) if lora else model, self.run_dir / folder,
+                                      self.task.tokenizer,
+                                      {"config.toml": (self.run_dir / "config.toml").read_text(), **(extra_files or {})},
+                                      tokenizer_config=self.tokenizer_config)
+            except UserError as e:  # a full disk: the checkpoint is whole, only its export is missing
+                raise UserError(f"{e} (the weights are in {checkpoint}: once there is space, --set "
+                                f"checkpoint.resume=true exports them without training)") from None
             if adapter is not None:  # beside the merged model: what `scalenlp export --format peft` writes out
                 write_adapter(out / ADAPTER_FOLDER, self.task.lora_spec, adapter, None,
                               self.cfg.model.init)

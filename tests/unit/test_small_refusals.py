@@ -1,0 +1,32 @@
+"""Issue 32's smaller reproductions on the training and planning side, each now one error line (or a bounded answer)
+instead of a traceback: a full disk during the final export, and what the other tests of this file name."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors import SafetensorError
+
+from scalenlp.errors import UserError
+from scalenlp.models import io as model_io
+from train_helpers import TINY, train_here
+
+
+def test_a_full_disk_during_the_final_export_is_one_line_and_leaves_no_partial_folder(tmp_path, corpus, monkeypatch):
+    real = model_io.save_file
+
+    def full_disk(state, path):  # the weights' first bytes land, then the device is full (safetensors' own error)
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise SafetensorError(f"Error while serializing: I/O error: No space left on device (os error 28) at "
+                              f"path {path!r}")
+
+    monkeypatch.setattr(model_io, "save_file", full_disk)
+    run = tmp_path / "run"
+    with pytest.raises(UserError, match="no space left on the device while writing .*export; removed the partial "
+                                        "export.tmp.*step-2.*checkpoint.resume=true") as e:
+        train_here(run, *TINY, f"data.path={corpus}", "training.steps=2")
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("export")) == []
+    monkeypatch.setattr(model_io, "save_file", real)
+    train_here(run, *TINY, f"data.path={corpus}", "training.steps=2", "checkpoint.resume=true")  # as the line says
+    assert (run / "export" / model_io.WEIGHTS).is_file() and not (run / "export.tmp").exists()
