@@ -21,7 +21,11 @@ from scalenlp.models.gguf import read_gguf
 from scalenlp.models.hf import read_hf_config, read_hf_folder
 from scalenlp.models.hf_encoder import is_encoder_config, read_encoder_folder
 from scalenlp.models.io import ARGS, build, read_export
+from scalenlp.models.memory import check_fits
 from scalenlp.models.pretrained import Pretrained
+
+# The least a quantized weight takes (int4): what the memory check prices a quantized model at.
+QUANTIZED_BYTES = 0.5
 
 
 def checkpoint_kind(path: str | Path) -> tuple[str, Path]:
@@ -66,6 +70,7 @@ def instantiate(pre: Pretrained, device: str | torch.device = "cpu", dtype: torc
         raise UserError(f"{pre.path} is already quantized ({pre.quantization.describe()}); load it without "
                         f"--quantize, or quantize its floating-point original")
     if quantize is not None or pre.quantization is not None:
+        check_fits(pre.args, device, QUANTIZED_BYTES, str(pre.path))
         return build_quantized(pre.args, pre.state, quantize or pre.quantization, quantize is not None, device, dtype,
                                where=str(pre.path), blocks=pre.blocks, shard=shard)
     return build(pre.args, pre.state, device, dtype, where=str(pre.path))

@@ -164,7 +164,7 @@ def test_roberta_fine_tunes_from_its_bare_model(tmp_path, transformers):
                                    "types are bert, roberta, xlm-roberta, distilbert"),
     ({"activation": "relu"}, "DistilBert activation='relu' is not supported; only 'gelu'"),
     ({"n_heads": 5}, "cannot load this DistilBert model: model dim 32 is not divisible by n_heads 5"),
-    ({"max_position_embeddings": 0}, "max_seq_len 0 leaves no position for a token"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings=0 must be at least 1"),
 ])
 def test_unsupported_encoder_folders_are_one_error(tmp_path, transformers, change, message):
     _, folder = hf_folder(tmp_path, transformers, "distilbert", "embedding")

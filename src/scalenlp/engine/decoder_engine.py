@@ -31,6 +31,7 @@ from scalenlp.data.text import check_text
 from scalenlp.engine.packing import can_pack, pack_linears
 from scalenlp.engine.sampling import InvalidParam, SamplingBatch, SamplingParams, sample
 from scalenlp.errors import UserError
+from scalenlp.models.memory import check_kv_cache
 from scalenlp.parallel.mesh import device_type
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,9 @@ class Engine:
         if previous is not None and not previous._stopping and previous.error is None:
             raise UserError("this model already has an Engine that has not stopped, and the KV cache lives in the "
                             "model; stop() that engine first, or load the model again for a second one")
+        # Refused before allocating: a model file's context length may be far more than this device can cache.
+        check_kv_cache(model.args, max_batch, self.max_seq_len, cache_dtype or ref.dtype, self.device,
+                       sum(p.numel() * p.element_size() for p in model.parameters()))
         model.setup_kv_cache(max_batch, self.max_seq_len, cache_dtype or ref.dtype)
         if compile:
             # Inductor's freezing folds the weights into constants and lays them out for the device's

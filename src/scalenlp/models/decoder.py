@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalenlp.models import cpu_attention
+from scalenlp.models.limits import check_fields
 from scalenlp.models.loss import compiled_linear_cross_entropy, linear_cross_entropy
 
 
@@ -72,7 +73,9 @@ class ModelArgs:
         return self.fixed_head_dim or self.dim // self.n_heads
 
     def check(self) -> None:
-        """Raise ValueError with a readable reason for a shape that cannot be built."""
+        """Raise ValueError with a readable reason for a shape that cannot be built (a FieldError, naming the
+        field, for a value of the wrong type or out of range)."""
+        check_fields(self)
         if self.dim % self.n_heads and not self.fixed_head_dim:
             raise ValueError(f"model dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:

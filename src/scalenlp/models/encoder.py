@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scalenlp.models.limits import check_fields
+
 POOLINGS = ("mean", "cls", "pooler")
 TASKS = ("embedding", "classification", "token_classification", "question_answering")
 LABELLED_TASKS = ("classification", "token_classification")
@@ -75,7 +77,12 @@ class EncoderArgs:
         return self.dim // self.n_heads
 
     def check(self) -> None:
-        """Raise ValueError with a readable reason for a model that cannot be built."""
+        """Raise ValueError with a readable reason for a model that cannot be built (a FieldError, naming the
+        field, for a value of the wrong type or out of range)."""
+        check_fields(self)
+        if self.pad_token_id >= self.vocab_size:
+            raise ValueError(f"pad_token_id {self.pad_token_id} is not a token of the {self.vocab_size}-token "
+                             f"vocabulary")
         if self.dim % self.n_heads:
             raise ValueError(f"model dim {self.dim} is not divisible by n_heads {self.n_heads}")
         for name, value, allowed in (("pooling", self.pooling, POOLINGS), ("task", self.task, TASKS),

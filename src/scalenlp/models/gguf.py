@@ -15,8 +15,11 @@ Writing computes those divisors; reading solves them back for our (factor, low, 
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import os
 import re
+import struct
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from torch import nn
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, llama3_scaled, rope_inv_freq, rope_turns
 from scalenlp.models.families import llama
+from scalenlp.models.limits import FieldError, check_count
 from scalenlp.models.pretrained import Pretrained
 
 ARCHITECTURES = ("llama",)
@@ -136,12 +140,124 @@ def read_tokenizer(path: Path) -> tuple[Tokenizer, dict]:
 
 
 def _open(path: Path) -> gguf.GGUFReader:
+    _check_layout(path)
     try:
         # Copy-on-write: the arrays are writable (torch wants that) but nothing ever reaches the file.
         return gguf.GGUFReader(path, "c")
     except Exception as e:  # the reader raises ValueError, KeyError, IndexError... on a damaged or cut file
         raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it may be truncated, "
                         f"download or export it again") from None
+
+
+# Bytes of each scalar metadata type, as the gguf package reads them.
+SCALAR_BYTES = {t: np.dtype(d).itemsize for t, d in gguf.GGUFReader.gguf_scalar_to_np.items()}
+V = gguf.GGUFValueType
+MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp's tensors have at most four dimensions
+
+
+class _Cursor:
+    """A walk over a GGUF file's header in which every read is checked against the file's end."""
+
+    def __init__(self, data: mmap.mmap, path: Path):
+        self.data, self.path, self.at = data, path, 0
+        self.order = "<"
+
+    def take(self, n: int, what: str) -> bytes:
+        if n > len(self.data) - self.at:
+            raise UserError(f"{self.path}: {what} runs past the end of the {len(self.data):,}-byte file; it is "
+                            f"damaged or truncated, download or export it again")
+        self.at += n
+        return self.data[self.at - n:self.at]
+
+    def number(self, fmt: str, what: str) -> int:
+        return struct.unpack(self.order + fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def count(self, what: str, least_bytes: int) -> int:
+        """A uint64 count of items, each at least ``least_bytes`` long: more than the rest of the file holds is
+        refused before anything loops over it."""
+        n = self.number("Q", what)
+        if n * least_bytes > len(self.data) - self.at:
+            raise UserError(f"{self.path}: {what} is {n:,}, more than the {len(self.data) - self.at:,} bytes left in "
+                            f"the file can hold; the file is damaged")
+        return n
+
+    def string(self, what: str) -> str:
+        return self.take(self.count(f"the length of {what}", 1), what).decode("utf-8", "replace")
+
+    def value(self, kind: int, what: str) -> int | None:
+        """Step over one metadata value of type ``kind``; a scalar integer's value is returned."""
+        if kind in SCALAR_BYTES:
+            raw = self.take(SCALAR_BYTES[kind], what)
+            return int.from_bytes(raw, "little" if self.order == "<" else "big") if kind == V.UINT32 else None
+        if kind == V.STRING:
+            self.string(what)
+        elif kind == V.ARRAY:
+            item = self.number("I", f"the item type of {what}")
+            if item not in SCALAR_BYTES and item != V.STRING:
+                raise UserError(f"{self.path}: {what} is an array of type {item}, which GGUF files do not hold")
+            n = self.count(f"the length of {what}", SCALAR_BYTES.get(item, 8))
+            if item == V.STRING:
+                for _ in range(n):
+                    self.string(what)
+            else:
+                self.take(n * SCALAR_BYTES[item], what)
+        else:
+            raise UserError(f"{self.path}: {what} has type {kind}, which is not a GGUF type; the file is damaged")
+        return None
+
+
+def _check_layout(path: Path) -> None:
+    """Walk the file's header before the gguf package reads it, which trusts it: a count larger than the file
+    (it loops over it, growing), a tensor whose offset wraps below the data (read as header bytes) or that
+    overlaps another or ends past the file (read as another tensor's bytes, or short). Each is one UserError."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            _check_header(_Cursor(data, path))
+    except (OSError, ValueError) as e:  # unreadable, or empty (mmap refuses a zero-length file)
+        raise UserError(f"{path} is not a readable GGUF file ({e}); download or export it again") from None
+
+
+def _check_header(c: _Cursor) -> None:
+    if c.take(4, "the magic number") != b"GGUF":
+        raise UserError(f"{c.path} is not a GGUF file (it does not start with GGUF)")
+    if c.number("I", "the version") & 0xFFFF == 0:  # written on a machine of the other byte order
+        c.order = ">"
+    tensors = c.count("the tensor count", 8 + 4 + 8 + 4 + 8)  # name length, dims, one dim, type, offset
+    keys = c.count("the metadata count", 8 + 4 + 1)  # key length, type, the smallest value
+    alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+    for i in range(keys):
+        key = c.string(f"metadata key {i}")
+        found = c.value(c.number("I", f"the type of {key}"), key)
+        if key == "general.alignment" and found:
+            alignment = found
+    spans = []
+    for i in range(tensors):
+        name = c.string(f"the name of tensor {i}")
+        dims = c.number("I", f"the dimension count of {name}")
+        if not 1 <= dims <= MAX_DIMS:
+            raise UserError(f"{c.path}: tensor {name} has {dims} dimensions; GGUF tensors have 1 to {MAX_DIMS}")
+        shape = [c.number("Q", f"the shape of {name}") for _ in range(dims)]
+        kind = c.number("I", f"the type of {name}")
+        offset = c.number("Q", f"the offset of {name}")
+        try:
+            block, size = gguf.GGML_QUANT_SIZES[Q(kind)]
+        except (ValueError, KeyError):
+            raise UserError(f"{c.path}: tensor {name} has type {kind}, which is not a GGML type") from None
+        if min(shape) < 1 or shape[0] % block:
+            raise UserError(f"{c.path}: tensor {name} has shape {shape}, which {Q(kind).name} blocks of {block} "
+                            f"values do not tile; the file is damaged")
+        spans.append((offset, offset + math.prod(shape) // block * size, name))
+    start = c.at + (-c.at % alignment if alignment and not alignment & (alignment - 1) else 0)
+    end = len(c.data) - start
+    previous = (0, 0, "")
+    for begin, stop, name in sorted(spans):
+        if stop > end:
+            raise UserError(f"{c.path}: tensor {name} lies at bytes {begin:,}..{stop:,} of the data, past its end at "
+                            f"{end:,} (an offset out of the file, or one that wrapped below zero); the file is damaged")
+        if begin < previous[1]:
+            raise UserError(f"{c.path}: tensors {previous[2]} and {name} overlap in the file (bytes {begin:,}.."
+                            f"{previous[1]:,}); the file is damaged")
+        previous = (begin, stop, name)
 
 
 def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
@@ -155,8 +271,15 @@ def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
             raise UserError(f"{path} lacks the metadata key {arch}.{key}; it is not a complete {arch} model")
         return value
 
-    dim, heads = meta("embedding_length"), meta("attention.head_count")
-    head_dim = meta("attention.key_length", dim // heads)  # differs from dim // heads where heads were pruned
+    def count(key: str, field: str, default=None) -> int:
+        try:
+            return check_count(field, meta(key, default), f"{arch}.{key}")
+        except FieldError as e:
+            raise UserError(f"{path}: {e}") from None
+
+    dim, heads = count("embedding_length", "dim"), count("attention.head_count", "n_heads")
+    # differs from dim // heads where heads were pruned
+    head_dim = count("attention.key_length", "dim", dim // heads)
     for key in ("attention.value_length", "rope.dimension_count"):
         if meta(key, head_dim) != head_dim:
             raise UserError(f"{path}: {arch}.{key}={meta(key)} differs from the head size {head_dim}; "
@@ -165,16 +288,22 @@ def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
     if scaling != "none":
         raise UserError(f"{path}: RoPE scaling {scaling!r} is not supported; only plain RoPE")
     tokens = reader.get_field("tokenizer.ggml.tokens")
-    vocab = meta("vocab_size", len(tokens.data) if tokens is not None else 0)
-    args = ModelArgs(vocab_size=vocab, dim=dim, n_layers=meta("block_count"), n_heads=heads,
-                     n_kv_heads=meta("attention.head_count_kv", heads), ffn_dim=meta("feed_forward_length"),
-                     max_seq_len=meta("context_length"), norm_eps=_decimal(meta("attention.layer_norm_rms_epsilon")),
-                     rope_theta=_decimal(meta("rope.freq_base", 10000.0)),
-                     bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
-                     fixed_head_dim=head_dim if head_dim != dim // heads else 0, **llama.SHAPE)
+    try:
+        args = ModelArgs(vocab_size=count("vocab_size", "vocab_size", len(tokens.data) if tokens is not None else 0),
+                         dim=dim, n_layers=count("block_count", "n_layers"), n_heads=heads,
+                         n_kv_heads=count("attention.head_count_kv", "n_kv_heads", heads),
+                         ffn_dim=count("feed_forward_length", "ffn_dim"),
+                         max_seq_len=count("context_length", "max_seq_len"),
+                         norm_eps=_decimal(meta("attention.layer_norm_rms_epsilon")),
+                         rope_theta=_decimal(meta("rope.freq_base", 10000.0)),
+                         bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
+                         fixed_head_dim=head_dim if head_dim != dim // heads else 0, **llama.SHAPE)
+        args.check()
+    except (ValueError, TypeError) as e:  # a float key holding a string, a shape that cannot be built
+        raise UserError(f"{path}: {e}") from None
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None:
-        original = meta("rope.scaling.original_context_length", LLAMA31_ORIGINAL_CONTEXT)
+        original = count("rope.scaling.original_context_length", "max_seq_len", LLAMA31_ORIGINAL_CONTEXT)
         args.rope_scaling = _rope_scaling(_tensor(freqs, path), args, original, path)
     return args
 
@@ -250,6 +379,13 @@ def _tokenizer(reader: gguf.GGUFReader, path: Path) -> tuple[Tokenizer, dict]:
         raise UserError(f"{path}: tokenizer model {kind!r} is not supported; supported: "
                         f"{', '.join(f'{k} ({what})' for k, what in TOKENIZER_KINDS.items())}")
     tokens = _field(reader, "tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise UserError(f"{path}: tokenizer.ggml.tokens is not a list of strings; the file's vocabulary is damaged")
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id"):
+        i = _field(reader, f"tokenizer.ggml.{key}")
+        if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tokens)):
+            raise UserError(f"{path}: tokenizer.ggml.{key}={i!r} is not the id of one of its {len(tokens):,} "
+                            f"tokens; the file's vocabulary is damaged")
     types = _field(reader, "tokenizer.ggml.token_type", [gguf.TokenType.NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise UserError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens; "

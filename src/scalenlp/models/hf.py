@@ -16,6 +16,7 @@ from scalenlp.data.tokenizer import load_tokenizer
 from scalenlp.errors import UserError
 from scalenlp.models import families
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
+from scalenlp.models.limits import check_counts
 from scalenlp.models.pretrained import Pretrained, read_tokenizer_config
 
 
@@ -30,23 +31,45 @@ def hf_config(args: ModelArgs):
     return getattr(transformers, families.for_args(args).CONFIG)(**families.for_args(args).config_kwargs(args))
 
 
-def args_from_hf(config) -> ModelArgs:
-    """Our model arguments from a transformers config object or a ``config.json`` dict."""
+# config.json's counts (the families' names for them) -> the ModelArgs field each sets, checked before a family
+# adapter divides by them or makes a list as long as them.
+COUNTS = {"vocab_size": "vocab_size", "hidden_size": "dim", "n_embd": "dim", "num_hidden_layers": "n_layers",
+          "n_layer": "n_layers", "num_attention_heads": "n_heads", "n_head": "n_heads",
+          "num_key_value_heads": "n_kv_heads", "head_dim": "dim", "intermediate_size": "ffn_dim", "n_inner": "ffn_dim",
+          "max_position_embeddings": "max_seq_len", "n_positions": "max_seq_len", "sliding_window": "sliding_window",
+          "max_window_layers": "n_layers", "sliding_window_pattern": "n_layers", "query_pre_attn_scalar": "dim"}
+
+
+def args_from_hf(config, where: str = "config.json") -> ModelArgs:
+    """Our model arguments from a transformers config object or a ``config.json`` dict (``where``), checked: a
+    count of the wrong type or out of range, or a shape that cannot be built, is one UserError naming the key."""
     c = config if isinstance(config, dict) else config.to_dict()
-    return families.for_config(c).args_from_config(c)
+    try:
+        check_counts(c, COUNTS)
+        args = families.for_config(c).args_from_config(c)
+        args.check()
+    except KeyError as e:
+        raise UserError(f"{where} lacks {e.args[0]}; it is not a complete {c.get('model_type')} config") from None
+    except (ValueError, TypeError, AttributeError) as e:  # a value of the wrong type, a shape that cannot be built
+        raise UserError(f"{where}: {e}") from None
+    return args
 
 
 def read_hf_config(folder: Path) -> dict:
+    file = folder / "config.json"
     try:
-        return json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{file} holds a JSON {type(config).__name__}, not an object of model settings")
+    return config
 
 
 def read_hf_folder(folder: Path, config: dict) -> Pretrained:
     """A local Hugging Face decoder folder (its ``config.json`` already parsed): ``*.safetensors`` (one file
     or shards, memory-mapped) and ``tokenizer.json``. Never touches the hub."""
-    args = args_from_hf(config)
+    args = args_from_hf(config, str(folder / "config.json"))
     return Pretrained(args, from_hf_state_dict(args, read_safetensors(folder)), *read_hf_tokenizer(folder), "hf",
                       folder)
 

@@ -23,6 +23,7 @@ from scalenlp.errors import UserError
 from scalenlp.models.encoder import FAMILIES, LABELLED_TASKS, Encoder, EncoderArgs
 from scalenlp.models.hf import read_hf_tokenizer, read_safetensors
 from scalenlp.models.io import WEIGHTS, replacing_folder, write_tokenizer
+from scalenlp.models.limits import check_counts
 from scalenlp.models.pretrained import Pretrained
 
 # The class-name ending of each task's head (after the family's stem: Bert, Roberta, XLMRoberta, DistilBert).
@@ -125,6 +126,12 @@ def args_from_config(config: dict, has_pooler: bool, pooling: str = "mean", norm
     family = family_of(config)
     keys = family.config_keys
     name = family.stem
+    try:
+        check_counts(config, {keys[field]: field for field in ("dim", "n_layers", "n_heads", "ffn_dim")}
+                     | {k: k for k in ("vocab_size", "type_vocab_size", "pad_token_id")}
+                     | {"max_position_embeddings": "max_seq_len", "num_labels": "num_labels"})
+    except ValueError as e:
+        raise UserError(f"the {name} config.json: {e}") from None
     activation = config.get(keys["activation"], "gelu")
     if activation != "gelu":
         raise UserError(f"{name} {keys['activation']}={activation!r} is not supported; only 'gelu'")
@@ -133,16 +140,16 @@ def args_from_config(config: dict, has_pooler: bool, pooling: str = "mean", norm
                         f"only 'absolute'")
     if config.get("is_decoder"):
         raise UserError(f"this {name} config has is_decoder=true (causal attention); only bidirectional encoders load")
-    architecture = (config.get("architectures") or [name + "Model"])[0]
-    # Other heads (masked LM, pretraining, ...) load as the bare encoder, as transformers' AutoModel does.
-    task = next((t for t, ending in HEAD_CLASSES.items() if t != "embedding" and architecture.endswith(ending)),
-                "embedding")
-    labels: list[str] = []
-    if task in LABELLED_TASKS:
-        id2label = config.get("id2label") or {i: f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
-        labels = [label for _, label in sorted(id2label.items(), key=lambda kv: int(kv[0]))]
-    options = family.options(config)
     try:
+        architecture = (config.get("architectures") or [name + "Model"])[0]
+        # Other heads (masked LM, pretraining, ...) load as the bare encoder, as transformers' AutoModel does.
+        task = next((t for t, ending in HEAD_CLASSES.items() if t != "embedding" and architecture.endswith(ending)),
+                    "embedding")
+        labels: list[str] = []
+        if task in LABELLED_TASKS:
+            id2label = config.get("id2label") or {i: f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
+            labels = [label for _, label in sorted(id2label.items(), key=lambda kv: int(kv[0]))]
+        options = family.options(config)
         args = EncoderArgs(vocab_size=config["vocab_size"], dim=config[keys["dim"]], n_layers=config[keys["n_layers"]],
                            n_heads=config[keys["n_heads"]], ffn_dim=config[keys["ffn_dim"]],
                            max_seq_len=config.get("max_position_embeddings", 512) - options["position_offset"],
@@ -151,8 +158,8 @@ def args_from_config(config: dict, has_pooler: bool, pooling: str = "mean", norm
         args.check()
     except KeyError as e:
         raise UserError(f"the {name} config.json lacks {e.args[0]}") from None
-    except ValueError as e:
-        raise UserError(f"cannot load this {name} model: {e}") from None
+    except (ValueError, TypeError, AttributeError) as e:  # a value of the wrong type, a shape that cannot be built
+        raise UserError(f"cannot load this {name} model: {e} (in its config.json)") from None
     return args
 
 

@@ -26,6 +26,7 @@ from scalenlp.data.tokenizer import TOKENIZER_CONFIG, load_tokenizer
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
 from scalenlp.models.encoder import Encoder, EncoderArgs
+from scalenlp.models.memory import bytes_per, check_fits
 from scalenlp.models.pretrained import Pretrained, read_tokenizer_config
 
 WEIGHTS, ARGS, TOKENIZER = "model.safetensors", "model_args.json", "tokenizer.json"
@@ -104,9 +105,17 @@ def load_model_args(path: str | Path) -> ModelArgs | EncoderArgs:
         raise UserError(f"{path} is not an exported model (no {ARGS}); pass a run's export/ folder")
     try:
         fields = json.loads(file.read_text())
-        return (EncoderArgs if fields.get("architecture") == "bert" else ModelArgs)(**fields)
-    except (json.JSONDecodeError, TypeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{file} is corrupt ({e}); re-export the model") from None
+    if not isinstance(fields, dict):
+        raise UserError(f"{file} holds a JSON {type(fields).__name__}, not an object of model arguments; re-export "
+                        f"the model")
+    try:
+        args = (EncoderArgs if fields.get("architecture") == "bert" else ModelArgs)(**fields)
+        args.check()
+    except (TypeError, ValueError) as e:  # an unknown or missing field; a value of the wrong type or out of range
+        raise UserError(f"{file}: {e}; re-export the model") from None
+    return args
 
 
 def read_weights(path: str | Path) -> tuple[ModelArgs | EncoderArgs, dict[str, torch.Tensor]]:
@@ -133,7 +142,9 @@ def read_export(path: str | Path) -> Pretrained:
 def build_decoder(args: ModelArgs, state: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                   dtype: torch.dtype | None = None, where: str = "the checkpoint") -> Transformer:
     """A decoder built on the meta device with ``state`` assigned (moved to ``device``/``dtype`` only where
-    they differ); ``dtype`` casts floating weights (RoPE tables stay float32)."""
+    they differ); ``dtype`` casts floating weights (RoPE tables stay float32). Arguments whose weights and tables
+    cannot fit in the device's memory are refused before anything is allocated."""
+    check_fits(args, device, bytes_per(dtype, state), where)
     with torch.device("meta"):
         model = Transformer(args)
     state = cast_state(state, device, dtype)
@@ -149,7 +160,9 @@ def build_decoder(args: ModelArgs, state: dict[str, torch.Tensor], device: str |
 
 def build_encoder(args: EncoderArgs, state: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                   dtype: torch.dtype | None = None, where: str = "the checkpoint") -> Encoder:
-    """An encoder built on the meta device with ``state`` assigned; ``dtype`` casts floating weights."""
+    """An encoder built on the meta device with ``state`` assigned; ``dtype`` casts floating weights. Arguments whose
+    weights cannot fit in the device's memory are refused before anything is allocated."""
+    check_fits(args, device, bytes_per(dtype, state), where)
     with torch.device("meta"):
         model = Encoder(args)
     assign_state(model, cast_state(state, device, dtype), where)
