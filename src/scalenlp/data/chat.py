@@ -35,6 +35,16 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 class ChatError(UserError):
     """A conversation or chat template that cannot be rendered (HTTP 400 when it comes from a request)."""
 
+    code: str | None = None  # OpenAI's error code, where one names the failure
+
+
+class TemplateLimit(ChatError):
+    """A render that passed a limit on untrusted template code (its time, its output, its memory)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
+
 
 def check_messages(messages: Any) -> None:
     """A non-empty list of {"role": one of ROLES, "content": str}; other keys (name, tool_calls) pass through."""
@@ -72,25 +82,44 @@ def _compile(template: str) -> jinja2.Template:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise ChatError(f"the chat template does not parse (line {e.lineno}: {e.message})") from None
+    except Exception as e:  # Jinja computes constant expressions as it compiles: {{ 10**5000 }} fails here
+        raise ChatError(f"the chat template does not compile: {type(e).__name__}: {e}") from None
 
 
-def _render(messages: list[dict], template: str, add_generation_prompt: bool, **variables) -> str:
+def _render(messages: list[dict], template: str, add_generation_prompt: bool, variables: dict,
+            max_bytes: int | None = None) -> str:
     compiled = _compile(template)
+    parts, size = [], 0
     try:
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        # Output is taken as the template writes it, so that one that writes without end stops at max_bytes.
+        for part in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt, **variables):
+            size += len(part) if part.isascii() else len(part.encode("utf-8", "surrogatepass"))
+            if max_bytes is not None and size > max_bytes:
+                raise TemplateLimit(f"the chat template's text for this conversation passed {max_bytes} bytes, "
+                                    f"the limit on a template's output (serve --template-max-bytes)",
+                                    "template_output_too_large")
+            parts.append(part)
+    except ChatError:
+        raise
     except jinja2.TemplateError as e:  # raise_exception, undefined variables, sandbox violations
         raise ChatError(f"the chat template failed to render this conversation: {e}") from None
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+    except MemoryError:
+        raise TemplateLimit("the chat template ran out of memory rendering this conversation",
+                            "template_memory") from None
+    except Exception as e:  # the template is untrusted code: 1/0, endless recursion, 10**5000 printed...
         raise ChatError(f"the chat template failed to render this conversation: {type(e).__name__}: {e}") from None
+    return "".join(parts)
 
 
 def render_chat(messages: list[dict], template: str, *, add_generation_prompt: bool, bos_token: str | None = None,
-                eos_token: str | None = None, **extra) -> str:
+                eos_token: str | None = None, max_bytes: int | None = None, **extra) -> str:
     """The conversation as text, as ``apply_chat_template(..., tokenize=False)`` renders it. With
     ``add_generation_prompt`` the text ends where the assistant's next turn begins. ``extra`` becomes further
-    template variables (``tools``, ``date_string``, ...)."""
+    template variables (``tools``, ``date_string``, ...). A text longer than ``max_bytes`` (UTF-8) is a
+    TemplateLimit, raised as soon as the template has written that much."""
     check_messages(messages)
-    return _render(messages, template, add_generation_prompt, bos_token=bos_token, eos_token=eos_token, **extra)
+    return _render(messages, template, add_generation_prompt, {"bos_token": bos_token, "eos_token": eos_token, **extra},
+                   max_bytes)
 
 
 def special_token(tokenizer_config: dict, key: str) -> str | None:
@@ -150,13 +179,13 @@ def assistant_spans(messages: list[dict], template: str, **variables) -> tuple[s
     messages[:i + 1] ends (its content and the template's end-of-turn text). This needs a template whose
     renders of a conversation's prefixes are prefixes of the whole render, which is checked."""
     check_messages(messages)
-    full = _render(messages, template, False, **variables)
+    full = _render(messages, template, False, variables)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = _render(messages[:i], template, True, **variables) if i else ""
-        through = _render(messages[:i + 1], template, False, **variables)
+        start = _render(messages[:i], template, True, variables) if i else ""
+        through = _render(messages[:i + 1], template, False, variables)
         if not (through.startswith(start) and full.startswith(through)):
             raise ChatError(f"the chat template renders the turns before messages[{i}] differently once later "
                             f"turns follow, so the assistant's tokens cannot be told apart; use a template whose "
