@@ -51,7 +51,8 @@ def read_lines(interactive: bool):
 
 def run(args) -> int:
     from scalenlp.cli.generate import stream_to_stdout
-    from scalenlp.data.chat import ChatError, chat_template, encode_chat
+    from scalenlp.data.chat import ChatError, chat_template
+    from scalenlp.data.template_workers import TemplateWorkers
     from scalenlp.data.text import text_problem
     from scalenlp.engine.decoder_engine import RequestError
     from scalenlp.engine.llm import engine_from_checkpoint
@@ -59,7 +60,13 @@ def run(args) -> int:
     from scalenlp.errors import UserError
 
     engine = engine_from_checkpoint(EngineConfig.from_args(args))
-    chat_template(engine.tokenizer_config)  # a model without a template fails here, before any input
+    try:
+        chat_template(engine.tokenizer_config)  # a model without a template fails here, before any input
+        # The model's template and tokenizer run in a worker process, as the server runs them: under its limits.
+        templates = TemplateWorkers(engine.tokenizer, engine.tokenizer_config, workers=1)
+    except BaseException:
+        engine.stop()
+        raise
     opening = [{"role": "system", "content": args.system}] if args.system else []
     history = list(opening)
     interactive = sys.stdin.isatty()
@@ -80,7 +87,7 @@ def run(args) -> int:
                 continue
             turn = history + [{"role": "user", "content": line}]
             try:
-                ids = encode_chat(engine.tokenizer, turn, engine.tokenizer_config)
+                ids = templates.chat_ids_blocking(turn)
                 rest = max(1, engine.max_seq_len - len(ids))
                 max_tokens = args.max_tokens if args.max_tokens is not None else rest
                 params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -94,5 +101,6 @@ def run(args) -> int:
                 raise UserError(f"generation failed: {engine.error!r}")
             history = turn + [{"role": "assistant", "content": answer}]
     finally:
+        templates.close()
         engine.stop()
     return 0

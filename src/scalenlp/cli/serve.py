@@ -90,6 +90,8 @@ def run(args) -> int:
         server.run()
     finally:
         engine.stop()
+        if isinstance(backend, LocalBackend):
+            backend.close()  # its template workers: nothing renders after SIGTERM's drain
     if getattr(engine, "error", None) is not None:
         # Not a user error: exit 1, which a supervisor (systemd, Kubernetes) answers with a restart.
         print(f"fatal: the engine stopped ({engine.error!r}); exiting so that a supervisor restarts the server",

@@ -29,9 +29,10 @@ class LocalBackend:
     """Requests go to an engine in this process; events come back from its thread to the event loop."""
 
     def __init__(self, engine, model_name: str, health_timeout: float = 10.0, max_prompt_tokens: int | None = None,
-                 max_tokens_cap: int | None = None):
+                 max_tokens_cap: int | None = None, templates=None):
         """max_prompt_tokens: longest prompt accepted (default: the context less one). max_tokens_cap:
-        most tokens a choice may generate (default: to the end of the context)."""
+        most tokens a choice may generate (default: to the end of the context). templates: the ``TemplateWorkers``
+        that make chat prompts (default: their defaults, started by the first chat request)."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.engine = engine
@@ -39,6 +40,8 @@ class LocalBackend:
         self.health_timeout = health_timeout
         self.max_prompt_tokens = min(max_prompt_tokens or engine.max_seq_len, engine.max_seq_len - 1)
         self.max_tokens_cap = max_tokens_cap
+        self.templates = templates
+        self._templates_starting = asyncio.Lock()
         self.registry = CollectorRegistry()
         Gauge("scalenlp_requests_running", "requests holding a KV-cache slot", registry=self.registry
               ).set_function(lambda: engine.num_running)
@@ -88,8 +91,24 @@ class LocalBackend:
             raise APIError(404, str(e), param="lora_name", code="model_not_found") from None
 
     async def chat_prompt(self, messages: list) -> list[int]:
-        """The prompt ids of a conversation, by the checkpoint's chat template (a 400 when it cannot)."""
-        return await asyncio.to_thread(chat_ids, self.engine.tokenizer, messages, self.engine.tokenizer_config)
+        """The prompt ids of a conversation, by the checkpoint's chat template, in a template worker process (a
+        400 when it cannot, or passes a limit); the event loop waits for it holding no thread."""
+        async with self._templates_starting:
+            if self.templates is None:
+                from scalenlp.data.template_workers import TemplateWorkers
+                from scalenlp.errors import UserError
+
+                try:
+                    self.templates = await asyncio.to_thread(TemplateWorkers, self.engine.tokenizer,
+                                                             self.engine.tokenizer_config)
+                except UserError as e:  # the model's tokenizer is refused: not the request's fault
+                    raise APIError(500, str(e), type="server_error") from None
+        return await chat_ids(self.templates, messages)
+
+    def close(self) -> None:
+        """Stop the template workers; the engine is its owner's to stop."""
+        if self.templates is not None:
+            self.templates.close()
 
     def _limited(self, params, n_choices: int, max_tokens_sent: bool):
         """The request's settings under this server's limits; the limits no retry can meet are 400s.
@@ -278,7 +297,15 @@ def _append_logprobs(logprobs: dict | None, text_so_far: str, delta) -> None:
 def generation_backend(config: EngineConfig, limits: ServeLimits, model_name: str) -> LocalBackend:
     """The engine ``config`` names, behind a server's request limits: one-process serving, and each
     replica of --replicas, build it here."""
+    from scalenlp.data.template_workers import TemplateWorkers
     from scalenlp.engine.llm import engine_from_checkpoint  # torch: not for `scalenlp --help`
 
-    return LocalBackend(engine_from_checkpoint(config), model_name, max_prompt_tokens=limits.max_prompt_tokens,
-                        max_tokens_cap=limits.max_tokens_cap)
+    engine = engine_from_checkpoint(config)
+    try:  # before serving: the first worker tries the model's tokenizer on a test text
+        templates = TemplateWorkers(engine.tokenizer, engine.tokenizer_config, timeout=limits.template_timeout,
+                                    max_bytes=limits.template_max_bytes, workers=limits.template_workers)
+    except BaseException:
+        engine.stop()
+        raise
+    return LocalBackend(engine, model_name, max_prompt_tokens=limits.max_prompt_tokens,
+                        max_tokens_cap=limits.max_tokens_cap, templates=templates)

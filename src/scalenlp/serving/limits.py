@@ -8,6 +8,7 @@ as light as the engine configs it sits beside, with no FastAPI, pydantic or torc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scalenlp.auth import key_of
@@ -34,6 +35,16 @@ class ServeLimits(Options):
                                   help="on SIGTERM (or Ctrl-C) the server stops accepting and lets the requests "
                                        "in flight finish for at most this many seconds, then cancels them (their "
                                        "queued work is dropped) and exits (default 30)")
+    template_timeout: float = option(2.0, type=float,
+                                     help="seconds the model's chat template and tokenizer may take over one "
+                                          "conversation; past it the chat request gets 400 and the worker process "
+                                          "doing it is replaced (default 2)")
+    template_max_bytes: int = option(1 << 20, type=int,
+                                     help="most bytes of text the chat template may write for one conversation; "
+                                          "more gets 400 (default 1048576)")
+    template_workers: int = option(2, type=int,
+                                   help="processes that render chat templates and tokenize their text, one "
+                                        "conversation at a time each (default 2)")
     api_key: str | None = option(None, repr=False,
                                  help="require `Authorization: Bearer KEY` on every route but /health; other users "
                                       f"see it in `ps`, so prefer --api-key-file or the {API_KEY_ENV} environment "
@@ -52,6 +63,9 @@ class ServeLimits(Options):
     def check(self) -> None:
         self.at_least(1, "max_body_bytes", "max_prompt_tokens", "max_tokens_cap")
         self.at_least(0, "drain_timeout")
+        self.at_least(1, "template_max_bytes", "template_workers")
+        if not (self.template_timeout > 0 and math.isfinite(self.template_timeout)):
+            raise UserError(f"--template-timeout must be a number of seconds above 0, got {self.template_timeout}")
 
 
 def api_key_of(api_key: str | None, api_key_file: str | None) -> str | None:

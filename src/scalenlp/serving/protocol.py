@@ -197,15 +197,18 @@ async def completion_for_chat(req, backend):
     return completion
 
 
-def chat_ids(tokenizer, messages: list, tokenizer_config: dict) -> list[int]:
-    """The prompt ids of a conversation by the checkpoint's chat template; a conversation it cannot render is
-    a 400 on the request's messages."""
-    from scalenlp.data.chat import ChatError, encode_chat
+async def chat_ids(templates, messages: list) -> list[int]:
+    """The prompt ids of a conversation, made by the model's template workers (``TemplateWorkers``); one they
+    cannot render, or that passes their limits, is a 400 on the request's messages."""
+    from scalenlp.data.chat import ChatError
+    from scalenlp.data.template_workers import WorkersStopped
 
     try:
-        return encode_chat(tokenizer, messages, tokenizer_config)
+        return await templates.chat_ids(messages)
     except ChatError as e:
-        raise APIError(400, str(e), param="messages") from None
+        raise APIError(400, str(e), param="messages", code=e.code) from None
+    except WorkersStopped as e:
+        raise APIError(503, str(e), type="server_error") from None
 
 
 def _on_messages(e: APIError) -> APIError:

@@ -1,0 +1,260 @@
+"""Untrusted model code is bounded (issue 32, item 2): a chat template or a tokenizer from a model file runs in a
+worker process under a time limit, an output-size limit and a memory cap; a render past one is a 400 naming it, and
+every template error is a 400 in OpenAI's shape; a tokenizer whose normalizers never finish is refused at load;
+slow renders hold no server thread, so completions go on beside them; closing the workers (as serve does after
+SIGTERM's drain) stops a render in flight, and a worker whose server died stops by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+from infer_helpers import CHATML, ServerThread
+from scalenlp.data.chat import ChatError, TemplateLimit, render_chat
+from scalenlp.data.template_workers import TemplateWorkers, WorkersStopped
+from scalenlp.engine.config import EngineConfig
+from scalenlp.engine.llm import engine_from_checkpoint
+from scalenlp.errors import UserError
+from scalenlp.serving.app import create_app
+from scalenlp.serving.backend import LocalBackend
+
+HELLO = [{"role": "user", "content": "hello there"}]
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+ERRORS = {  # template -> what the 400 says
+    "{{ 1/0 }}": "ZeroDivisionError",
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}": "RecursionError",
+    "{{ 10**5000 }}": "integer string conversion",
+    "{{ messages|no_such_filter }}": "No filter named 'no_such_filter'",
+    "{{ raise_exception('no system messages') }}": "no system messages",
+    "{{ messages.__class__.__subclasses__() }}": "unsafe",
+}
+
+
+def word_tokenizer(normalizer=None) -> Tokenizer:
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "there": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    return tok
+
+
+def doubling(text: str, times: int) -> normalizers.Sequence:
+    """Normalizers that double every ``text`` ``times`` times: a 30-character prompt becomes ~30 * 2**times."""
+    return normalizers.Sequence([normalizers.Replace(text, text + text)] * times)
+
+
+@pytest.mark.parametrize("template", ERRORS)
+def test_template_errors_are_chat_errors(template):
+    with pytest.raises(ChatError, match=ERRORS[template]):
+        render_chat(HELLO, template, add_generation_prompt=True)
+
+
+def test_output_stops_at_the_size_limit():
+    with pytest.raises(TemplateLimit, match="passed 1000 bytes") as e:
+        render_chat(HELLO, "{% for i in range(100000) %}{{ messages }}{% endfor %}", add_generation_prompt=True,
+                    max_bytes=1000)
+    assert e.value.code == "template_output_too_large"
+    assert render_chat(HELLO, CHATML, add_generation_prompt=True, max_bytes=1000) == \
+        render_chat(HELLO, CHATML, add_generation_prompt=True)
+
+
+# ---- the workers ----
+
+def test_a_normal_conversation_gives_the_in_process_ids():
+    tok = word_tokenizer()
+    workers = TemplateWorkers(tok, {"chat_template": CHATML}, workers=1)
+    try:
+        ids = workers.chat_ids_blocking(HELLO)
+        assert asyncio.run(workers.chat_ids(HELLO)) == ids
+    finally:
+        workers.close()
+    assert ids == tok.encode(render_chat(HELLO, CHATML, add_generation_prompt=True), add_special_tokens=False).ids
+
+
+def test_tokenizer_whose_normalizers_never_finish_is_refused_at_load():
+    """Twenty Replace("a", "aa"): a 30-character prompt would become 31 million characters."""
+    with pytest.raises(UserError, match=r"tokenizer .* to encode a \d+-character test text") as e:
+        TemplateWorkers(word_tokenizer(doubling("a", 20)), {"chat_template": CHATML}, timeout=1, workers=1,
+                        memory=256 << 20)
+    assert "\n" not in str(e.value)
+
+
+def test_tokenizer_slow_on_one_text_is_stopped_at_the_time_limit():
+    """A normalizer the test text does not trigger: the request's own text is encoded where it can be stopped."""
+    workers = TemplateWorkers(word_tokenizer(doubling("zq", 24)), {"chat_template": CHATML}, timeout=1, workers=1,
+                              memory=256 << 20)
+    try:
+        with pytest.raises(TemplateLimit, match="tokenizer (did not finish .* within 1 s|ended its worker)") as e:
+            workers.chat_ids_blocking([{"role": "user", "content": "zq" * 15}])
+        assert e.value.code in ("template_timeout", "template_memory")
+        assert workers.chat_ids_blocking(HELLO)  # a new worker took its place
+    finally:
+        workers.close()
+
+
+def test_close_stops_a_render_in_flight():
+    """What serve does after SIGTERM's drain: nothing goes on rendering."""
+    workers = TemplateWorkers(word_tokenizer(), {"chat_template": NESTED_LOOPS}, timeout=600, workers=1)
+    (worker,) = workers._live
+
+    async def render_then_close():
+        job = asyncio.ensure_future(workers.chat_ids(HELLO))
+        while worker.phase.value != 1:  # the worker has the conversation
+            await asyncio.sleep(0.05)
+        workers.close()
+        with pytest.raises(WorkersStopped):
+            await job
+
+    asyncio.run(render_then_close())
+    assert not worker.process.is_alive()
+    with pytest.raises(WorkersStopped):
+        workers.chat_ids_blocking(HELLO)
+
+
+ORPHAN = """
+import os, sys, time
+from tokenizers import Tokenizer, models, pre_tokenizers
+from scalenlp.data.template_workers import TemplateWorkers
+
+if __name__ == "__main__":
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    workers = TemplateWorkers(tok, {"chat_template": sys.argv[1]}, timeout=1, workers=1)
+    (worker,) = workers._live
+    worker.conn.send(("chat", [{"role": "user", "content": "hi"}]))
+    print(worker.process.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.slow  # 11 s here: a Python process and its fork server start, then the worker's 2 s of CPU
+def test_a_worker_whose_server_died_stops_rendering(tmp_path):
+    """The server killed with SIGKILL (no chance to close its workers): the worker's CPU cap ends it."""
+    script = tmp_path / "server.py"
+    script.write_text(ORPHAN)
+    server = subprocess.Popen([sys.executable, str(script), NESTED_LOOPS], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    pid = int(server.stdout.readline())
+    server.kill()
+    server.wait()
+    deadline = time.monotonic() + 60  # CPU seconds of a 1 s limit, on a machine others load too
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(pid)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped; init reaps it
+    except FileNotFoundError:
+        return False
+
+
+# ---- through the server: 400s in OpenAI's shape, and other requests served meanwhile ----
+
+@pytest.fixture(scope="module")
+def served(hf_chat_model):
+    engine = engine_from_checkpoint(EngineConfig(str(hf_chat_model), max_queue=16))
+    backend = LocalBackend(engine, "tiny")
+    server = ServerThread(create_app(backend))
+    yield server, backend
+    server.stop()
+    backend.close()
+    engine.stop()
+
+
+def use_template(backend, template: str, **limits) -> None:
+    """Serve ``template`` from now on, in workers of its own."""
+    if backend.templates is not None:
+        backend.templates.close()
+    config = {**backend.engine.tokenizer_config, "chat_template": template}
+    backend.templates = TemplateWorkers(backend.engine.tokenizer, config, **limits)
+
+
+def chat(server, messages=HELLO, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", timeout=timeout,
+                      json={"model": "tiny", "messages": messages, "max_tokens": 2})
+
+
+def assert_openai_400(response: httpx.Response, match: str, code: str | None = None) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "messages")
+    assert match in error["message"], error["message"]
+    if code is not None:
+        assert error["code"] == code
+
+
+@pytest.mark.parametrize("template", ERRORS)
+def test_template_errors_are_400s_in_openai_shape(served, template):
+    server, backend = served
+    use_template(backend, template, workers=1)
+    assert_openai_400(chat(server), ERRORS[template])
+
+
+@pytest.mark.parametrize("template, limits, match, codes", [
+    (NESTED_LOOPS, {"timeout": 1}, "within 1 s", ("template_timeout",)),
+    ("{% for i in range(100000) %}{{ messages }}{% endfor %}", {"max_bytes": 5000}, "passed 5000 bytes",
+     ("template_output_too_large",)),
+    # 50 million spaces a line: gigabytes, where the server's process aborted; here the worker's cap stops it.
+    ("{{ messages|tojson(indent=50000000) }}", {"memory": 256 << 20, "timeout": 5}, "",
+     ("template_memory", "template_output_too_large", "template_timeout")),
+])
+def test_a_render_past_a_limit_is_a_400_naming_it(served, template, limits, match, codes):
+    server, backend = served
+    use_template(backend, template, workers=1, **limits)
+    response = chat(server)
+    assert_openai_400(response, match)
+    assert response.json()["error"]["code"] in codes
+    assert "--template-" in response.json()["error"]["message"] or "MiB" in response.json()["error"]["message"]
+    use_template(backend, CHATML, workers=1)
+    assert chat(server).status_code == 200  # and the server serves on
+
+
+def test_abandoned_slow_renders_hold_no_thread_and_completions_go_on(served):
+    """Seven chat requests whose template never finishes, abandoned by their clients: they wait for the two
+    workers on the event loop, not in threads, so a 2-token completion is served while they render."""
+    server, backend = served
+    use_template(backend, NESTED_LOOPS, timeout=1.5, workers=2)
+    left = []
+
+    def abandoned():
+        try:
+            chat(server, timeout=0.5)
+        except httpx.TimeoutException:
+            left.append(True)
+
+    clients = [threading.Thread(target=abandoned) for _ in range(7)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    response = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": "hello", "max_tokens": 2, "temperature": 0})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+    assert backend.templates._free.qsize() == 0  # the renders were still going on
+    assert len(left) == 7
+
+
+def test_chat_command_refuses_a_tokenizer_that_never_finishes(hf_chat_model, tmp_path, capsys):
+    from scalenlp.cli import main
+
+    folder = tmp_path / "model"
+    shutil.copytree(hf_chat_model, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["normalizer"] = json.loads(doubling("a", 20).__getstate__())
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    assert main(["chat", "--checkpoint", str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the model's tokenizer") and "test text" in err[0], err
