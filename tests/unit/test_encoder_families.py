@@ -163,7 +163,7 @@ def test_roberta_fine_tunes_from_its_bare_model(tmp_path, transformers):
     ({"model_type": "modernbert"}, "cannot load a Hugging Face 'modernbert' encoder; the supported encoder model "
                                    "types are bert, roberta, xlm-roberta, distilbert"),
     ({"activation": "relu"}, "DistilBert activation='relu' is not supported; only 'gelu'"),
-    ({"n_heads": 5}, "cannot load this DistilBert model: model dim 32 is not divisible by n_heads 5"),
+    ({"n_heads": 5}, "config.json: model dim 32 is not divisible by n_heads 5"),
     ({"max_position_embeddings": 0}, "max_position_embeddings=0 must be at least 1"),
 ])
 def test_unsupported_encoder_folders_are_one_error(tmp_path, transformers, change, message):

@@ -32,7 +32,7 @@ from torch import nn
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, llama3_scaled, rope_inv_freq, rope_turns
 from scalenlp.models.families import llama
-from scalenlp.models.limits import FieldError, check_count
+from scalenlp.models.limits import check_count, read_from
 from scalenlp.models.pretrained import Pretrained
 
 ARCHITECTURES = ("llama",)
@@ -272,10 +272,8 @@ def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
         return value
 
     def count(key: str, field: str, default=None) -> int:
-        try:
+        with read_from(str(path)):
             return check_count(field, meta(key, default), f"{arch}.{key}")
-        except FieldError as e:
-            raise UserError(f"{path}: {e}") from None
 
     dim, heads = count("embedding_length", "dim"), count("attention.head_count", "n_heads")
     # differs from dim // heads where heads were pruned
@@ -288,7 +286,7 @@ def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
     if scaling != "none":
         raise UserError(f"{path}: RoPE scaling {scaling!r} is not supported; only plain RoPE")
     tokens = reader.get_field("tokenizer.ggml.tokens")
-    try:
+    with read_from(str(path)):  # a float key holding a string, a shape that cannot be built
         args = ModelArgs(vocab_size=count("vocab_size", "vocab_size", len(tokens.data) if tokens is not None else 0),
                          dim=dim, n_layers=count("block_count", "n_layers"), n_heads=heads,
                          n_kv_heads=count("attention.head_count_kv", "n_kv_heads", heads),
@@ -299,8 +297,6 @@ def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
                          bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
                          fixed_head_dim=head_dim if head_dim != dim // heads else 0, **llama.SHAPE)
         args.check()
-    except (ValueError, TypeError) as e:  # a float key holding a string, a shape that cannot be built
-        raise UserError(f"{path}: {e}") from None
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None:
         original = count("rope.scaling.original_context_length", "max_seq_len", LLAMA31_ORIGINAL_CONTEXT)

@@ -16,7 +16,7 @@ from scalenlp.data.tokenizer import load_tokenizer
 from scalenlp.errors import UserError
 from scalenlp.models import families
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
-from scalenlp.models.limits import check_counts
+from scalenlp.models.limits import check_counts, read_from
 from scalenlp.models.pretrained import Pretrained, read_tokenizer_config
 
 
@@ -44,14 +44,10 @@ def args_from_hf(config, where: str = "config.json") -> ModelArgs:
     """Our model arguments from a transformers config object or a ``config.json`` dict (``where``), checked: a
     count of the wrong type or out of range, or a shape that cannot be built, is one UserError naming the key."""
     c = config if isinstance(config, dict) else config.to_dict()
-    try:
+    with read_from(where):
         check_counts(c, COUNTS)
         args = families.for_config(c).args_from_config(c)
         args.check()
-    except KeyError as e:
-        raise UserError(f"{where} lacks {e.args[0]}; it is not a complete {c.get('model_type')} config") from None
-    except (ValueError, TypeError, AttributeError) as e:  # a value of the wrong type, a shape that cannot be built
-        raise UserError(f"{where}: {e}") from None
     return args
 
 

@@ -23,7 +23,7 @@ from scalenlp.errors import UserError
 from scalenlp.models.encoder import FAMILIES, LABELLED_TASKS, Encoder, EncoderArgs
 from scalenlp.models.hf import read_hf_tokenizer, read_safetensors
 from scalenlp.models.io import WEIGHTS, replacing_folder, write_tokenizer
-from scalenlp.models.limits import check_counts
+from scalenlp.models.limits import check_counts, read_from
 from scalenlp.models.pretrained import Pretrained
 
 # The class-name ending of each task's head (after the family's stem: Bert, Roberta, XLMRoberta, DistilBert).
@@ -121,17 +121,17 @@ def family_of(config: dict) -> Family:
     return FAMILY[model_type]
 
 
-def args_from_config(config: dict, has_pooler: bool, pooling: str = "mean", normalize: bool = False) -> EncoderArgs:
-    """Our encoder arguments from an encoder's ``config.json``; the head comes from ``architectures``."""
+def args_from_config(config: dict, has_pooler: bool, pooling: str = "mean", normalize: bool = False,
+                     where: str = "config.json") -> EncoderArgs:
+    """Our encoder arguments from an encoder's ``config.json`` (``where``, for errors); the head comes from
+    ``architectures``."""
     family = family_of(config)
     keys = family.config_keys
     name = family.stem
-    try:
+    with read_from(where):
         check_counts(config, {keys[field]: field for field in ("dim", "n_layers", "n_heads", "ffn_dim")}
                      | {k: k for k in ("vocab_size", "type_vocab_size", "pad_token_id")}
                      | {"max_position_embeddings": "max_seq_len", "num_labels": "num_labels"})
-    except ValueError as e:
-        raise UserError(f"the {name} config.json: {e}") from None
     activation = config.get(keys["activation"], "gelu")
     if activation != "gelu":
         raise UserError(f"{name} {keys['activation']}={activation!r} is not supported; only 'gelu'")
@@ -140,7 +140,7 @@ def args_from_config(config: dict, has_pooler: bool, pooling: str = "mean", norm
                         f"only 'absolute'")
     if config.get("is_decoder"):
         raise UserError(f"this {name} config has is_decoder=true (causal attention); only bidirectional encoders load")
-    try:
+    with read_from(where):
         architecture = (config.get("architectures") or [name + "Model"])[0]
         # Other heads (masked LM, pretraining, ...) load as the bare encoder, as transformers' AutoModel does.
         task = next((t for t, ending in HEAD_CLASSES.items() if t != "embedding" and architecture.endswith(ending)),
@@ -156,10 +156,6 @@ def args_from_config(config: dict, has_pooler: bool, pooling: str = "mean", norm
                            dropout=config.get(keys["dropout"], 0.0), pooling=pooling, normalize=normalize, task=task,
                            labels=labels, pooler=has_pooler, family=family.model_type, **options)
         args.check()
-    except KeyError as e:
-        raise UserError(f"the {name} config.json lacks {e.args[0]}") from None
-    except (ValueError, TypeError, AttributeError) as e:  # a value of the wrong type, a shape that cannot be built
-        raise UserError(f"cannot load this {name} model: {e} (in its config.json)") from None
     return args
 
 
@@ -196,7 +192,7 @@ def read_encoder_folder(folder: Path, config: dict) -> Pretrained:
     hf = read_safetensors(folder)
     # Head models keep the encoder under the family's prefix; the bare model has none.
     hf = {k.removeprefix(family.prefix): v for k, v in hf.items()}
-    args = args_from_config(config, "pooler.dense.weight" in hf, *sentence_pooling(folder))
+    args = args_from_config(config, "pooler.dense.weight" in hf, *sentence_pooling(folder), str(folder / "config.json"))
     try:
         state = {ours: hf[theirs] for ours, theirs in family.encoder_pairs(args) + family.head_pairs(args)}
     except KeyError as e:

@@ -26,6 +26,7 @@ from scalenlp.data.tokenizer import TOKENIZER_CONFIG, load_tokenizer
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
 from scalenlp.models.encoder import Encoder, EncoderArgs
+from scalenlp.models.limits import read_from
 from scalenlp.models.memory import bytes_per, check_fits
 from scalenlp.models.pretrained import Pretrained, read_tokenizer_config
 
@@ -110,11 +111,9 @@ def load_model_args(path: str | Path) -> ModelArgs | EncoderArgs:
     if not isinstance(fields, dict):
         raise UserError(f"{file} holds a JSON {type(fields).__name__}, not an object of model arguments; re-export "
                         f"the model")
-    try:
+    with read_from(str(file)):  # also an unknown field (a TypeError from the constructor)
         args = (EncoderArgs if fields.get("architecture") == "bert" else ModelArgs)(**fields)
         args.check()
-    except (TypeError, ValueError) as e:  # an unknown or missing field; a value of the wrong type or out of range
-        raise UserError(f"{file}: {e}; re-export the model") from None
     return args
 
 

@@ -11,8 +11,12 @@ is even priced.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
+
+from scalenlp.errors import UserError
 
 MAX_LAYERS = 2048
 MAX_HEADS = 1 << 14
@@ -82,3 +86,16 @@ def check_counts(config: dict, keys: dict[str, str]) -> None:
     for key, field in keys.items():
         if config.get(key) is not None:
             check_count(field, config[key], key)
+
+
+@contextlib.contextmanager
+def read_from(where: str) -> Iterator[None]:
+    """Model arguments built from a file's values inside the block: what its values can make go wrong (a key it
+    lacks, a value of the wrong type, a count out of range, a shape that cannot be built) is one UserError naming
+    ``where`` (the file) and the key."""
+    try:
+        yield
+    except KeyError as e:
+        raise UserError(f"{where} lacks {e.args[0]}; it is not a complete model configuration") from None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise UserError(f"{where}: {e}") from None
