@@ -133,18 +133,23 @@ def run_request(engine, ids: list[int], params) -> tuple[str, list[int], str]:
 
 
 class ServerThread:
-    """uvicorn serving an app on a free localhost port, in a thread of the test process."""
+    """uvicorn serving an app on a free localhost port, in a thread of the test process; with ``limits`` (a
+    ServeLimits), on the connections `scalenlp serve` makes (its request-read and keep-alive deadlines)."""
 
-    def __init__(self, app):
+    def __init__(self, app, limits=None):
         import socket
         import threading
 
         import uvicorn
 
+        from scalenlp.serving.connections import server_config
+
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        config = (uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning") if limits is None
+                  else server_config(app, limits, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:

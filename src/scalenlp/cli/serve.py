@@ -70,6 +70,7 @@ def run(args) -> int:
 
     from scalenlp.serving.app import create_app
     from scalenlp.serving.backend import LocalBackend, generation_backend
+    from scalenlp.serving.connections import server_config
     from scalenlp.serving.encoder import build_encoder_backend
 
     if isinstance(config, EncoderEngineConfig):
@@ -79,9 +80,8 @@ def run(args) -> int:
     engine = backend.engine
     # SIGTERM: uvicorn stops accepting, waits --drain-timeout seconds for the requests in flight, then cancels
     # them (a cancelled encoder or decoder request leaves the engine's queue) and returns.
-    server = uvicorn.Server(uvicorn.Config(create_app(backend, limits.api_key, limits.max_body_bytes), host=args.host,
-                                           port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=limits.drain_timeout))
+    server = uvicorn.Server(server_config(create_app(backend, limits.api_key, limits.max_body_bytes), limits,
+                                          host=args.host, port=args.port, log_level="warning"))
     if isinstance(backend, LocalBackend):  # the generation engine tells when its loop dies
         engine.on_death = lambda error: setattr(server, "should_exit", True)
         if not engine.alive:  # it died before it could be told

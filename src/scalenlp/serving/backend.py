@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from scalenlp.engine.config import EngineConfig
-from scalenlp.serving.limits import ServeLimits
+from scalenlp.serving.limits import CHARS_PER_PROMPT_TOKEN, ServeLimits, text_chars
 from scalenlp.serving.protocol import (
     APIError,
     chat_ids,
@@ -29,10 +29,12 @@ class LocalBackend:
     """Requests go to an engine in this process; events come back from its thread to the event loop."""
 
     def __init__(self, engine, model_name: str, health_timeout: float = 10.0, max_prompt_tokens: int | None = None,
-                 max_tokens_cap: int | None = None, templates=None):
+                 max_tokens_cap: int | None = None, max_prompt_chars: int | None = None, templates=None):
         """max_prompt_tokens: longest prompt accepted (default: the context less one). max_tokens_cap:
-        most tokens a choice may generate (default: to the end of the context). templates: the ``TemplateWorkers``
-        that make chat prompts (default: their defaults, started by the first chat request)."""
+        most tokens a choice may generate (default: to the end of the context). max_prompt_chars: longest
+        prompt, or conversation, taken to the tokenizer or the chat template (default: CHARS_PER_PROMPT_TOKEN
+        per token of the longest prompt). templates: the ``TemplateWorkers`` that make chat prompts (default:
+        their defaults, started by the first chat request)."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.engine = engine
@@ -40,6 +42,7 @@ class LocalBackend:
         self.health_timeout = health_timeout
         self.max_prompt_tokens = min(max_prompt_tokens or engine.max_seq_len, engine.max_seq_len - 1)
         self.max_tokens_cap = max_tokens_cap
+        self.max_prompt_chars = max_prompt_chars or CHARS_PER_PROMPT_TOKEN * self.max_prompt_tokens
         self.templates = templates
         self._templates_starting = asyncio.Lock()
         self.registry = CollectorRegistry()
@@ -93,6 +96,7 @@ class LocalBackend:
     async def chat_prompt(self, messages: list) -> list[int]:
         """The prompt ids of a conversation, by the checkpoint's chat template, in a template worker process (a
         400 when it cannot, or passes a limit); the event loop waits for it holding no thread."""
+        self._check_prompt_chars(text_chars(messages), "messages", "the messages hold")
         async with self._templates_starting:
             if self.templates is None:
                 from scalenlp.data.template_workers import TemplateWorkers
@@ -124,6 +128,13 @@ class LocalBackend:
                            param="max_tokens")
         return dataclasses.replace(params, max_tokens=min(params.max_tokens or cap, cap))
 
+    def _check_prompt_chars(self, chars: int, param: str = "prompt", what: str = "the prompt holds") -> None:
+        """Before any tokenizing or rendering: a text's cost grows with its characters, and one that cannot fit
+        need not be tokenized to be refused."""
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"{what} {chars:,} characters, and this server takes at most "
+                           f"{self.max_prompt_chars:,} (--max-prompt-chars); shorten it", param=param)
+
     def _check_prompt_length(self, ids: list[int]) -> None:
         if len(ids) > self.max_prompt_tokens:
             raise APIError(400, f"the prompt has {len(ids)} tokens, and this server accepts at most "
@@ -133,12 +144,13 @@ class LocalBackend:
         """Token ids of every prompt; runs in a worker thread, as a long text takes seconds."""
         from scalenlp.engine.decoder_engine import RequestError
 
-        try:
-            ids = [self.engine.encode(p) for p in prompts]
-        except RequestError as e:
-            raise APIError(400, str(e), param=e.param) from None
-        for x in ids:
-            self._check_prompt_length(x)
+        ids = []
+        for p in prompts:
+            try:
+                ids.append(self.engine.encode(p))
+            except RequestError as e:
+                raise APIError(400, str(e), param=e.param) from None
+            self._check_prompt_length(ids[-1])  # before tokenizing the next
         return ids
 
     async def _events(self, req) -> AsyncIterator[tuple[int, Any, int]]:
@@ -150,9 +162,11 @@ class LocalBackend:
         prompts = prompts_of(req)
         params = self._limited(sampling_params(req), len(prompts) * req.n, "max_tokens" in req.model_fields_set)
         texts = [p for p in prompts if isinstance(p, str)]
-        for p in prompts:
-            if not isinstance(p, str):
-                self._check_prompt_length(p)  # before tokenizing the others
+        for p in prompts:  # the sizes of them all before tokenizing any
+            if isinstance(p, str):
+                self._check_prompt_chars(len(p))
+            else:
+                self._check_prompt_length(p)
         encoded = iter(await asyncio.to_thread(self._tokenize, texts) if texts else [])
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -308,4 +322,5 @@ def generation_backend(config: EngineConfig, limits: ServeLimits, model_name: st
         engine.stop()
         raise
     return LocalBackend(engine, model_name, max_prompt_tokens=limits.max_prompt_tokens,
-                        max_tokens_cap=limits.max_tokens_cap, templates=templates)
+                        max_tokens_cap=limits.max_tokens_cap, max_prompt_chars=limits.max_prompt_chars,
+                        templates=templates)

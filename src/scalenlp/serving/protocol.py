@@ -29,6 +29,14 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _stated_range(default, **bounds):
+    """A field whose range the OpenAPI document states (JSON Schema's ``minimum``, ``maximum``...) while
+    ``check_request`` still does the checking: its 400s say the range in this server's words, pydantic's would not."""
+    from pydantic import Field
+
+    return Field(default, json_schema_extra=bounds)
+
+
 @functools.cache
 def _sampling_request():
     """What completion and chat requests share; the schemas are built on first use so that `scalenlp --help`
@@ -39,9 +47,9 @@ def _sampling_request():
         model_config = ConfigDict(extra="forbid")
 
         model: str
-        temperature: float = 1.0
-        top_p: float = 1.0
-        n: int = 1
+        temperature: float = _stated_range(1.0, minimum=0, maximum=MAX_TEMPERATURE)
+        top_p: float = _stated_range(1.0, exclusiveMinimum=0, maximum=1)
+        n: int = _stated_range(1, minimum=1, maximum=MAX_N)
         stream: bool = False
         stream_options: dict[str, Any] | None = None
         stop: str | list[str] | None = None
@@ -66,7 +74,7 @@ def _request_model():
         max_tokens: int | None = 16
         logprobs: int | None = None
         echo: bool = False
-        best_of: int | None = None
+        best_of: int | None = _stated_range(None, minimum=1, maximum=MAX_N)  # n's, the only value served
         suffix: str | None = None
 
     return CompletionRequest
