@@ -45,7 +45,9 @@ def read_lines(interactive: bool):
                 return
             # Piped in: show the question on stderr, so that a terminal reads a conversation while stdout
             # stays a transcript of the answers alone.
-            print(f"> {line.rstrip()}", file=sys.stderr, flush=True)
+            # (bytes that are not UTF-8 shown as escapes: the stream may not take them back)
+            shown = line.rstrip().encode("utf-8", "backslashreplace").decode("utf-8")
+            print(f"> {shown}", file=sys.stderr, flush=True)
         yield line.rstrip("\n")
 
 
