@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,23 +52,27 @@ def check_text(text: object, what: str, max_chars: int | None = None, limit: str
         raise error(problem)
 
 
-def json_problem(value: Any, what: str = "the value") -> str | None:
-    """Why a parsed JSON value cannot be used as text, or None: the first string anywhere in it (key or value)
-    that is not valid text, named by its path (``messages[1].content``)."""
+def json_strings(value: Any, what: str = "the value") -> Iterator[tuple[str, str]]:
+    """(path, string) for every string in a parsed JSON value, keys included, in document order; a key's path is
+    ``a key of <its object's path>``, a value's ``messages[1].content``."""
     stack = [(what, value)]
     while stack:  # by hand: a deep document must not meet Python's recursion limit here
         path, item = stack.pop()
         if isinstance(item, str):
-            if (problem := text_problem(item, path)) is not None:
-                return problem
+            yield path, item
         elif isinstance(item, dict):
-            for key, child in reversed(item.items()):  # reversed onto the stack: the first problem is reported
-                if (problem := text_problem(key, f"a key of {path}")) is not None:
-                    return problem
+            for key, child in reversed(item.items()):  # reversed onto the stack, to come off in order
                 stack.append((f"{path}.{key}", child))
+                stack.append((f"a key of {path}", key))
         elif isinstance(item, list):
             stack.extend((f"{path}[{i}]", child) for i, child in reversed(list(enumerate(item))))
-    return None
+
+
+def json_problem(value: Any, what: str = "the value") -> str | None:
+    """Why a parsed JSON value cannot be used as text, or None: the first string anywhere in it (key or value)
+    that is not valid text, named by its path."""
+    return next((problem for path, text in json_strings(value, what)
+                 if (problem := text_problem(text, path)) is not None), None)
 
 
 def parse_json(text: str) -> Any:

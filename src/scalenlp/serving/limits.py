@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from scalenlp.auth import key_of
+from scalenlp.data.text import json_strings
 from scalenlp.engine.config import Options, option
 from scalenlp.errors import UserError
 
@@ -100,14 +101,4 @@ def api_key_of(api_key: str | None, api_key_file: str | None) -> str | None:
 
 def text_chars(value: object) -> int:
     """Characters in every string of a parsed JSON value, keys included: what a chat template may write out."""
-    total, stack = 0, [value]
-    while stack:  # by hand: deep nesting must not meet Python's recursion limit
-        item = stack.pop()
-        if isinstance(item, str):
-            total += len(item)
-        elif isinstance(item, dict):
-            stack.extend(item)
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return total
+    return sum(len(text) for _, text in json_strings(value))
