@@ -8,6 +8,8 @@ from safetensors import SafetensorError
 
 from scalenlp.errors import UserError
 from scalenlp.models import io as model_io
+from scalenlp.plan import search
+from scalenlp.plan.planner import plan
 from train_helpers import TINY, train_here
 
 
@@ -30,3 +32,21 @@ def test_a_full_disk_during_the_final_export_is_one_line_and_leaves_no_partial_f
     monkeypatch.setattr(model_io, "save_file", real)
     train_here(run, *TINY, f"data.path={corpus}", "training.steps=2", "checkpoint.resume=true")  # as the line says
     assert (run / "export" / model_io.WEIGHTS).is_file() and not (run / "export.tmp").exists()
+
+
+def test_a_huge_global_batch_is_planned_without_counting_up_to_it(monkeypatch):
+    """`plan --global-batch 1000000000000` enumerated every number up to the batch for its micro-batch sizes; the
+    search now only takes divisors of device counts, and a batch above what the config takes is one line."""
+    real = search.divisors
+
+    def divisors_of_device_counts(n):
+        assert n <= search.MAX_DEVICES, f"divisors({n}) counts up to a batch"
+        return real(n)
+
+    monkeypatch.setattr(search, "divisors", divisors_of_device_counts)
+    result = plan("debug", 128, 10**12, 8)
+    assert result.layouts and all(p.layout.microbatch <= 10**12 for p in result.layouts)
+    assert search._microbatches(3 * 2**20) == [2**k for k in range(13)] + [3 * 2**20]
+    assert search._microbatches(96) == [1, 2, 4, 8, 16, 32, 96] and search._microbatches(64) == [1, 2, 4, 8, 16, 32, 64]
+    with pytest.raises(UserError, match="--global-batch must be between 1 and"):
+        plan("debug", 128, 2**64, 8)

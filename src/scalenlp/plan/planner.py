@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from scalenlp.config import INT_MAX
 from scalenlp.errors import UserError
 from scalenlp.layout import DATA_PARALLEL, Layout
 
@@ -127,8 +128,8 @@ def plan(model: str, seq: int, global_batch: int, devices: int, device: str = "h
     from scalenlp.plan.search import MAX_DEVICES, check_layout, search, smallest_device_count
 
     for name, value in (("seq", seq), ("global_batch", global_batch), ("devices", devices), ("top", top)):
-        if value < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 1 <= value <= INT_MAX:  # the config keys of the printed command take 64-bit integers
+            raise UserError(f"--{name.replace('_', '-')} must be between 1 and {INT_MAX}, got {value}")
     if devices > MAX_DEVICES:
         raise UserError(f"--devices {devices:,} is more than the {MAX_DEVICES:,} devices plan searches; "
                         "plan a part of the cluster (a layout's cost per device does not depend on the rest)")

@@ -18,6 +18,7 @@ from scalenlp.layout import INTERLEAVED, Layout, ModelSizes, problems
 from scalenlp.plan.cost import ModelShape, Prediction, Workload, fits, predict
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
+MAX_MICROBATCH = 1 << 12  # sequences; the largest power-of-two micro-batch searched below the whole batch
 MAX_DEVICES = 1 << 17  # the largest cluster planned for; the search enumerates the divisors of the count
 MAX_STAGES_PER_RANK = 8
 
@@ -60,7 +61,13 @@ def _data_parallel_splits(dp: int, tp: int, gpus_per_node: int) -> list[tuple[in
 
 
 def _microbatches(per_replica: int) -> list[int]:
-    return [d for d in divisors(per_replica) if d & (d - 1) == 0 or d == per_replica]
+    """The powers of two up to MAX_MICROBATCH that divide the per-replica batch, then the batch itself. Found by
+    doubling (a batch can be 2**63, far too many numbers to try each), and capped, since each size is another
+    round of predictions: a batch of 2**62 would otherwise search 60 sizes where one of 256 searches 9."""
+    sizes = [1]
+    while per_replica % (sizes[-1] * 2) == 0 and sizes[-1] < MAX_MICROBATCH:
+        sizes.append(sizes[-1] * 2)
+    return sizes if sizes[-1] == per_replica else [*sizes, per_replica]
 
 
 def _schedules(pp: int, layers: int) -> list[tuple[str, int]]:
