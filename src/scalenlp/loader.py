@@ -52,13 +52,24 @@ def read(path: str | Path) -> Pretrained:
     """Read a checkpoint of any kind into a ``Pretrained`` (no model built yet)."""
     kind, p = checkpoint_kind(path)
     if kind == "gguf":
-        return read_gguf(p)
-    if kind == "hf":
+        pre = read_gguf(p)
+    elif kind == "hf":
         config = read_hf_config(p)
-        return (read_encoder_folder if is_encoder_config(config) else read_hf_folder)(p, config)
-    pre = read_export(p)
-    pre.quantization = read_quantization(p)
+        pre = (read_encoder_folder if is_encoder_config(config) else read_hf_folder)(p, config)
+    else:
+        pre = read_export(p)
+        pre.quantization = read_quantization(p)
+    check_token_ids(pre)
     return pre
+
+
+def check_token_ids(pre: Pretrained) -> None:
+    """Every id the tokenizer gives (BOS and EOS among them) names one of the model's embeddings: a larger one would
+    fail inside the first forward pass of whoever sent it."""
+    top = max(pre.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= pre.args.vocab_size:
+        raise UserError(f"{pre.path}: its tokenizer gives token ids up to {top:,}, but the model has "
+                        f"{pre.args.vocab_size:,} token embeddings; the tokenizer does not belong to these weights")
 
 
 def instantiate(pre: Pretrained, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

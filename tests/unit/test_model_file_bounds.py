@@ -104,6 +104,15 @@ def test_model_args_json(files, tmp_path, capsys, change, words):
     refused(capsys, changed_json(files, tmp_path, "export", "model_args.json", change), "model_args.json", *words)
 
 
+def test_token_ids_beyond_the_embeddings(files, tmp_path, capsys):
+    # A BOS (or any token) the tokenizer numbers past the embedding table: refused at load, not in the first forward.
+    def renumber(t):
+        t["added_tokens"][0]["id"] = 10**6
+        t["model"]["vocab"][t["added_tokens"][0]["content"]] = 10**6
+    model = changed_json(files, tmp_path, "export", "tokenizer.json", renumber)
+    refused(capsys, model, "token ids up to 1,000,000", "320 token embeddings")
+
+
 @pytest.mark.parametrize("place, value, words", [
     ("llama.block_count", 2**31, ("llama.block_count=2,147,483,648",)),
     ("llama.context_length", 50_000_000, ("llama.context_length=50,000,000",)),
