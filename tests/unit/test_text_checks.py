@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from infer_helpers import make_export
+from scalenlp.cli.evaluate import read_questions as chat_questions
 from scalenlp.data.chat import ChatError, check_messages
 from scalenlp.data.labeled import read_labeled
 from scalenlp.data.sft import read_conversations
@@ -32,6 +33,7 @@ from scalenlp.engine.config import EncoderEngineConfig
 from scalenlp.engine.decoder_engine import Engine
 from scalenlp.engine.encoder_engine import encoder_from_checkpoint
 from scalenlp.errors import UserError
+from scalenlp.evaluation.multiple_choice import read_questions
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.io import load_pretrained, save_pretrained
 from scalenlp.models.packaged import packaged_model
@@ -212,6 +214,20 @@ def test_pretraining_text_refuses_a_bad_line_with_file_and_line(tmp_path):
             list(read_pieces([f], "text"))
 
 
+def test_eval_question_files_refuse_a_bad_line_with_file_and_line(tmp_path):
+    """`eval --tasks` and `--chat` stop at a bad line (a score over fewer questions would not compare): one line
+    with file:line, where a byte that is not UTF-8 was a traceback."""
+    row = json.dumps({"context": "2+2=", "choices": ["4", "5"], "answer": 0})
+    for n, bad in enumerate((b"\xff" + row.encode(), row.replace('"4"', '"\\ud800"'), row.replace("0}", HUGE + "}"))):
+        f = _lines(tmp_path / f"mc{n}.jsonl", row, bad)
+        with pytest.raises(UserError, match=rf"mc{n}\.jsonl:2: not a multiple-choice question"):
+            read_questions(f)
+    chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "expect": "x"})
+    f = _lines(tmp_path / "chat.jsonl", chat, b"\xff" + chat.encode())
+    with pytest.raises(UserError, match=r"chat\.jsonl:2: not a question \(the line is not valid Unicode"):
+        chat_questions(f)
+
+
 # ---------------------------------------------------------------- properties: arbitrary input, never a 5xx or a traceback
 
 # Text, a third of it holding a lone surrogate (Hypothesis leaves surrogates out unless asked, and those it
@@ -309,6 +325,10 @@ SHAPED = {
                                          "tags": st.lists(_TAG, max_size=2)}).map(_text_of),
     "text.jsonl": st.fixed_dictionaries({"text": TEXT | BAD_TEXT}).map(_text_of),  # any bad line refuses the file
     "text.tsv": TEXT,
+    "mc": st.fixed_dictionaries({"context": VALUE, "choices": st.lists(VALUE, max_size=2),
+                                 "answer": st.integers(-1, 2) | JSON}).map(_text_of),
+    "chat_questions": st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries(
+        {"role": st.just("user"), "content": VALUE}), max_size=1), "expect": VALUE}).map(_text_of),
 }
 
 
@@ -359,6 +379,12 @@ def _read_any(rows: list, kind: str) -> None:
             f = _write(root / f"q.{kind.split('.')[1]}", rows)
             _read_or_refuse(lambda: read_qa(f, log=lambda _: None),
                             lambda found: [(e.question, e.context, e.answers) for e in found])
+        elif kind == "mc":
+            f = _write(root / "mc.jsonl", rows)
+            _read_or_refuse(lambda: read_questions(f), lambda found: [(q.context, q.choices) for q in found])
+        elif kind == "chat_questions":
+            f = _write(root / "chat.jsonl", rows)
+            _read_or_refuse(lambda: chat_questions(f), lambda found: found)
         elif kind.startswith("text"):
             f = _write(root / f"t.{kind.split('.')[1]}", rows, first="text" if kind.endswith("tsv") else None)
             _read_or_refuse(lambda: list(read_pieces([f], "text")), lambda found: [p.text for p in found])

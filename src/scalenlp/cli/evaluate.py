@@ -93,20 +93,25 @@ def perplexity(model, ids: list[int], seq: int, stride: int) -> Perplexity:
 def read_questions(path: str) -> list[dict]:
     """The --chat file: one {"messages": [...], "expect": str} per line."""
     from scalenlp.data.chat import check_messages
+    from scalenlp.data.text import json_row, open_rows
 
     file = Path(path)
     if not file.is_file():
         raise UserError(f"--chat {path!r} is not a file; pass a JSONL file of questions")
     questions = []
-    for lineno, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    with open_rows(file) as fh:
+        lines = fh.read().splitlines()
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
+            item, problem = json_row(line)
+            if problem is not None:
+                raise ValueError(problem)
             check_messages(item["messages"])
             if not isinstance(item["expect"], str) or not item["expect"]:
                 raise ValueError("expect must be a non-empty string")
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError, UserError) as e:
+        except (KeyError, TypeError, ValueError, UserError) as e:
             raise UserError(f"{file}:{lineno}: not a question ({e}); each line needs "
                             f'{{"messages": [...], "expect": "text"}}') from None
         questions.append(item)

@@ -15,13 +15,13 @@ each with its standard error over questions (the sample standard deviation over 
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from scalenlp.data.chat import end_of_text_id, special_token
+from scalenlp.data.text import json_row, open_rows
 from scalenlp.errors import UserError
 
 ROW_FORMAT = '{"context": "...", "choices": ["...", "..."], "answer": index or choice text}'
@@ -57,11 +57,16 @@ def read_questions(path: str | Path) -> list[Question]:
     if not file.is_file():
         raise UserError(f"--tasks {str(path)!r} is not a file; pass a JSONL file with one {ROW_FORMAT} per line")
     questions = []
-    for lineno, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    with open_rows(file) as fh:
+        lines = fh.read().splitlines()
+    for lineno, line in enumerate(lines, 1):
         if line.strip():
             try:
-                questions.append(_question(json.loads(line), lineno))
-            except (json.JSONDecodeError, ValueError) as e:
+                row, problem = json_row(line)
+                if problem is not None:
+                    raise ValueError(problem)
+                questions.append(_question(row, lineno))
+            except ValueError as e:
                 raise UserError(f"{file}:{lineno}: not a multiple-choice question ({e}); each line needs "
                                 f"{ROW_FORMAT}") from None
     if not questions:
