@@ -32,6 +32,9 @@ def test_api_key_from_file_or_environment(tmp_path, monkeypatch):
     (["generate", "--prompt", "hi", "--max-seq-len", "-5"], "--max-seq-len"),
     (["serve", "--port", "70000"], "--port"),
     (["serve", "--max-body-bytes", "0"], "--max-body-bytes"),
+    (["serve", "--max-prompt-chars", "0"], "--max-prompt-chars"),
+    (["serve", "--read-timeout", "0"], "--read-timeout"),
+    (["serve", "--keep-alive-timeout", "nan"], "--keep-alive-timeout"),
 ])
 def test_cli_bad_values_are_one_error_line(tiny_export, capsys, argv, message):
     assert main(argv + ["--checkpoint", str(tiny_export), "--dtype", "float32", "--device", "cpu"]) == 2
