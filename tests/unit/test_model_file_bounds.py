@@ -128,6 +128,14 @@ def test_gguf_metadata(files, tmp_path, capsys, place, value, words):
     refused(capsys, changed_gguf(files, tmp_path, place, value), "model.gguf", *words)
 
 
+def test_gguf_version_the_reader_does_not_know(files, tmp_path, capsys):
+    model = copy_model(files["gguf"], tmp_path / "model")
+    with open(model, "r+b") as f:  # GGUF v1's counts are 32-bit: read as v3's they would misplace every field
+        f.seek(4)
+        f.write(struct.pack("<I", 1))
+    refused(capsys, model, "GGUF version 1", "supported: 2, 3")
+
+
 def test_gguf_tensor_offsets(files, tmp_path, capsys):
     places = gguf_places(files["gguf"])
     # Negative: 2^64 - 64 wraps below the data, where the gguf package read header bytes as weights.

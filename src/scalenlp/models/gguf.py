@@ -220,8 +220,12 @@ def _check_layout(path: Path) -> None:
 def _check_header(c: _Cursor) -> None:
     if c.take(4, "the magic number") != b"GGUF":
         raise UserError(f"{c.path} is not a GGUF file (it does not start with GGUF)")
-    if c.number("I", "the version") & 0xFFFF == 0:  # written on a machine of the other byte order
-        c.order = ">"
+    version = c.number("I", "the version")
+    if version & 0xFFFF == 0:  # written on a machine of the other byte order
+        c.order, version = ">", int.from_bytes(version.to_bytes(4, "little"), "big")
+    if version not in gguf.gguf_reader.READER_SUPPORTED_VERSIONS:
+        raise UserError(f"{c.path} is GGUF version {version}, which is not supported; supported: "
+                        f"{', '.join(map(str, gguf.gguf_reader.READER_SUPPORTED_VERSIONS))} (convert it again)")
     tensors = c.count("the tensor count", 8 + 4 + 8 + 4 + 8)  # name length, dims, one dim, type, offset
     keys = c.count("the metadata count", 8 + 4 + 1)  # key length, type, the smallest value
     alignment = gguf.GGUF_DEFAULT_ALIGNMENT

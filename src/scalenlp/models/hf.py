@@ -37,7 +37,7 @@ COUNTS = {"vocab_size": "vocab_size", "hidden_size": "dim", "n_embd": "dim", "nu
           "n_layer": "n_layers", "num_attention_heads": "n_heads", "n_head": "n_heads",
           "num_key_value_heads": "n_kv_heads", "head_dim": "dim", "intermediate_size": "ffn_dim", "n_inner": "ffn_dim",
           "max_position_embeddings": "max_seq_len", "n_positions": "max_seq_len", "sliding_window": "sliding_window",
-          "max_window_layers": "n_layers", "sliding_window_pattern": "n_layers", "query_pre_attn_scalar": "dim"}
+          "sliding_window_pattern": "n_layers", "query_pre_attn_scalar": "dim"}
 
 
 def args_from_hf(config, where: str = "config.json") -> ModelArgs:

@@ -97,5 +97,5 @@ def read_from(where: str) -> Iterator[None]:
         yield
     except KeyError as e:
         raise UserError(f"{where} lacks {e.args[0]}; it is not a complete model configuration") from None
-    except (ValueError, TypeError, AttributeError) as e:
+    except (ValueError, TypeError, AttributeError, ArithmeticError) as e:
         raise UserError(f"{where}: {e}") from None
