@@ -93,19 +93,14 @@ def perplexity(model, ids: list[int], seq: int, stride: int) -> Perplexity:
 def read_questions(path: str) -> list[dict]:
     """The --chat file: one {"messages": [...], "expect": str} per line."""
     from scalenlp.data.chat import check_messages
-    from scalenlp.data.text import json_row, open_rows
+    from scalenlp.data.text import jsonl_rows
 
     file = Path(path)
     if not file.is_file():
         raise UserError(f"--chat {path!r} is not a file; pass a JSONL file of questions")
     questions = []
-    with open_rows(file) as fh:
-        lines = fh.read().splitlines()
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for lineno, item, problem in jsonl_rows(file):
         try:
-            item, problem = json_row(line)
             if problem is not None:
                 raise ValueError(problem)
             check_messages(item["messages"])

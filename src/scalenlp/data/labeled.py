@@ -33,7 +33,7 @@ from tokenizers import Tokenizer
 
 from scalenlp.data.dataset import GlobalBatchLoader
 from scalenlp.data.sources import read_tsv, tsv_text_column
-from scalenlp.data.text import json_row, open_rows, text_problem
+from scalenlp.data.text import jsonl_rows, open_rows, text_problem
 from scalenlp.errors import UserError, require
 
 LABELED_FORMATS = (".tsv", ".csv", ".jsonl", ".parquet")
@@ -174,26 +174,22 @@ def _jsonl_rows(f: Path, text_field: str, label_field: str, text_pair_field: str
                 skip: _Skip) -> Iterator[_Row]:
     # The first object's keys act as the header: a wrong field name is one error, not a report of every line.
     names: tuple[str, str, str] | None = None
-    with open_rows(f) as fh:
-        for line, text in enumerate(fh, 1):
-            if not text.strip():
-                continue
-            record, problem = json_row(text)
-            if problem is not None:
-                skip(line, problem)
-                continue
-            if not isinstance(record, dict):
-                skip(line, f"a JSON {type(record).__name__}, not an object")
-                continue
-            if names is None:
-                keys = list(record)
-                t, p, lab = _columns(f, keys, text_field, label_field, text_pair_field)
-                names = (keys[t], keys[p] if p is not None else "", keys[lab])
-            missing = [n for n in names if n and n not in record]
-            if missing:
-                skip(line, f"no {', '.join(map(repr, missing))} field")
-                continue
-            yield line, record[names[0]], record[names[1]] if names[1] else None, record[names[2]]
+    for line, record, problem in jsonl_rows(f):
+        if problem is not None:
+            skip(line, problem)
+            continue
+        if not isinstance(record, dict):
+            skip(line, f"a JSON {type(record).__name__}, not an object")
+            continue
+        if names is None:
+            keys = list(record)
+            t, p, lab = _columns(f, keys, text_field, label_field, text_pair_field)
+            names = (keys[t], keys[p] if p is not None else "", keys[lab])
+        missing = [n for n in names if n and n not in record]
+        if missing:
+            skip(line, f"no {', '.join(map(repr, missing))} field")
+            continue
+        yield line, record[names[0]], record[names[1]] if names[1] else None, record[names[2]]
 
 
 def _parquet_rows(f: Path, text_field: str, label_field: str, text_pair_field: str,

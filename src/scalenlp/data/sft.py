@@ -33,7 +33,7 @@ from scalenlp.data.chat import ChatError, chat_template, end_of_turn_ids, render
 from scalenlp.data.dataset import open_tokens
 from scalenlp.data.prepare import Plan, build_entry
 from scalenlp.data.sources import Corpus
-from scalenlp.data.text import json_row, open_rows
+from scalenlp.data.text import jsonl_rows
 from scalenlp.errors import UserError
 
 # Bump when the rows written for the same inputs would change.
@@ -48,19 +48,15 @@ def read_conversations(files: list[Path]) -> Iterator[tuple[str, list | str]]:
         if f.suffix.lower() != ".jsonl":
             raise UserError(f"{f}: training.task=\"sft\" reads .jsonl files with a `messages` list per line; "
                             f"point data.path at such files")
-        with open_rows(f) as fh:  # one bad line is skipped, not the file
-            for lineno, line in enumerate(fh, 1):
-                where = f"{f}:{lineno}"
-                if not line.strip():
-                    continue
-                record, problem = json_row(line)
-                if problem is not None:
-                    yield where, problem
-                    continue
-                if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
-                    yield where, "no `messages` list"
-                    continue
-                yield where, record["messages"]
+        for lineno, record, problem in jsonl_rows(f):  # one bad line is skipped, not the file
+            where = f"{f}:{lineno}"
+            if problem is not None:
+                yield where, problem
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+                yield where, "no `messages` list"
+                continue
+            yield where, record["messages"]
 
 
 def write_chat_rows(corpus: Corpus, pretrained: Any, cfg: Config, out_dir: Path,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scalenlp.data.text import json_row, open_rows, text_problem
+from scalenlp.data.text import jsonl_rows, open_rows, text_problem
 from scalenlp.errors import UserError, require
 
 TEXT_TYPES = (".txt", ".jsonl", ".parquet", ".tsv")
@@ -116,23 +116,19 @@ def _read_txt(f: Path, text_field: str) -> Iterator[Piece]:
 def _read_jsonl(f: Path, text_field: str) -> Iterator[Piece]:
     # A pre-training corpus refuses a bad line with its file:line rather than skipping it: its documents are not
     # counted one by one as labelled rows are, so a skipped line would go unnoticed.
-    with open_rows(f) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            record, problem = json_row(line)
-            if problem is not None:
-                raise UserError(f"{f}:{lineno}: {problem}; each line must be one JSON object of UTF-8 text")
-            if not isinstance(record, dict) or text_field not in record:
-                raise UserError(f"{f}:{lineno}: no {text_field!r} field; set data.text_field to the field "
-                                f"holding the text" + (f" (this line has {', '.join(map(repr, record))})"
-                                                       if isinstance(record, dict) else ""))
-            text = record[text_field]
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise UserError(f"{f}:{lineno}: field {text_field!r} is {type(text).__name__}, not a string")
-            yield Piece(text)
+    for lineno, record, problem in jsonl_rows(f):
+        if problem is not None:
+            raise UserError(f"{f}:{lineno}: {problem}; each line must be one JSON object of UTF-8 text")
+        if not isinstance(record, dict) or text_field not in record:
+            raise UserError(f"{f}:{lineno}: no {text_field!r} field; set data.text_field to the field "
+                            f"holding the text" + (f" (this line has {', '.join(map(repr, record))})"
+                                                   if isinstance(record, dict) else ""))
+        text = record[text_field]
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise UserError(f"{f}:{lineno}: field {text_field!r} is {type(text).__name__}, not a string")
+        yield Piece(text)
 
 
 def _read_parquet(f: Path, text_field: str) -> Iterator[Piece]:

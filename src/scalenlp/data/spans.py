@@ -32,7 +32,7 @@ from tokenizers import Encoding, Tokenizer
 
 from scalenlp.data.labeled import REPORT_ROWS, LabeledDataset
 from scalenlp.data.sources import _decode_error, _open_text
-from scalenlp.data.text import json_row, open_rows, parse_json, text_problem
+from scalenlp.data.text import jsonl_rows, parse_json, text_problem
 from scalenlp.errors import UserError
 
 QA_FORMATS = (".json", ".jsonl")
@@ -147,12 +147,7 @@ def _squad_rows(f: Path) -> Iterator[QAExample]:
 
 
 def _jsonl_rows(f: Path, skipped: list[tuple[int, str]]) -> Iterator[QAExample]:
-    with open_rows(f) as fh:
-        lines = fh.read().splitlines()
-    for line, text in enumerate(lines, 1):
-        if not text.strip():
-            continue
-        record, problem = json_row(text)
+    for line, record, problem in jsonl_rows(f):
         if problem is not None:
             skipped.append((line, problem))
             continue

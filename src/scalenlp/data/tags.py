@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 from scalenlp.data.entities import OUTSIDE, bio_problem, split_tag
 from scalenlp.data.labeled import IGNORE_LABEL, REPORT_ROWS, LabeledDataset
 from scalenlp.data.sft import IGNORE_INDEX
-from scalenlp.data.text import json_row, open_rows, text_problem
+from scalenlp.data.text import jsonl_rows, open_rows, text_problem
 from scalenlp.errors import UserError
 
 DOCSTART = "-DOCSTART-"
@@ -110,26 +110,22 @@ def _conll_sentences(f: Path) -> Iterator[_Sentence]:
 
 
 def _jsonl_sentences(f: Path) -> Iterator[_Sentence]:
-    with open_rows(f) as fh:
-        for number, text in enumerate(fh, 1):
-            if not text.strip():
-                continue
-            record, why = json_row(text)
-            if why is not None:
-                yield [], [], [], (number, why)
-                continue
-            if not isinstance(record, dict) or "tokens" not in record or "tags" not in record:
-                yield [], [], [], (number, "not an object with \"tokens\" and \"tags\" lists")
-                continue
-            words, tags = record["tokens"], record["tags"]
-            if not (isinstance(words, list) and isinstance(tags, list)
-                    and all(isinstance(x, str) for x in words + tags)):
-                yield [], [], [], (number, "\"tokens\" and \"tags\" must be lists of strings")
-            elif not words or len(words) != len(tags):
-                yield [], [], [], (number, f"{len(words)} tokens and {len(tags)} tags; a sentence needs one tag per "
-                                           f"token, and at least one token")
-            else:
-                yield [number] * len(words), words, tags, None
+    for number, record, why in jsonl_rows(f):
+        if why is not None:
+            yield [], [], [], (number, why)
+            continue
+        if not isinstance(record, dict) or "tokens" not in record or "tags" not in record:
+            yield [], [], [], (number, "not an object with \"tokens\" and \"tags\" lists")
+            continue
+        words, tags = record["tokens"], record["tags"]
+        if not (isinstance(words, list) and isinstance(tags, list)
+                and all(isinstance(x, str) for x in words + tags)):
+            yield [], [], [], (number, "\"tokens\" and \"tags\" must be lists of strings")
+        elif not words or len(words) != len(tags):
+            yield [], [], [], (number, f"{len(words)} tokens and {len(tags)} tags; a sentence needs one tag per "
+                                       f"token, and at least one token")
+        else:
+            yield [number] * len(words), words, tags, None
 
 
 def tag_names(sentences: TaggedSentences) -> list[str]:

@@ -104,6 +104,15 @@ def json_row(line: str) -> tuple[Any, str | None]:
     return None, problem
 
 
+def jsonl_rows(f: Path) -> Iterator[tuple[int, Any, str | None]]:
+    """(line number, the parsed value, None), or (line number, None, why it cannot be used), for every line of a
+    JSONL file that is not blank (``json_row``, one line at a time)."""
+    with open_rows(f) as fh:
+        for number, line in enumerate(fh, 1):
+            if line.strip():
+                yield number, *json_row(line)
+
+
 def open_rows(f: Path):
     """A text file opened to be read row by row: a byte that is not UTF-8 becomes a surrogate that
     ``text_problem`` reports with that row, instead of an error that ends the whole file. Universal newlines

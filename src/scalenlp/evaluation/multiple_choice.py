@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scalenlp.data.chat import end_of_text_id, special_token
-from scalenlp.data.text import json_row, open_rows
+from scalenlp.data.text import jsonl_rows
 from scalenlp.errors import UserError
 
 ROW_FORMAT = '{"context": "...", "choices": ["...", "..."], "answer": index or choice text}'
@@ -57,18 +57,14 @@ def read_questions(path: str | Path) -> list[Question]:
     if not file.is_file():
         raise UserError(f"--tasks {str(path)!r} is not a file; pass a JSONL file with one {ROW_FORMAT} per line")
     questions = []
-    with open_rows(file) as fh:
-        lines = fh.read().splitlines()
-    for lineno, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                row, problem = json_row(line)
-                if problem is not None:
-                    raise ValueError(problem)
-                questions.append(_question(row, lineno))
-            except ValueError as e:
-                raise UserError(f"{file}:{lineno}: not a multiple-choice question ({e}); each line needs "
-                                f"{ROW_FORMAT}") from None
+    for lineno, row, problem in jsonl_rows(file):
+        try:
+            if problem is not None:
+                raise ValueError(problem)
+            questions.append(_question(row, lineno))
+        except ValueError as e:
+            raise UserError(f"{file}:{lineno}: not a multiple-choice question ({e}); each line needs "
+                            f"{ROW_FORMAT}") from None
     if not questions:
         raise UserError(f"--tasks {file} holds no questions; write one {ROW_FORMAT} per line")
     return questions
