@@ -3,14 +3,20 @@ instead of a traceback: a full disk during the final export, and what the other 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import pickle
+
 import pytest
+import torch
 from safetensors import SafetensorError
 
 from scalenlp.errors import UserError
 from scalenlp.models import io as model_io
 from scalenlp.plan import search
 from scalenlp.plan.planner import plan
-from train_helpers import TINY, train_here
+from train_helpers import TINY, error_lines, main_train, train_here
 
 
 def test_a_full_disk_during_the_final_export_is_one_line_and_leaves_no_partial_folder(tmp_path, corpus, monkeypatch):
@@ -50,3 +56,38 @@ def test_a_huge_global_batch_is_planned_without_counting_up_to_it(monkeypatch):
     assert search._microbatches(96) == [1, 2, 4, 8, 16, 32, 96] and search._microbatches(64) == [1, 2, 4, 8, 16, 32, 64]
     with pytest.raises(UserError, match="--global-batch must be between 1 and"):
         plan("debug", 128, 2**64, 8)
+
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("planted", ["a pickled payload", "a state of the wrong shape", "not a torch file"])
+def test_a_planted_random_state_is_refused_in_one_line(tmp_path, corpus, capsys, planted):
+    """rng-rank0.pt replaced, with the checksum in train_state.json to match (as someone who can write the run
+    folder would): the resume stops at one line naming the file, before loading anything, and runs nothing."""
+    sets = [*TINY, f"data.path={corpus}", "training.steps=2", "checkpoint.every=2"]
+    run, marker = tmp_path / "run", tmp_path / "ran"
+    train_here(run, *sets)
+    folder = run / "checkpoints" / "step-2"
+    rng = folder / "rng-rank0.pt"
+    if planted == "a pickled payload":
+        rng.write_bytes(pickle.dumps(Payload(marker)))
+    elif planted == "a state of the wrong shape":
+        torch.save({"cpu": torch.zeros(3, dtype=torch.uint8)}, rng)
+    else:
+        rng.write_bytes(b"\xff" * 64)
+    state = json.loads((folder / "train_state.json").read_text())
+    state["sha256"][rng.name] = hashlib.sha256(rng.read_bytes()).hexdigest()
+    (folder / "train_state.json").write_text(json.dumps(state))
+    capsys.readouterr()
+
+    assert main_train(run, *sets, "training.steps=4", "checkpoint.resume=true") == 2
+    err = capsys.readouterr().err
+    assert len(error_lines(err)) == 1 and "refusing rng-rank0.pt" in error_lines(err)[0]
+    assert "Traceback" not in err and "weights_only" not in err and not marker.exists()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]  # nothing newer written

@@ -144,6 +144,25 @@ def _rng_state() -> dict:
     return state
 
 
+def _read_rng(file: Path) -> dict | None:
+    """A rank's saved random state; None without one (resuming on more ranks than were saved: seeds stay as set).
+    torch's safe loader reads it, and whatever else the file holds is refused in one line: torch's own refusal is
+    a traceback that suggests loading the file unsafely."""
+    if not file.is_file():
+        return None
+    try:
+        rng = torch.load(file, weights_only=True)
+    except Exception:  # noqa: BLE001 - whatever a hostile or damaged file raises, the answer is a refusal
+        rng = None
+    cpu = rng.get("cpu") if isinstance(rng, dict) else None
+    if not (isinstance(cpu, torch.Tensor) and cpu.dtype == torch.uint8 and cpu.shape == torch.get_rng_state().shape
+            and all(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1 for v in rng.values())):
+        raise UserError(f"checkpoint {file.parent}: refusing {file.name}, which is not a random-number state this "
+                        f"program saved (only torch's uint8 generator states are read from it); delete "
+                        f"{file.parent} to resume from an older one")
+    return rng
+
+
 def _state_dicts(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> tuple[dict, dict]:
     """Model and optimizer state of every part (pipeline stages on this rank), merged by parameter name.
     Flattened optimizer keys ("state.<fqn>.exp_avg") make parts merge without clobbering each other."""
@@ -321,6 +340,7 @@ class Checkpointer:
         """Restore model, optimizer and this rank's RNG in place from a checkpoint that ``read_train_state``
         has verified; returns the saved train state."""
         train_state = json.loads((path / STATE_FILE).read_text())
+        rng = _read_rng(path / f"rng-rank{self.rank}.pt")  # before anything is loaded: it may be refused
         model_sd, optim_sd = _state_dicts(parts, optimizers)
         saved_as = _tied_copy_keys(parts, optim_sd)
         wanted = {saved_as.get(k, k): v for k, v in optim_sd.items()}
@@ -338,9 +358,7 @@ class Checkpointer:
             set_state_dict(part, local_optimizer(opt), model_state_dict=model_sd, optim_state_dict=optim_sd,
                            options=_options(strict=len(parts) == 1, frozen=_has_frozen(part)))
             restore_hyperparameters(opt)
-        rng_file = path / f"rng-rank{self.rank}.pt"
-        if rng_file.is_file():  # absent when resuming on more ranks than were saved: seeds stay as set
-            rng = torch.load(rng_file, weights_only=True)
+        if rng is not None:
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
