@@ -81,9 +81,7 @@ class ServeLimits(Options):
         self.at_least(1, "max_body_bytes", "max_prompt_tokens", "max_prompt_chars", "max_tokens_cap")
         self.at_least(0, "drain_timeout")
         self.at_least(1, "template_max_bytes", "template_workers")
-        if not (self.template_timeout > 0 and math.isfinite(self.template_timeout)):
-            raise UserError(f"--template-timeout must be a number of seconds above 0, got {self.template_timeout}")
-        for name in ("read_timeout", "keep_alive_timeout"):
+        for name in ("read_timeout", "keep_alive_timeout", "template_timeout"):
             seconds = getattr(self, name)
             if not (seconds > 0 and math.isfinite(seconds)):
                 raise UserError(f"--{name.replace('_', '-')} must be a number of seconds above 0, got {seconds}")
