@@ -240,8 +240,8 @@ TARGETS = [("model_args.json", "export", lambda m, rng: _fuzz_json(m / "model_ar
            ("decoder config.json", "hf", lambda m, rng: _fuzz_json(m / "config.json", rng)),
            ("encoder config.json", "encoder", lambda m, rng: _fuzz_json(m / "config.json", rng)),
            ("gguf", "gguf", _fuzz_gguf)]
-CASES = {"model_args.json": 14, "tokenizer.json": 14, "safetensors header": 12, "decoder config.json": 14,
-         "encoder config.json": 12, "gguf": 30}
+CASES = {"model_args.json": 20, "tokenizer.json": 20, "safetensors header": 16, "decoder config.json": 20,
+         "encoder config.json": 16, "gguf": 60}
 
 
 def _peak_rss() -> int:
@@ -252,7 +252,7 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM starts again from VmRSS
 
 
-@pytest.mark.slow  # ~100 loads of damaged tiny models (0.2-0.5 s each); about 40 s here
+@pytest.mark.slow  # 152 loads of damaged tiny models (most refused within 0.1 s); 20-30 s here under load
 def test_fuzzed_model_files_end_in_one_line_or_a_result(files, tmp_path, capsys):
     """Every damaged file ends in exit code 0 or 2 (never a traceback), each within 10 s and 1 GB above the
     memory it started at: one seed, a fixed number of cases per file kind."""
@@ -275,4 +275,4 @@ def test_fuzzed_model_files_end_in_one_line_or_a_result(files, tmp_path, capsys)
             else:
                 outcomes[rc] += 1
     assert not failures, "\n".join(failures)
-    assert outcomes[2] > 40 and outcomes[0] > 5, outcomes  # most damage is refused; some is harmless
+    assert outcomes[2] > 100 and outcomes[0] > 5, outcomes  # most damage is refused; some is harmless
