@@ -137,14 +137,19 @@ def test_the_one_check_names_what_is_wrong():
 
 # ---------------------------------------------------------------- the chat command's stdin
 
-def test_chat_stdin_not_utf8_is_one_line_and_the_chat_goes_on(monkeypatch, capsys):
-    from scalenlp.cli.chat import read_lines
+def test_chat_stdin_not_utf8_is_one_line_and_the_chat_goes_on(tmp_path, monkeypatch, capsys):
+    """`printf 'hi \\xff\\nhello\\n' | scalenlp chat`: the first line is named and left out, the second answered."""
+    from scalenlp.cli import main
 
-    raw = io.TextIOWrapper(io.BytesIO(b"hi \xff\nhello\n"), encoding="utf-8")  # strict, as a UTF-8 locale reads
-    monkeypatch.setattr(sys, "stdin", raw)
-    lines = list(read_lines(interactive=False))
-    assert lines[1] == "hello"
-    assert "byte 0xFF at character 3" in text_problem(lines[0], "this line")
+    export = make_export(tmp_path / "m")
+    (export / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    # strict, as Python reads stdin in a UTF-8 locale
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hi \xff\nhello\n"), encoding="utf-8"))
+    capsys.readouterr()
+    assert main(["chat", "--checkpoint", str(export), "--max-tokens", "2", "--dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    assert "error: this line is not valid Unicode text: byte 0xFF at character 3" in err, err
+    assert "> hello" in err and "Traceback" not in err and out.count("\n") == 1, (out, err)
 
 
 # ---------------------------------------------------------------- the data readers, one reproduction each
