@@ -158,6 +158,17 @@ def test_server_replicas_with_probes_and_prometheus(jobset_schema, tmp_path):
     (["--train", "CFG", "--replicas", "2"], "error: --replicas apply to --serve; remove them"),
     (["--serve", "/m", "--name", "Chat_1"], "error: --name 'Chat_1' is not a Kubernetes name"),
     (["--train", "CFG", "--memory-per-node", "64GB"], "error: --memory-per-node '64GB' is not a Kubernetes quantity"),
+    # Values written into the manifests verbatim: refused here rather than by the API server (or, with a newline,
+    # by a YAML that now says something else).
+    (["--train", "CFG", "--cpus-per-node", "\u0663"], "error: --cpus-per-node '\u0663' is not a Kubernetes quantity"),
+    (["--train", "CFG", "--checkpoint-volume", "\uff11\uff10Gi"], "error: --checkpoint-volume '\uff11\uff10Gi' is not"),
+    (["--serve", "/m", "--namespace", "prod\nkind: Secret"], "error: --namespace 'prod\\nkind: Secret' is not a"),
+    (["--serve", "/m", "--namespace", "Prod"], "error: --namespace 'Prod' is not a Kubernetes namespace"),
+    (["--serve", "/m", "--volume-claim", "runs\n"], "error: --volume-claim 'runs\\n' is not a Kubernetes object"),
+    (["--serve", "/m", "--api-key-secret", "api_key"], "error: --api-key-secret 'api_key' is not a Kubernetes"),
+    (["--train", "CFG", "--storage-class", "fast ssd"], "error: --storage-class 'fast ssd' is not a Kubernetes"),
+    (["--serve", "/m", "--image", "img\ncommand: [sh]"], "error: --image 'img\\ncommand: [sh]' is not a container"),
+    (["--serve", "/m", "--image", "Registry.example/Team/img"], "error: --image 'Registry.example/Team/img' is not"),
     (["--train", "CFG", "--nodes", "0"], "error: --nodes must be at least 1, got 0"),
     (["--train", "CFG", "--set", "training.steps=0"], "error: training.steps must be at least 1, got 0"),
     (["--train", "CFG", "--nodes", "3", "--set", "training.global_batch_size=4"],
@@ -166,7 +177,8 @@ def test_server_replicas_with_probes_and_prometheus(jobset_schema, tmp_path):
 def test_mistakes_are_one_error_line_and_write_nothing(tmp_path, capsys, args, message):
     args = [str(CONFIGS / "debug.toml") if a == "CFG" else a for a in args]
     out = tmp_path / "k8s"
-    assert main(["deploy", "k8s", "--image", "i", "--out", str(out), *args]) == 2
+    image = [] if "--image" in args else ["--image", "i"]
+    assert main(["deploy", "k8s", *image, "--out", str(out), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
     assert not out.exists()

@@ -33,7 +33,15 @@ PROBE_PERIOD_S, STARTUP_CHECKS = 10, 60
 NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # Pod hostnames <name>-node-<job>-<index> must stay within DNS's 63 characters.
 MAX_NAME = 50
-QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)([numkMGTPE]|[KMGTPE]i)?")
+QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)([numkMGTPE]|[KMGTPE]i)?", re.ASCII)  # ASCII: not '٣Gi'
+# What the API server takes as names: namespaces are DNS labels (RFC 1123), claims, Secrets and storage classes
+# DNS subdomains.
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+# A container image reference, [REGISTRY[:PORT]/]PATH[:TAG][@DIGEST], as the distribution project's grammar has it.
+_PATH = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+IMAGE = re.compile(rf"(?:[A-Za-z0-9.-]+(?::[0-9]+)?/)?{_PATH}(?:/{_PATH})*(?::\w[\w.-]{{0,127}})?"
+                   rf"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{{32,}})?", re.ASCII)
 
 # Options that apply to one kind of manifest, with their defaults (given with the other kind: an error).
 TRAIN_ONLY = {"overrides": [], "nodes": 1, "nproc_per_node": None, "checkpoint_volume": "100Gi",
@@ -92,6 +100,18 @@ def _check(args: argparse.Namespace) -> None:
     if args.name is not None and not (NAME.fullmatch(args.name) and len(args.name) <= MAX_NAME):
         raise UserError(f"--name {args.name!r} is not a Kubernetes name: lower-case letters, digits and '-', "
                         f"starting with a letter, at most {MAX_NAME} characters")
+    if args.namespace is not None and not (DNS_LABEL.fullmatch(args.namespace) and len(args.namespace) <= 63):
+        raise UserError(f"--namespace {args.namespace!r} is not a Kubernetes namespace: lower-case letters, digits "
+                        f"and '-', starting and ending with a letter or digit, at most 63 characters")
+    for option in ("volume_claim", "api_key_secret", "storage_class"):
+        value = getattr(args, option)
+        if value is not None and not (DNS_SUBDOMAIN.fullmatch(value) and len(value) <= 253):
+            raise UserError(f"--{option.replace('_', '-')} {value!r} is not a Kubernetes object name: lower-case "
+                            f"letters, digits, '-' and '.', starting and ending with a letter or digit")
+    if not (IMAGE.fullmatch(args.image) and len(args.image) <= 4096):
+        raise UserError(f"--image {args.image!r} is not a container image reference such as "
+                        f"registry.example.com/team/scalenlp:1.0 ([REGISTRY[:PORT]/]NAME[:TAG][@DIGEST], the name "
+                        f"in lower case)")
     for option in ("gpus_per_node", "max_restarts", "grace_period"):
         if getattr(args, option) < 0:
             raise UserError(f"--{option.replace('_', '-')} must be at least 0, got {getattr(args, option)}")
