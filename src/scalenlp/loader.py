@@ -45,7 +45,21 @@ def checkpoint_kind(path: str | Path) -> tuple[str, Path]:
     if (p / "config.json").is_file():
         return "hf", p
     raise UserError(f"{p} is not a model: it has no {ARGS} (a scalenlp export), no export/ folder (a run "
-                    f"folder) and no config.json (a Hugging Face folder)")
+                    f"folder) and no config.json (a Hugging Face folder); {_contents(p)}")
+
+
+def _contents(folder: Path) -> str:
+    """What a folder that is not a model holds, for its error line; an export whose replacement was interrupted
+    (export.old, left between the two renames of models.io.replacing_folder) is named as the way back."""
+    try:
+        names = sorted(c.name + "/" * c.is_dir() for c in folder.iterdir())
+    except OSError as e:
+        return f"its contents cannot be listed ({e.strerror})"
+    held = f"it holds {', '.join(names[:5])}{f' and {len(names) - 5} more' if len(names) > 5 else ''}" if names \
+        else "it is empty"
+    if (folder / "export.old" / ARGS).is_file():
+        held += " (export.old/ is the previous export, left by an interrupted write: rename it to export/ to load it)"
+    return held
 
 
 def read(path: str | Path) -> Pretrained:

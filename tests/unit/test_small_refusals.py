@@ -13,6 +13,7 @@ import torch
 from safetensors import SafetensorError
 
 from scalenlp.errors import UserError
+from scalenlp.loader import checkpoint_kind
 from scalenlp.models import io as model_io
 from scalenlp.plan import search
 from scalenlp.plan.planner import plan
@@ -91,3 +92,20 @@ def test_a_planted_random_state_is_refused_in_one_line(tmp_path, corpus, capsys,
     assert len(error_lines(err)) == 1 and "refusing rng-rank0.pt" in error_lines(err)[0]
     assert "Traceback" not in err and "weights_only" not in err and not marker.exists()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]  # nothing newer written
+
+
+def test_a_folder_that_is_not_a_model_says_what_it_holds(tmp_path):
+    """A run folder whose export was being replaced when the machine went down: export/ already renamed to
+    export.old/, the new one still export.tmp/. The line names both and the way back."""
+    run = tmp_path / "run"
+    for name in ("export.old", "export.tmp"):
+        (run / name).mkdir(parents=True)
+    (run / "export.old" / model_io.ARGS).write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError) as e:
+        checkpoint_kind(run)
+    assert str(e.value).endswith("it holds export.old/, export.tmp/, metrics.jsonl (export.old/ is the previous "
+                                 "export, left by an interrupted write: rename it to export/ to load it)")
+    (run / "empty").mkdir()
+    with pytest.raises(UserError, match="; it is empty$"):
+        checkpoint_kind(run / "empty")
