@@ -7,6 +7,7 @@ SIGTERM's drain) stops a render in flight, and a worker whose server died stops 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -262,3 +263,59 @@ def test_chat_command_refuses_a_tokenizer_that_never_finishes(hf_chat_model, tmp
     assert main(["chat", "--checkpoint", str(folder)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: the model's tokenizer") and "test text" in err[0], err
+
+
+
+def children(pid: int, named: bytes = b"") -> list[int]:
+    """Live processes whose parent is ``pid`` (and whose command line holds ``named``)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if parent == pid and named in command and alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def rendering(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[0] == b"R"
+
+
+@pytest.mark.slow  # a `scalenlp serve` process: 20-40 s here
+def test_sigterm_stops_a_render_in_flight(hf_chat_model, tmp_path):
+    """A chat request rendering a template that never ends, then SIGTERM: once --drain-timeout has passed the
+    server exits, and its template workers with it (a server kept rendering for 66 minutes)."""
+    from infer_helpers import serve_process
+
+    folder = tmp_path / "model"
+    shutil.copytree(hf_chat_model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": NESTED_LOOPS}))
+
+    def chat_request():
+        with contextlib.suppress(httpx.HTTPError):  # cancelled at the drain's end
+            httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": HELLO}, timeout=120)
+
+    with serve_process(folder, "--model-name", "tiny", "--template-timeout", "60", "--drain-timeout", "1") \
+            as (url, proc):
+        (fork_server,) = children(proc.pid, b"scalenlp.data.template_workers")
+        workers = children(fork_server)
+        assert len(workers) == 2
+        client = threading.Thread(target=chat_request)
+        client.start()
+        while not any(rendering(pid) for pid in workers):
+            assert proc.poll() is None
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        client.join()
+    left = [pid for pid in workers if alive(pid)]
+    for pid in left:  # not to render on for a minute
+        os.kill(pid, signal.SIGKILL)
+    assert not left

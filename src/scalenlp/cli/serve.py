@@ -80,9 +80,12 @@ def run(args) -> int:
     engine = backend.engine
     # SIGTERM: uvicorn stops accepting, waits --drain-timeout seconds for the requests in flight, then cancels
     # them (a cancelled encoder or decoder request leaves the engine's queue) and returns.
-    server = uvicorn.Server(server_config(create_app(backend, limits.api_key, limits.max_body_bytes), limits,
-                                          host=args.host, port=args.port, log_level="warning"))
+    app = create_app(backend, limits.api_key, limits.max_body_bytes)
+    server = uvicorn.Server(server_config(app, limits, host=args.host, port=args.port, log_level="warning"))
     if isinstance(backend, LocalBackend):  # the generation engine tells when its loop dies
+        # Nothing renders a chat template after the drain: uvicorn raises SIGTERM again once it has shut down,
+        # which ends this process before the `finally` below, so the app's shutdown stops the template workers.
+        app.router.on_shutdown.append(backend.close)
         engine.on_death = lambda error: setattr(server, "should_exit", True)
         if not engine.alive:  # it died before it could be told
             server.should_exit = True
@@ -91,7 +94,7 @@ def run(args) -> int:
     finally:
         engine.stop()
         if isinstance(backend, LocalBackend):
-            backend.close()  # its template workers: nothing renders after SIGTERM's drain
+            backend.close()  # when the server never started, and so never shut down
     if getattr(engine, "error", None) is not None:
         # Not a user error: exit 1, which a supervisor (systemd, Kubernetes) answers with a restart.
         print(f"fatal: the engine stopped ({engine.error!r}); exiting so that a supervisor restarts the server",
