@@ -4,11 +4,11 @@ chat template and run its tokenizer, each job under a time limit, an output-size
 A model file brings code that runs on every chat request: its Jinja chat template and its tokenizer's
 normalizers and pre-tokenizers (``tokenizer.json``). Jinja's sandbox keeps a template from reaching the system,
 not from looping for hours (two nested ``range(100000)``), writing gigabytes (``tojson(indent=50000000)``) or
-computing ``10**10**10`` in one C call; a tokenizer can chain normalizers that double the text at each step. None of
-that can be interrupted in a thread, so a conversation goes to a worker process: one that passes the time limit
-is killed and replaced, a template's text stops as it passes the size limit, and a worker's address space is
-capped (an allocation past it fails there, not in the server). Each job also caps the worker's CPU time, so that
-a worker whose server has died does not render on alone.
+computing ``(10**10)**(10**10)`` in one C call; a tokenizer can chain normalizers that double the text at each
+step. None of that can be interrupted in a thread, so a conversation goes to a worker process: one that passes
+the time limit is killed and replaced, a template's text stops as it passes the size limit, and a worker's address
+space is capped (an allocation past it fails there, not in the server). Each job also caps the worker's CPU time,
+so that a worker whose server has died does not render on alone.
 
 Workers come from multiprocessing's fork server: a clean process (no server threads, no torch) that forks a
 replacement in milliseconds. The first worker encodes a test text before the model is accepted, under the same
@@ -88,11 +88,11 @@ def _work(conn, phase, tokenizer_json: str, template: str | None, variables: dic
                 # The template writes BOS itself where the model wants one.
                 reply = ("ok", tokenizer.encode(text, add_special_tokens=False).ids)
         except ChatError as e:
-            limit = f" ({memory >> 20} MiB, the memory a template worker may add)" if e.code == "template_memory" else ""
+            limit = f" ({memory >> 20} MiB, what a template worker may add)" if e.code == "template_memory" else ""
             reply = ("error", f"{e}{limit}", e.code)
         except MemoryError:
-            reply = ("error", f"the model's tokenizer ran out of memory encoding this conversation ({memory >> 20} MiB, "
-                     f"the memory a template worker may add)", "template_memory")
+            reply = ("error", f"the model's tokenizer ran out of memory encoding this conversation ({memory >> 20} "
+                     f"MiB, what a template worker may add)", "template_memory")
         except Exception as e:  # the tokenizer refuses the text (a lone surrogate, an unknown character)
             reply = ("error", f"the model's tokenizer cannot encode this conversation: {type(e).__name__}: {e}", None)
         conn.send(reply)
