@@ -201,9 +201,9 @@ def test_load_tokenizer_finds_eos_in_file_or_folder_config(tmp_path):
     tok = train_bpe(synthetic_docs(50), vocab_size=300)
     # Rename the EOS to a name no rule knows, so the folder's config has to say which token ends a document.
     data = json.loads(tok.to_str())
-    data["model"]["vocab"]["<eos>"] = data["model"]["vocab"].pop(EOS)
+    data["model"]["vocab"]["<fin>"] = data["model"]["vocab"].pop(EOS)
     for added in data["added_tokens"]:
-        added["content"] = added["content"].replace(EOS, "<eos>")
+        added["content"] = added["content"].replace(EOS, "<fin>")
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "tokenizer.json").write_text(json.dumps(data))
@@ -211,8 +211,8 @@ def test_load_tokenizer_finds_eos_in_file_or_folder_config(tmp_path):
     with pytest.raises(UserError, match="no end-of-document token"):
         eos_token_id(loaded, folder)
     assert find_bos_token_id(loaded, folder) is None
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<eos>"}, "bos_token": "a"}))
-    assert eos_token_id(loaded, folder) == loaded.token_to_id("<eos>")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<fin>"}, "bos_token": "a"}))
+    assert eos_token_id(loaded, folder) == loaded.token_to_id("<fin>")
     assert find_bos_token_id(loaded, folder) == loaded.token_to_id("a")  # BOS is looked up the same way
     plain = tmp_path / "plain.json"
     tok.save(str(plain))
