@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import math
 import multiprocessing
+import os
 import resource
 import signal
 import string
@@ -38,6 +39,7 @@ DEFAULT_TIMEOUT = 2.0  # seconds; templates and tokenizers of real models take m
 DEFAULT_MAX_BYTES = 1 << 20
 DEFAULT_WORKERS = 2
 MEMORY_HEADROOM = 1 << 30  # what a worker may allocate beyond what it holds once its tokenizer is loaded
+WORKER_NICENESS = 10
 LOAD_TIMEOUT = 300.0  # a worker loads the tokenizer the server has already loaded once: generous, not endless
 # Every printable ASCII character many times, and some of the scripts models meet, for the load-time probe.
 PROBE_TEXT = (string.printable + " The quick brown fox jumps over the lazy dog; naïve café, Ærøskøbing, "
@@ -67,6 +69,9 @@ def _work(conn, phase, tokenizer_json: str, template: str | None, variables: dic
           max_bytes: int, memory: int) -> None:
     """A worker's loop: ("chat", messages) -> ("ok", ids) | ("error", message, code); ("probe", text) -> ("ok",
     number of ids). Ends when the server closes its end of the pipe."""
+    # Below the server's priority: a template that spins for its whole time limit, or a worker starting in place
+    # of one, takes CPU from requests only where the server leaves some (a real template renders in a millisecond).
+    os.nice(WORKER_NICENESS)
     tokenizer = Tokenizer.from_str(tokenizer_json)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would dump a core
     _cap_memory(memory)
@@ -124,11 +129,14 @@ class _Worker:
         self.process.start()
         child.close()
 
-    def kill(self) -> None:
-        """End the process. Its pipe stays open: a waiter may have it registered with its event loop, and its file
-        descriptor must not be reused before that registration is removed (``_retire`` closes it after)."""
+    def kill(self, wait: bool = True) -> None:
+        """End the process; ``wait``: until its exit is known (the fork server reports it, which can take a while on
+        a busy machine: not on the event loop, where multiprocessing reaps it at the next start). Its pipe stays
+        open: a waiter may have it registered with its event loop, and its file descriptor must not be reused
+        before that registration is removed (``_retire`` closes it after)."""
         self.process.kill()
-        self.process.join()
+        if wait:
+            self.process.join()
 
 
 class TemplateWorkers:
@@ -239,7 +247,7 @@ class TemplateWorkers:
 
     def _retire(self, worker: _Worker) -> None:
         """Kill a worker nobody is waiting on any more, and close its pipe."""
-        worker.kill()
+        worker.kill(wait=False)
         worker.conn.close()
         self._live.discard(worker)
 
