@@ -73,11 +73,12 @@ def test_llama3_rope_scaling_in_and_out(tmp_path, tiny_export):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    scaled = dataclasses.replace(model_args("debug", vocab_size=300, max_seq_len=128), rope_scaling=(8.0, 1.0, 4.0, 32))
+    # the vocabulary of tiny_export's tokenizer, copied in below: a smaller table is refused at load
+    scaled = dataclasses.replace(model_args("debug", vocab_size=320, max_seq_len=128), rope_scaling=(8.0, 1.0, 4.0, 32))
     model = build_model(scaled).eval()
     plain = build_model(dataclasses.replace(scaled, rope_scaling=())).eval()
     plain.load_state_dict(model.state_dict())
-    tokens = torch.randint(0, 300, (2, 100))
+    tokens = torch.randint(0, 320, (2, 100))
     to_hf(model).save_pretrained(tmp_path / "hf", safe_serialization=True)
     (tmp_path / "hf" / "tokenizer.json").write_bytes((tiny_export / "tokenizer.json").read_bytes())
     ours, _ = load(tmp_path / "hf")
