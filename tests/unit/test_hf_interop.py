@@ -99,6 +99,15 @@ def test_export_refuses_an_existing_target(tmp_path, capsys, tiny_export):
     assert "already exists" in capsys.readouterr().err
 
 
+def test_export_makes_missing_parent_folders(tmp_path, capsys, tiny_export):
+    out = tmp_path / "runs" / "nested" / "out"
+    assert main(["export", "--checkpoint", str(tiny_export), "--format", "hf", "--out", str(out)]) == 0
+    assert (out / "config.json").is_file()
+    (tmp_path / "afile").write_text("x")
+    assert main(["export", "--checkpoint", str(tiny_export), "--format", "hf", "--out", str(tmp_path / "afile" / "o")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
 def test_unsupported_shape_is_a_user_error():
     args = model_args("debug", activation="gelu")  # RoPE with GELU: neither GPT-2 nor Llama
     with pytest.raises(UserError, match="no Hugging Face equivalent"):

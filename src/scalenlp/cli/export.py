@@ -53,12 +53,17 @@ def write_hf_folder(model, pre, out: Path) -> None:
 
 
 def new_output(path: str) -> Path:
-    """``--out`` as a path that does not exist yet, in a folder that does (nothing is ever overwritten)."""
+    """``--out`` as a path that does not exist yet (nothing is ever overwritten); its missing parent folders are
+    made, as ``mkdir -p`` would."""
     out = Path(path)
     if out.exists():
         raise UserError(f"--out {out} already exists; choose a new path (nothing is overwritten)")
-    if not out.parent.is_dir():
-        raise UserError(f"--out {out}: its folder {out.parent} does not exist")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"--out {out}: a part of {out.parent} is a file, not a folder; choose another path") from None
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot make its folder {out.parent} ({e.strerror}); choose another path") from None
     return out
 
 
