@@ -313,7 +313,7 @@ def test_sigterm_stops_a_render_in_flight(hf_chat_model, tmp_path):
             assert proc.poll() is None
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
+        assert proc.wait(timeout=120) == 0  # drained, then out through the engine's stop
         client.join()
     left = [pid for pid in workers if alive(pid)]
     for pid in left:  # not to render on for a minute

@@ -3,7 +3,10 @@ process, or (``--replicas N``) in front of engine replicas on Ray Serve.
 """
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from scalenlp.engine.config import SHARED_OPTIONS, EncoderEngineConfig, EngineConfig
@@ -83,24 +86,42 @@ def run(args) -> int:
     app = create_app(backend, limits.api_key, limits.max_body_bytes)
     server = uvicorn.Server(server_config(app, limits, host=args.host, port=args.port, log_level="warning"))
     if isinstance(backend, LocalBackend):  # the generation engine tells when its loop dies
-        # Nothing renders a chat template after the drain: uvicorn raises SIGTERM again once it has shut down,
-        # which ends this process before the `finally` below, so the app's shutdown stops the template workers.
+        # Nothing renders a chat template after the drain: the app's shutdown stops the template workers.
         app.router.on_shutdown.append(backend.close)
         engine.on_death = lambda error: setattr(server, "should_exit", True)
         if not engine.alive:  # it died before it could be told
             server.should_exit = True
-    try:
-        server.run()
-    finally:
-        engine.stop()
-        if isinstance(backend, LocalBackend):
-            backend.close()  # when the server never started, and so never shut down
+    # uvicorn raises the SIGTERM it drained on again once it is done, which under the default handler ends the
+    # process before the `finally` below stops the engine (and a sharded model's follower ranks): this handler
+    # takes that second signal, so a drained server exits through it with 0.
+    with _sigterm_stops(server):
+        try:
+            server.run()
+        finally:
+            engine.stop()
+            if isinstance(backend, LocalBackend):
+                backend.close()  # when the server never started, and so never shut down
     if getattr(engine, "error", None) is not None:
         # Not a user error: exit 1, which a supervisor (systemd, Kubernetes) answers with a restart.
         print(f"fatal: the engine stopped ({engine.error!r}); exiting so that a supervisor restarts the server",
               file=sys.stderr)
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_stops(server):
+    """SIGTERM outside uvicorn's own handler (before it starts, or the signal it raises again after its drain)
+    asks the server to exit instead of ending the process; where signals cannot be handled (not the main
+    thread), nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "should_exit", True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def default_model_name(checkpoint: str) -> str:
