@@ -28,7 +28,7 @@ CPU = torch.device("cpu")
 def tmp(tmp_path, monkeypatch):
     """A temporary directory of this test in place of /tmp, and the environment of a one-process run."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    for name in ("WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", TOKEN_ENV):
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "XDG_RUNTIME_DIR", TOKEN_ENV):
         monkeypatch.delenv(name, raising=False)
     return tmp_path
 
@@ -108,6 +108,17 @@ def test_a_folder_planted_in_tmp_is_refused(tmp, monkeypatch, planted):
             folder.chmod(0o777)
     with pytest.raises(UserError, match="not a private folder"):
         start(port)
+
+
+@pytest.mark.parametrize("mode", [0o700, 0o755])
+def test_the_sessions_private_runtime_folder_is_used_before_tmp(tmp, monkeypatch, mode):
+    """Nobody else can plant a name in a private XDG_RUNTIME_DIR, so a run is never locked out there; one that is
+    open to others is passed over for /tmp."""
+    runtime = tmp / "run-user"
+    runtime.mkdir(mode=mode)
+    runtime.chmod(mode)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert snapshot_folder(9).parent == (runtime if mode == 0o700 else tmp)
 
 
 def test_the_folder_is_created_private(tmp):

@@ -110,7 +110,20 @@ def snapshot_folder(port: int) -> Path:
     run folder, which may be shared by every machine), one per user and port as one server holds a port, and one
     per torchrun node (GROUP_RANK), for nodes that share a /tmp (network namespaces, containers of one host)."""
     node = os.environ.get("GROUP_RANK", "0")
-    return Path(tempfile.gettempdir()) / f"scalenlp-metrics-{os.getuid()}-{port}-node{node}"
+    return _machine_folder() / f"scalenlp-metrics-{os.getuid()}-{port}-node{node}"
+
+
+def _machine_folder() -> Path:
+    """The login session's XDG_RUNTIME_DIR where it is a private folder of this user's (no one else can create a
+    name there first, which in /tmp locks a run out: see ``private_folder``); else the temporary folder."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    try:
+        info = os.stat(runtime) if runtime else None
+    except OSError:
+        info = None
+    if info is not None and stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077:
+        return Path(runtime)
+    return Path(tempfile.gettempdir())
 
 
 def private_folder(path: Path) -> Path:
