@@ -116,7 +116,7 @@ def choose_dtype(device: torch.device, requested: str, shapes: LayerShapes,
     try:
         record, where = _valid(json.loads(path.read_text())), f"cached in {path}"
     except (OSError, ValueError, KeyError, TypeError):  # absent, or not a record this version wrote: measure again
-        record, where = _record((measure or time_layer)(shapes), shapes), f"measured now, cached in {path}"
+        record, where = _record((measure or time_layer)(shapes)), f"measured now, cached in {path}"
         write_cached(path, record)
     chosen = record["dtype"]
     other = next(name for name in CPU_CANDIDATES if name != chosen)
@@ -128,11 +128,11 @@ def choose_dtype(device: torch.device, requested: str, shapes: LayerShapes,
                        f"(one layer's products, {threads} thread{'s' if threads > 1 else ''}: {figures}; {where})")
 
 
-def _record(timings: Timings, shapes: LayerShapes) -> dict:
+def _record(timings: Timings) -> dict:
     """The cache record of one measurement: the faster dtype, how many times as fast (the median over rounds),
-    and each candidate's median milliseconds per one-row pass and per prefill."""
-    request = {name: [prefill + (PREFILL_ROWS * one if shapes.decodes else 0.0) for one, prefill in rounds]
-               for name, rounds in timings.items()}
+    and each candidate's median milliseconds per one-row pass and per prefill. An encoder's one-row passes are
+    not run (0 s), so its request is its prefill."""
+    request = {name: [prefill + PREFILL_ROWS * one for one, prefill in rounds] for name, rounds in timings.items()}
     first, second = CPU_CANDIDATES
     ratio = statistics.median(b / a for a, b in zip(request[first], request[second]))  # above 1: first is faster
     chosen, speedup = (first, ratio) if ratio >= 1 else (second, 1 / ratio)
