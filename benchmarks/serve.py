@@ -97,7 +97,8 @@ def decode(args) -> None:
     torch.manual_seed(0)
     pretrained = read(args.checkpoint)
     dtype = choose_dtype(torch.device("cpu"), args.dtype, LayerShapes.of(pretrained.args))
-    print(dtype.line(), flush=True)
+    if dtype.reason:
+        print(dtype.line(), flush=True)
     model = instantiate(pretrained, dtype=dtype.dtype)
     hf = to_hf(model)
     tokenizer = pretrained.tokenizer

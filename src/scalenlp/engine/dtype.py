@@ -87,7 +87,7 @@ class LayerShapes:
 @dataclass(frozen=True)
 class DtypeChoice:
     dtype: torch.dtype
-    reason: str  # why this dtype, for the start-up line
+    reason: str | None  # why ``auto`` chose this dtype, for the start-up line; None: it was asked for, so nothing to say
 
     def line(self) -> str:
         return f"dtype {name_of(self.dtype)}: {self.reason}"
@@ -103,7 +103,7 @@ def choose_dtype(device: torch.device, requested: str, shapes: LayerShapes,
     ``shapes`` fastest in (see the module docstring). ``measure`` times the CPU candidates (default
     ``time_layer``); it runs only when this machine's cache has no figure for these widths."""
     if requested != "auto":
-        return DtypeChoice(getattr(torch, requested), "as asked (--dtype)")
+        return DtypeChoice(getattr(torch, requested), None)
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
             return DtypeChoice(torch.bfloat16, "this GPU computes in bf16 (auto)")

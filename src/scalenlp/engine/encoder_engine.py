@@ -412,7 +412,8 @@ def encoder_from_checkpoint(config: EncoderEngineConfig) -> EncoderEngine:
                         f"encoder")
     torch_device = torch.device(config.device) if config.device else pick_device()
     dtype = choose_dtype(torch_device, config.dtype, LayerShapes.of(pre.args))
-    print(dtype.line(), file=sys.stderr, flush=True)
+    if dtype.reason:
+        print(dtype.line(), file=sys.stderr, flush=True)
     model = instantiate(pre, device=torch_device, dtype=dtype.dtype, quantize=spec)
     return EncoderEngine(model, pre.tokenizer, max_seq_len=config.max_seq_len or sentence_max_len(pre.path),
                          forward_batch=config.forward_batch, batch_wait_ms=config.batch_wait_ms,

@@ -40,7 +40,8 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
     torch_device = torch.device(config.device) if config.device else pick_device()
     # Chosen once here, for every rank under --tp: ranks that each measured could disagree.
     dtype = choose_dtype(torch_device, config.dtype, LayerShapes.of(pre.args, config.tp))
-    print(dtype.line(), file=sys.stderr, flush=True)
+    if dtype.reason:
+        print(dtype.line(), file=sys.stderr, flush=True)
     if config.tp > 1:
         from scalenlp.engine.sharded import start_sharded  # starts processes: only when asked for
 
