@@ -56,8 +56,12 @@ def test_measured_once_then_read_from_the_cache(cache):
     assert timer.calls == 2 and len(list(cache.glob("dtype-*.json"))) == 2
 
 
-@pytest.mark.parametrize("content", ["{not json", json.dumps({"dtype": "float16", "speedup": 2.0}),
-                                     json.dumps({"dtype": "bfloat16", "speedup": 0.5, "ms": {}}), ""])
+MS = {"float32": [1.0, 10.0], "bfloat16": [2.0, 20.0]}
+
+
+@pytest.mark.parametrize("content", ["{not json", "", json.dumps({"dtype": "float16", "speedup": 2.0}),
+                                     json.dumps({"bfloat16_speedup": 0, "ms": MS}),
+                                     json.dumps({"bfloat16_speedup": 2.0, "ms": {**MS, "float32": [1.0]}})])
 def test_a_corrupt_cache_file_is_measured_again_and_rewritten(cache, content):
     choose_dtype(CPU, "auto", SHAPES, uniform(float32=(1e-3, 10e-3), bfloat16=(2e-3, 20e-3)))
     [path] = cache.glob("dtype-*.json")
@@ -65,7 +69,7 @@ def test_a_corrupt_cache_file_is_measured_again_and_rewritten(cache, content):
     timer = uniform(float32=(4e-3, 40e-3), bfloat16=(1e-3, 10e-3))
     choice = choose_dtype(CPU, "auto", SHAPES, timer)
     assert timer.calls == 1 and choice.dtype == torch.bfloat16 and "measured now" in choice.reason
-    assert json.loads(path.read_text())["dtype"] == "bfloat16"
+    assert json.loads(path.read_text())["bfloat16_speedup"] == 4.0
     assert choose_dtype(CPU, "auto", SHAPES, timer).dtype == torch.bfloat16 and timer.calls == 1
 
 
@@ -85,6 +89,18 @@ def test_decode_and_prefill_are_weighed_as_one_request(cache):
     wide = LayerShapes(dim=96, q_width=96, kv_width=96, ffn=96, gated=False, layers=2)
     prefill_wins = uniform(float32=(one, prefill), bfloat16=(one / 2, prefill * 2))  # 0.5 + 2 units
     assert choose_dtype(CPU, "auto", wide, prefill_wins).dtype == torch.float32
+
+
+def test_bf16_is_chosen_only_when_its_gain_pays_for_its_rounding(cache):
+    """bf16 rounds every value to 8 significant bits: a gain below BF16_MARGIN, which noise can decide, keeps float32,
+    and the line says so."""
+    margin = dtype_module.BF16_MARGIN
+    slight = choose_dtype(CPU, "auto", SHAPES, uniform(float32=(1.05e-3, 10.5e-3), bfloat16=(1e-3, 10e-3)))
+    assert slight.dtype == torch.float32
+    assert slight.reason.startswith(f"bfloat16 measured only 1.05x as fast, under the {margin}x its coarser")
+    other = LayerShapes(dim=128, q_width=128, kv_width=128, ffn=256, gated=True, layers=2)
+    enough = choose_dtype(CPU, "auto", other, uniform(float32=(margin * 1e-3, margin * 1e-2), bfloat16=(1e-3, 1e-2)))
+    assert enough.dtype == torch.bfloat16
 
 
 def test_a_noisy_round_does_not_decide(cache):
