@@ -85,17 +85,21 @@ def timed(fn) -> float:
 def decode(args) -> None:
     import torch
 
-    from scalenlp.engine.decoder_engine import Engine, pick_dtype
+    from scalenlp.engine.decoder_engine import Engine
+    from scalenlp.engine.dtype import LayerShapes, choose_dtype
     from scalenlp.engine.sampling import SamplingParams
-    from scalenlp.loader import load
+    from scalenlp.loader import instantiate, read
     from scalenlp.models.hf import to_hf
 
     # One intra-op thread by default: on a machine shared with other work, OpenMP's barriers wait for
     # descheduled threads and make each small op cost milliseconds (both sides get the same setting).
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    dtype = pick_dtype(torch.device("cpu"), args.dtype)
-    model, pretrained = load(args.checkpoint, dtype=dtype)
+    pretrained = read(args.checkpoint)
+    dtype = choose_dtype(torch.device("cpu"), args.dtype, LayerShapes.of(pretrained.args))
+    if dtype.reason:
+        print(dtype.line(), flush=True)
+    model = instantiate(pretrained, dtype=dtype.dtype)
     hf = to_hf(model)
     tokenizer = pretrained.tokenizer
     vocab = model.args.vocab_size
@@ -145,7 +149,7 @@ def decode(args) -> None:
     # runs (an n-token run minus a 1-token run, so prefill cancels), best of the repeats. "Step":
     # from the median and the fastest single decode step, which a loaded machine disturbs least.
     bandwidths = [read_bandwidth()]
-    print(f"model: {n_params / 1e6:.1f}M parameters, vocab {vocab}, {dtype}, {wbytes / 1e6:.0f} MB of weights; "
+    print(f"model: {n_params / 1e6:.1f}M parameters, vocab {vocab}, {dtype.dtype}, {wbytes / 1e6:.0f} MB of weights; "
           f"torch threads {torch.get_num_threads()}; compile={args.compile}", flush=True)
     rates = {}
     for batch in (1, 8):

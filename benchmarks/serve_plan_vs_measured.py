@@ -90,17 +90,21 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    from scalenlp.engine.decoder_engine import Engine, pick_dtype
-    from scalenlp.loader import load
+    from scalenlp.engine.decoder_engine import Engine
+    from scalenlp.engine.dtype import LayerShapes, choose_dtype
+    from scalenlp.loader import instantiate, read
     from scalenlp.models.flavors import build_model, model_args
     from scalenlp.models.packaged import packaged_model
     from scalenlp.plan.cost import shape_of
     from scalenlp.plan.measure import measure_cpu
 
     base = measure_cpu(processes=1)
-    dtype = pick_dtype(torch.device("cpu"))
+    pretrained = read(packaged_model("smollm2"))
+    choice = choose_dtype(torch.device("cpu"), "auto", LayerShapes.of(pretrained.args))  # as the server would serve it
+    print(choice.line(), flush=True)
+    dtype = choice.dtype
     precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-    smol, pretrained = load(packaged_model("smollm2"), dtype=dtype)
+    smol = instantiate(pretrained, dtype=dtype)
     small = build_model(model_args("small-llama", vocab_size=smol.args.vocab_size)).to(dtype).eval()
     batches = [int(b) for b in args.batches.split(",")]
     context = args.prompt + args.new_tokens + 1

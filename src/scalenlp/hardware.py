@@ -1,5 +1,6 @@
 """Hardware facts that training and planning both read: the accelerator table (each value overridable from
-the command line), the CUDA names that map onto it, and this process's resident memory.
+the command line), the CUDA names that map onto it, this process's resident memory, and where figures measured
+on this machine are cached (training's MFU peak, serving's dtype).
 
 Peaks and memory are datasheet values. Bandwidths are what collectives achieve, not link maxima:
 ``intra_node_bw`` is the all-reduce bus bandwidth NCCL reaches over NVLink inside one 8-GPU node,
@@ -12,9 +13,14 @@ one per-device constant calibrated from published training runs (see scalenlp.pl
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import platform
+import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from scalenlp.errors import UserError
 
@@ -182,3 +188,41 @@ def resident_bytes(peak: bool) -> int:
 
         usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return usage if sys.platform == "darwin" else usage * 1024  # macOS reports bytes, Linux KiB
+
+
+def cache_dir() -> Path:
+    """Where figures measured on this machine are kept between runs: ``$XDG_CACHE_HOME/scalenlp``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "scalenlp"
+
+
+def processor_name(device) -> str:
+    """The GPU's name for a CUDA ``device`` (a torch.device), else the CPU's model name."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def slug(text: str) -> str:
+    """``text`` as a file-name part: lower-case letters, digits and dashes."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+
+
+def write_cached(path: Path, value: dict) -> None:
+    """Write a measured figure atomically: several processes may measure and write at the same time. A cache that
+    cannot be written costs only a measurement next run."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, path)
+    except OSError:
+        pass

@@ -169,8 +169,9 @@ def run(args) -> int:
     import torch
 
     from scalenlp.compress.quantized import quantization_of
-    from scalenlp.engine.decoder_engine import pick_device, pick_dtype
-    from scalenlp.loader import load
+    from scalenlp.engine.decoder_engine import pick_device
+    from scalenlp.engine.dtype import LayerShapes, choose_dtype
+    from scalenlp.loader import instantiate, read
     from scalenlp.models.decoder import Transformer
 
     if args.tasks:
@@ -187,8 +188,9 @@ def run(args) -> int:
     except UnicodeDecodeError as e:
         raise UserError(f"--data {args.data} is not UTF-8 text (byte {e.start}); convert it first") from None
     device = torch.device(args.device) if args.device else pick_device()
-    model, pre = load(args.checkpoint, device=device, dtype=pick_dtype(device, args.dtype),
-                      quantize=quantization_of(args.quantize, args.group_size))
+    pre = read(args.checkpoint)
+    model = instantiate(pre, device=device, dtype=choose_dtype(device, args.dtype, LayerShapes.of(pre.args)).dtype,
+                        quantize=quantization_of(args.quantize, args.group_size))
     if not isinstance(model, Transformer):
         raise UserError(f"{args.checkpoint} is not a language model; eval measures a decoder's perplexity")
     seq = args.seq or min(model.args.max_seq_len, 1024)

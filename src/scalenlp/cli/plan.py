@@ -81,9 +81,10 @@ def _describe(p, device, rank: int | None) -> list[str]:
     ]
 
 
-def _serving_device(device: str, device_spec: str, gpus_per_node: int | None, devices: int, precision: str | None):
-    """(DeviceSpec, devices per node, precision) for serving; on a CPU, this machine measured in the precision its
-    engine serves in (bf16 where the CPU computes it natively)."""
+def _serving_device(device: str, device_spec: str, gpus_per_node: int | None, devices: int, precision: str | None,
+                    shape):
+    """(DeviceSpec, devices per node, precision) for serving ``shape`` (a ModelShape); on a CPU, this machine
+    measured in the precision its engine serves that model in (engine/dtype.py: the faster one here)."""
     from scalenlp.hardware import get_device, parse_overrides
 
     overrides = parse_overrides(device_spec)
@@ -93,10 +94,12 @@ def _serving_device(device: str, device_spec: str, gpus_per_node: int | None, de
 
     import torch
 
-    from scalenlp.engine.decoder_engine import pick_dtype
+    from scalenlp.engine.dtype import LayerShapes, choose_dtype
     from scalenlp.plan.measure import measure_cpu, serving_figures  # times this machine: only when asked for
 
-    precision = precision or ("bf16" if pick_dtype(torch.device("cpu")) == torch.bfloat16 else "fp32")
+    if precision is None:
+        layer = LayerShapes(shape.hidden, shape.hidden, shape.kv_dim, shape.ffn, gated=shape.swiglu, layers=shape.layers)
+        precision = "bf16" if choose_dtype(torch.device("cpu"), "auto", layer).dtype == torch.bfloat16 else "fp32"
     measured = measure_cpu(processes=1)
     spec = dataclasses.replace(measured, **serving_figures(torch.bfloat16 if precision == "bf16" else torch.float32))
     return dataclasses.replace(spec, **overrides), gpus_per_node or devices, precision
@@ -121,7 +124,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except UserError as e:
         raise UserError(str(e).replace("--seq", "--context")) from None
     device, per_node, precision = _serving_device(args.device, args.device_spec, args.gpus_per_node, args.devices,
-                                                  args.precision)
+                                                  args.precision, shape)
     layouts = plan_serving(shape, device, args.devices, per_node, args.context, prompt, concurrency=args.concurrency,
                            rate=args.rate, ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, precision=precision,
                            quantize=args.quantize)[:args.top]

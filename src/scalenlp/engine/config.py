@@ -74,7 +74,8 @@ class BaseEngineConfig(Options):
 
     checkpoint: str | Path = option(help="a run folder, an export folder, a Hugging Face model folder or a .gguf file")
     dtype: str = option("auto", choices=DTYPES,
-                        help="weight dtype; auto = bf16 where the device computes in it natively (default)")
+                        help="weight dtype; auto (default) = bf16 on CUDA, on a CPU float32 or bf16, whichever runs this "
+                             "model faster here (timed once, cached)")
     device: str | None = option(None, help="cpu | cuda | cuda:N (default: cuda when present)")
     quantize: str | None = option(None, choices=METHOD_CHOICES,
                                   help="quantize the linear layers at load (" + METHOD_HELP + ")")

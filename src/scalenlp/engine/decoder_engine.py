@@ -105,17 +105,6 @@ class _Scoring:
     scored: int = 0  # entries of ``order`` done
 
 
-def pick_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
-    """bf16 where the hardware computes in it natively, else float32."""
-    if requested != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[requested]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
-
-
 def pick_device() -> torch.device:
     return torch.device(device_type())
 

@@ -13,6 +13,7 @@ when it is longer than the model's window, each window a unit, so no word is los
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
@@ -28,7 +29,8 @@ from scalenlp.data.spans import Answer, Windower, best_answer, char_spans
 from scalenlp.data.tags import plain_tokenizer, special_ends, word_windows
 from scalenlp.data.text import check_text
 from scalenlp.engine.config import EncoderEngineConfig
-from scalenlp.engine.decoder_engine import EngineDead, QueueFull, RequestError, pick_device, pick_dtype
+from scalenlp.engine.decoder_engine import EngineDead, QueueFull, RequestError, pick_device
+from scalenlp.engine.dtype import LayerShapes, choose_dtype
 from scalenlp.errors import UserError
 from scalenlp.loader import checkpoint_kind, instantiate, read
 from scalenlp.models.encoder import EncoderArgs
@@ -409,7 +411,10 @@ def encoder_from_checkpoint(config: EncoderEngineConfig) -> EncoderEngine:
         raise UserError(f"{config.checkpoint} is a decoder (it generates text); embed, classify and tag need an "
                         f"encoder")
     torch_device = torch.device(config.device) if config.device else pick_device()
-    model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, config.dtype), quantize=spec)
+    dtype = choose_dtype(torch_device, config.dtype, LayerShapes.of(pre.args))
+    if dtype.reason:
+        print(dtype.line(), file=sys.stderr, flush=True)
+    model = instantiate(pre, device=torch_device, dtype=dtype.dtype, quantize=spec)
     return EncoderEngine(model, pre.tokenizer, max_seq_len=config.max_seq_len or sentence_max_len(pre.path),
                          forward_batch=config.forward_batch, batch_wait_ms=config.batch_wait_ms,
                          max_queue=config.max_queue, max_batch_texts=config.max_batch_texts,

@@ -13,6 +13,7 @@ whose fields hold the defaults) and gets the checkpoint's end-of-text and end-of
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
@@ -20,7 +21,8 @@ import torch
 from scalenlp.compress.quantized import quantization_of
 from scalenlp.data.chat import encode_chat, end_of_text_id, end_of_turn_ids
 from scalenlp.engine.config import EngineConfig
-from scalenlp.engine.decoder_engine import Engine, pick_device, pick_dtype
+from scalenlp.engine.decoder_engine import Engine, pick_device
+from scalenlp.engine.dtype import LayerShapes, choose_dtype
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.errors import UserError
 from scalenlp.loader import instantiate, read
@@ -36,12 +38,16 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
     if isinstance(pre.args, EncoderArgs):
         raise UserError(f"{config.checkpoint} is an encoder; it embeds and classifies text but does not generate it")
     torch_device = torch.device(config.device) if config.device else pick_device()
+    # Chosen once here, for every rank under --tp: ranks that each measured could disagree.
+    dtype = choose_dtype(torch_device, config.dtype, LayerShapes.of(pre.args, config.tp))
+    if dtype.reason:
+        print(dtype.line(), file=sys.stderr, flush=True)
     if config.tp > 1:
         from scalenlp.engine.sharded import start_sharded  # starts processes: only when asked for
 
-        model = start_sharded(pre, config.tp, config.dtype, spec)
+        model = start_sharded(pre, config.tp, dtype.dtype, spec)
     else:
-        model = instantiate(pre, device=torch_device, dtype=pick_dtype(torch_device, config.dtype), quantize=spec)
+        model = instantiate(pre, device=torch_device, dtype=dtype.dtype, quantize=spec)
     adapters = serve_adapters(model, config) if config.serves_adapters else None
     engine = Engine(model, pre.tokenizer, max_batch=config.max_batch, max_queue=config.max_queue,
                     max_seq_len=config.max_seq_len,

@@ -83,12 +83,16 @@ def can_pack_int8(linear: nn.Module) -> bool:
             and linear.out_features % CPU_INT4_ROWS == 0 and halves_group(linear.in_features) is not None)
 
 
+def onednn_bf16() -> bool:
+    """Whether oneDNN reports bf16 kernels on this CPU (which says nothing of their speed: see engine/dtype.py)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def can_pack(model: nn.Module) -> bool:
     """Plain (not sharded) bf16 weights on a CPU whose oneDNN computes in bf16."""
     ref = next(model.parameters())
     return (isinstance(model, nn.Module) and ref.device.type == "cpu" and ref.dtype == torch.bfloat16
-            and type(ref) is nn.Parameter and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and type(ref) is nn.Parameter and onednn_bf16())
 
 
 def _fusable(linear: nn.Module) -> bool:

@@ -266,14 +266,13 @@ def follow(model, fault: tuple[str, int] | None) -> None:
         forwards += 1
 
 
-def _follower_main(rank: int, world_size: int, port: int, checkpoint: str, dtype_name: str, quantize,
+def _follower_main(rank: int, world_size: int, port: int, checkpoint: str, dtype: torch.dtype, quantize,
                    reports: multiprocessing.connection.Connection) -> None:
-    from scalenlp.engine.decoder_engine import pick_dtype
     from scalenlp.loader import read
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     device = init_process_group(rank, world_size, port)
-    model = load_sharded(read(checkpoint), device, pick_dtype(device, dtype_name), quantize)
+    model = load_sharded(read(checkpoint), device, dtype, quantize)
     try:
         follow(model, faults.planned(rank))
     except Exception as e:  # noqa: BLE001 - told to rank 0, which prints it: one line, not a child's traceback
@@ -283,11 +282,10 @@ def _follower_main(rank: int, world_size: int, port: int, checkpoint: str, dtype
     dist.destroy_process_group()
 
 
-def start_sharded(pre, tp: int, dtype_name: str, quantize=None) -> ShardedModel:
+def start_sharded(pre, tp: int, dtype: torch.dtype, quantize=None) -> ShardedModel:
     """Spawn ranks 1..tp-1, each reading the checkpoint ``pre`` was read from, become rank 0 with ``pre``
-    (a ``Pretrained``), and return the handle the engine drives. ``quantize``: a ``Quantization`` applied at load."""
-    from scalenlp.engine.decoder_engine import pick_dtype
-
+    (a ``Pretrained``), and return the handle the engine drives, every rank's weights in ``dtype``. ``quantize``: a
+    ``Quantization`` applied at load."""
     check_tp(pre.args, tp)
     check_quantized_tp(pre.args, quantize or pre.quantization, tp)
     port = free_port()
@@ -295,11 +293,11 @@ def start_sharded(pre, tp: int, dtype_name: str, quantize=None) -> ShardedModel:
     # A pipe, not a Queue: its semaphores would be reported leaked when rank 0 ends with os._exit.
     reports, report = ctx.Pipe(duplex=False)
     followers = [ctx.Process(target=_follower_main,
-                             args=(r, tp, port, str(pre.path), dtype_name, quantize, report), daemon=True)
+                             args=(r, tp, port, str(pre.path), dtype, quantize, report), daemon=True)
                  for r in range(1, tp)]
     for p in followers:
         p.start()
     watched = Followers(followers, reports)  # a rank failing while it loads would leave this one waiting for it
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
     device = init_process_group(0, tp, port)
-    return ShardedModel(load_sharded(pre, device, pick_dtype(device, dtype_name), quantize), watched)
+    return ShardedModel(load_sharded(pre, device, dtype, quantize), watched)

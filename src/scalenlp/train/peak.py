@@ -17,16 +17,13 @@ says so; a datasheet's or the user's peak stays as given and the MFU is clamped 
 from __future__ import annotations
 
 import json
-import os
-import platform
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from scalenlp.hardware import DEVICES, GPU_NAMES
+from scalenlp.hardware import DEVICES, GPU_NAMES, cache_dir, processor_name, slug, write_cached
 
 # Large enough to reach the peak (a CPU's few cores, a GPU's many), small enough to time 20 of in seconds.
 MATMUL_SIZE = {"cpu": 1024, "cuda": 4096}
@@ -53,25 +50,8 @@ class Peak:
                 f"{self.flops / 1e12:.3f}, which was measured under load; the peak is raised to it (and cached)")
         self.flops = achieved
         self.source = self.source.split(" (raised", 1)[0] + " (raised to the throughput a run achieved)"
-        _write_json(self.cache, {"flops": achieved, "source": self.source})
+        write_cached(self.cache, {"flops": achieved, "source": self.source})
         return 1.0, note
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "scalenlp"
-
-
-def processor_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int, repeats: int = REPEATS) -> float:
@@ -101,8 +81,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
             if marker in name:
                 return Peak(DEVICES[key].peak_flops(precision), f"datasheet {key} dense {precision}")
     threads = torch.get_num_threads() if device.type == "cpu" else 1
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
-    path = cache_dir() / f"peak-{slug}-{threads}t-{precision}.json"
+    path = cache_dir() / f"peak-{slug(name)}-{threads}t-{precision}.json"
     try:
         cached = json.loads(path.read_text())
         return Peak(float(cached["flops"]), cached["source"], path)
@@ -120,17 +99,6 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
             torch.set_num_threads(threads)
     source = (f"measured: best of {REPEATS} {size}² {precision} matmuls on {name}, {threads} "
               f"thread{'s' if threads > 1 else ''} (or one, if faster), cached in {path}")
-    _write_json(path, {"flops": flops, "source": source})
+    write_cached(path, {"flops": flops, "source": source})
     return Peak(flops, source, path)
 
-
-def _write_json(path: Path, value: dict) -> None:
-    """Write atomically: the processes of one run may measure and write at the same time. A cache that
-    cannot be written costs only a measurement next run."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(value))
-        os.replace(tmp, path)
-    except OSError:
-        pass
