@@ -62,6 +62,10 @@ def _sampling_request():
         top_k: int = 0
         ignore_eos: bool = False
 
+        # ---- structured output (engine/grammar.py) ----
+        response_format: dict[str, Any] | None = None
+        guided_grammar: str | None = None  # vLLM's extension: a Lark grammar the output must match
+
     return SamplingRequest
 
 
@@ -91,6 +95,11 @@ def _chat_request_model():
         logprobs: bool = False
         top_logprobs: int | None = None
 
+        # ---- tool calling (serving/tools.py) ----
+        tools: list[Any] | None = None
+        tool_choice: str | dict[str, Any] | None = None
+        parallel_tool_calls: bool | None = None
+
     return ChatRequest
 
 
@@ -116,7 +125,20 @@ def sampling_params(req):
 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                          seed=req.seed, stop=stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos)
+                          seed=req.seed, stop=stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
+                          grammar=request_grammar(req))
+
+
+# ---- structured output: response_format and guided_grammar become a grammar the engine decodes under ----
+
+def request_grammar(req) -> str | None:
+    """The grammar of a request's output (None: free text); a 400 naming what llguidance cannot decode with."""
+    from scalenlp.engine.grammar import GrammarError, response_grammar
+
+    try:
+        return response_grammar(req.response_format, req.guided_grammar)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param) from None
 
 
 def check_sampling(params, n: int) -> None:
@@ -196,23 +218,54 @@ async def completion_for_chat(req, backend):
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise APIError(400, "max_tokens and max_completion_tokens are the same setting; send only one",
                        param="max_tokens")
-    ids = await backend.chat_prompt(req.messages)
-    fields = req.model_dump(exclude={"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+    from scalenlp.serving.tools import ToolError, template_messages, tool_use
+
+    try:
+        tools = tool_use(req)
+        messages = template_messages(req.messages)
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    ids, tool_format = await backend.chat_prompt(messages, tools.tools if tools else None)
+    fields = req.model_dump(exclude={"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                     "tool_choice", "parallel_tool_calls"})
     # None: to the end of the context, as OpenAI's chat API (a server's --max-tokens-cap still applies).
     fields["max_tokens"] = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if tools is not None:
+        tools.format = tool_format
+        if tools.forced:  # the output is the calls: decoded under their grammar
+            if req.response_format is not None or req.guided_grammar is not None:
+                raise APIError(400, f"tool_choice {req.tool_choice!r} makes the output a tool call; send "
+                               f"response_format or guided_grammar only with tool_choice \"auto\" or \"none\"",
+                               param="tool_choice")
+            fields["guided_grammar"] = tool_grammar(tools)
     completion = _request_model()(**fields, prompt=ids)
     check_request(completion)
-    return completion
+    return completion, tools
 
 
-async def chat_ids(templates, messages: list) -> list[int]:
-    """The prompt ids of a conversation, made by the model's template workers (``TemplateWorkers``); one they
-    cannot render, or that passes their limits, is a 400 on the request's messages."""
+def tool_grammar(tools) -> str:
+    """The Lark grammar of the calls a ToolUse forces; a 400 on ``tools`` when a function's parameters hold a JSON
+    Schema llguidance cannot decode with."""
+    from scalenlp.engine.grammar import GrammarError, lark_grammar
+
+    grammar = tools.grammar()
+    try:
+        lark_grammar(grammar, "tools", "a function's parameters in tools are not a JSON Schema this server can "
+                                       "decode with")
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    return grammar
+
+
+async def chat_ids(templates, messages: list, tools: list | None = None) -> list[int]:
+    """The prompt ids of a conversation (with ``tools`` for the template, when given), made by the model's template
+    workers (``TemplateWorkers``); one they cannot render, or that passes their limits, is a 400 on the request's
+    messages."""
     from scalenlp.data.chat import ChatError
     from scalenlp.data.template_workers import WorkersStopped
 
     try:
-        return await templates.chat_ids(messages)
+        return await templates.chat_ids(messages, tools)
     except ChatError as e:
         raise APIError(400, str(e), param="messages", code=e.code) from None
     except WorkersStopped as e:
@@ -235,22 +288,39 @@ def chat_object(completion: dict, message_key: str, messages: list[dict]) -> dic
             "choices": choices, "usage": completion["usage"]}
 
 
-async def complete_chat(backend, req) -> dict:
+async def complete_chat(backend, req, tools=None) -> dict:
+    """The chat completion of ``req``; with ``tools`` (a ToolUse), each choice's text parsed for tool calls."""
     try:
         out = await backend.complete(req)
     except APIError as e:
         raise _on_messages(e) from None
-    return chat_object(out, "message", [{"role": "assistant", "content": c["text"]} for c in out["choices"]])
+    messages = []
+    for c in out["choices"]:
+        fields = {"content": c["text"]}
+        if tools is not None:
+            fields, c["finish_reason"] = tools.reply(c["text"], c["finish_reason"])
+        messages.append({"role": "assistant", **fields})
+    return chat_object(out, "message", messages)
 
 
-async def stream_chat(backend, req) -> AsyncIterator[dict]:
+async def stream_chat(backend, req, tools=None) -> AsyncIterator[dict]:
     """chat.completion.chunk objects: each choice's first delta carries the assistant role, its last the
-    finish reason (with an empty delta when no text came with it)."""
+    finish reason (with an empty delta when no text came with it). With ``tools`` a choice's text is held until
+    it ends, and then sent as its content or as tool_calls: a tool call is only known once it has all been written."""
     started: set[int] = set()
+    held: dict[int, str] = {}
     try:
         async for chunk in backend.stream(req):
             deltas = []
             for c in chunk["choices"]:
+                if tools is not None:
+                    held[c["index"]] = held.get(c["index"], "") + c["text"]
+                    c["text"] = ""
+                    if c["finish_reason"] is not None:
+                        fields, c["finish_reason"] = tools.reply(held.pop(c["index"]), c["finish_reason"])
+                        deltas.append(_final_delta(fields, c["index"] not in started))
+                        started.add(c["index"])
+                        continue
                 delta = {"content": c["text"]} if c["text"] or c["index"] not in started else {}
                 if c["index"] not in started:
                     started.add(c["index"])
@@ -259,6 +329,16 @@ async def stream_chat(backend, req) -> AsyncIterator[dict]:
             yield chat_object(chunk, "delta", deltas)
     except APIError as e:
         raise _on_messages(e) from None
+
+
+def _final_delta(fields: dict, first: bool) -> dict:
+    """The last delta of a choice with tools: its content, or its tool calls with their indices."""
+    delta = {"role": "assistant"} if first else {}
+    if fields["content"]:
+        delta["content"] = fields["content"]
+    if "tool_calls" in fields:
+        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(fields["tool_calls"])]
+    return delta
 
 
 ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
