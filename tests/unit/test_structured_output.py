@@ -17,13 +17,14 @@ from infer_helpers import CHATML, ServerThread, make_export, make_hf_chat_model,
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.decoder_engine import Engine
-from scalenlp.engine.grammar import json_schema_grammar
+from scalenlp.engine.grammar import json_schema_grammar, lark_grammar
 from scalenlp.engine.llm import engine_from_checkpoint
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.models.io import load_pretrained
 from scalenlp.models.packaged import packaged_model
 from scalenlp.serving.app import create_app
 from scalenlp.serving.backend import LocalBackend
+from scalenlp.serving.tools import HERMES, LLAMA_JSON, ToolUse
 
 torch.set_num_threads(1)
 
@@ -101,6 +102,31 @@ def test_only_rows_with_a_grammar_are_masked(tiny_engine):
     assert torch.equal(out[1, kept], logits[1, kept])
     starts = {tiny_engine.tokenizer.decode([t]) for t in kept}
     assert starts and all("true".startswith(s) or "false".startswith(s) for s in starts), starts
+
+
+@pytest.mark.parametrize("tool_format", [HERMES, LLAMA_JSON])
+def test_forced_tool_calls_parse_back_in_each_format(tiny_engine, tool_format):
+    """Under the grammar of tool_choice "required" (parallel calls allowed where the format has them) the output is
+    calls to the given tools with arguments that match their parameters, in Hermes' and in Llama 3.1's format."""
+    tools = ToolUse([WEATHER, TIME], "required", parallel=True, format=tool_format)
+    by_name = {t["function"]["name"]: t for t in tools.tools}
+    ids = tiny_engine.encode("hello world")
+    for seed in range(4):
+        params = SamplingParams(max_tokens=400, temperature=1.0, seed=seed,
+                                grammar=lark_grammar(tools.grammar(), "tools"))
+        text, _, finish = run_request(tiny_engine, ids, params)
+        fields, reason = tools.reply(text, finish)
+        assert reason == "tool_calls" and fields["content"] is None, text
+        for call in fields["tool_calls"]:
+            arguments = json.loads(call["function"]["arguments"])
+            jsonschema.validate(arguments, by_name[call["function"]["name"]]["function"]["parameters"])
+
+
+def test_text_that_is_not_a_call_stays_content():
+    tools = ToolUse([WEATHER], "auto", parallel=True, format=HERMES)
+    for text in ("it is sunny", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+                 '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>'):
+        assert tools.reply(text, "stop") == ({"content": text}, "stop")
 
 
 # ---- the server: response_format, tools, and their errors ----

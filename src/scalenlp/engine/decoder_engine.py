@@ -271,15 +271,22 @@ class Engine:
             self._wake.notify()
         return requests
 
+    def grammars(self) -> Grammars:
+        """The vocabulary as llguidance reads it, built by the first call (a second on a 50k vocabulary): a
+        server calls this off its event loop before it submits a request with a grammar."""
+        with self._wake:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.model.args.vocab_size, self.stop_ids)
+        self._grammars.tokenizer()
+        return self._grammars
+
     def _constrain(self, requests: list[Request]) -> None:
         """Give each request with a grammar its matcher (RequestError naming the field if it does not compile)."""
         for r in requests:
             if r.params.grammar is None:
                 continue
-            if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer, self.model.args.vocab_size, self.stop_ids)
             try:
-                r.constraint = self._grammars.start(r.params.grammar)
+                r.constraint = self.grammars().start(r.params.grammar)
             except GrammarError as e:
                 raise RequestError(str(e), e.param) from None
 

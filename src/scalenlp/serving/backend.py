@@ -179,6 +179,8 @@ class LocalBackend:
             else:
                 self._check_prompt_length(p)
         encoded = iter(await asyncio.to_thread(self._tokenize, texts) if texts else [])
+        if params.grammar is not None:
+            await asyncio.to_thread(self.engine.grammars)  # the first one reads the vocabulary: a second
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         items, callbacks, lengths = [], [], []
