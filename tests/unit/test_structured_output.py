@@ -129,6 +129,24 @@ def test_text_that_is_not_a_call_stays_content():
         assert tools.reply(text, "stop") == ({"content": text}, "stop")
 
 
+def test_streamed_content_passes_on_and_calls_are_held():
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+    stream = ToolUse([WEATHER], "auto", parallel=True, format=HERMES).stream()
+    pieces = ["Let me ", "check. <tool", "_call>\n{", call[len("<tool_call>\n{"):]]
+    assert [stream.feed(p) for p in pieces] == ["Let me ", "check. ", "", ""]
+    rest, calls, finish = stream.end("stop")
+    assert (rest, finish, [c["function"]["name"] for c in calls]) == ("", "tool_calls", ["get_weather"])
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 2}
+    # A "<" that turns out not to open a call is sent once that is known, or when the choice ends.
+    stream = ToolUse([WEATHER], "auto", parallel=True, format=HERMES).stream()
+    assert [stream.feed(p) for p in ["a <", "b", " <tool"]] == ["a ", "<b", " "]
+    assert stream.end("length") == ("<tool", [], "length")
+    llama = ToolUse([WEATHER], "auto", parallel=True, format=LLAMA_JSON).stream()
+    assert [llama.feed(p) for p in [" ", ' {"name": "get_weather", ', '"parameters": {"city": "P", "days": 1}}']] == [
+        "", "", ""]
+    assert llama.end("stop")[1][0]["function"]["name"] == "get_weather"
+
+
 # ---- the server: response_format, tools, and their errors ----
 
 # A Qwen2.5-style template with tools (Hermes format), written for this test: the tools' signatures in the system
@@ -225,6 +243,17 @@ def test_named_function_and_streaming(qwen_server):
     assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "tool_calls"
     assert len(calls) == 1 and calls[0].index == 0
     assert arguments_valid(calls[0], TIME) == arguments  # the same seed: the same call
+
+
+def test_auto_tool_choice_streams_its_text(qwen_server):
+    """A model that answers in words under tool_choice auto streams them as it would without tools."""
+    client = client_of(qwen_server)
+    kw = dict(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert whole.message.tool_calls is None and "".join(texts) == whole.message.content and len(texts) > 1
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
 
 
 def test_tools_reach_the_template(qwen_server):

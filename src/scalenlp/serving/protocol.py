@@ -305,40 +305,31 @@ async def complete_chat(backend, req, tools=None) -> dict:
 
 async def stream_chat(backend, req, tools=None) -> AsyncIterator[dict]:
     """chat.completion.chunk objects: each choice's first delta carries the assistant role, its last the
-    finish reason (with an empty delta when no text came with it). With ``tools`` a choice's text is held until
-    it ends, and then sent as its content or as tool_calls: a tool call is only known once it has all been written."""
+    finish reason (with an empty delta when no text came with it). With ``tools`` (a ToolUse), text that may be a
+    tool call is held back, and the calls come in the choice's last delta: a call is only known once written."""
     started: set[int] = set()
-    held: dict[int, str] = {}
+    held = {}  # choice index -> its ToolStream
     try:
         async for chunk in backend.stream(req):
             deltas = []
             for c in chunk["choices"]:
+                calls = []
                 if tools is not None:
-                    held[c["index"]] = held.get(c["index"], "") + c["text"]
-                    c["text"] = ""
+                    stream = held.setdefault(c["index"], tools.stream())
+                    c["text"] = stream.feed(c["text"])
                     if c["finish_reason"] is not None:
-                        fields, c["finish_reason"] = tools.reply(held.pop(c["index"]), c["finish_reason"])
-                        deltas.append(_final_delta(fields, c["index"] not in started))
-                        started.add(c["index"])
-                        continue
+                        rest, calls, c["finish_reason"] = stream.end(c["finish_reason"])
+                        c["text"] += rest
                 delta = {"content": c["text"]} if c["text"] or c["index"] not in started else {}
                 if c["index"] not in started:
                     started.add(c["index"])
                     delta = {"role": "assistant", **delta}
+                if calls:
+                    delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
                 deltas.append(delta)
             yield chat_object(chunk, "delta", deltas)
     except APIError as e:
         raise _on_messages(e) from None
-
-
-def _final_delta(fields: dict, first: bool) -> dict:
-    """The last delta of a choice with tools: its content, or its tool calls with their indices."""
-    delta = {"role": "assistant"} if first else {}
-    if fields["content"]:
-        delta["content"] = fields["content"]
-    if "tool_calls" in fields:
-        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(fields["tool_calls"])]
-    return delta
 
 
 ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {

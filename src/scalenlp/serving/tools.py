@@ -21,6 +21,7 @@ from scalenlp.engine.grammar import COMPACT
 
 HERMES, LLAMA_JSON = "hermes", "llama3_json"
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+HERMES_START = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -91,7 +92,7 @@ class ToolUse:
         parse as calls to these tools is all content."""
         names = {t["function"]["name"] for t in self.tools}
         if self.format == HERMES:
-            bodies, content = _HERMES_CALL.findall(text), text.split("<tool_call>", 1)[0].strip()
+            bodies, content = _HERMES_CALL.findall(text), text.split(HERMES_START, 1)[0].strip()
         else:
             bodies, content = [text.strip()], ""
         calls = []
@@ -114,6 +115,48 @@ class ToolUse:
         if not calls:
             return {"content": content}, finish_reason
         return {"content": content, "tool_calls": calls}, "tool_calls"
+
+    def stream(self) -> ToolStream:
+        return ToolStream(self)
+
+
+class ToolStream:
+    """One streamed choice's text under a ToolUse: content passes on as it comes, and what may be a tool call is
+    held until the choice ends (all of it when a call is forced)."""
+
+    def __init__(self, tools: ToolUse):
+        self.tools = tools
+        self.text = ""
+        self.sent = 0  # characters of ``text`` passed on
+        self.calling = tools.forced  # from here on the text is held
+
+    def feed(self, text: str) -> str:
+        """The content of ``text`` (the choice's next piece) that can be sent now."""
+        self.text += text
+        if self.calling:
+            return ""
+        end = len(self.text)
+        if self.tools.format == HERMES:
+            start = self.text.find(HERMES_START, self.sent)
+            if start >= 0:
+                self.calling, end = True, start
+            else:  # the text may end with the first characters of a call's tag
+                end -= next((k for k in range(len(HERMES_START) - 1, 0, -1) if self.text.endswith(HERMES_START[:k])), 0)
+        else:  # Llama 3.1's call is the whole message, a JSON object
+            head = self.text.lstrip()
+            if head.startswith("{"):
+                self.calling = True
+            if self.calling or not head:
+                return ""
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def end(self, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
+        """When the choice ends: (its content not sent yet, its tool calls, its finish reason)."""
+        _, calls = self.tools.parse(self.text)
+        if calls:  # the content before the calls went out as it came
+            return "", calls, "tool_calls"
+        return self.text[self.sent:], [], finish_reason
 
 
 def tool_use(req) -> ToolUse | None:
