@@ -123,10 +123,20 @@ def test_forced_tool_calls_parse_back_in_each_format(tiny_engine, tool_format):
 
 
 def test_text_that_is_not_a_call_stays_content():
-    tools = ToolUse([WEATHER], "auto", parallel=True, format=HERMES)
-    for text in ("it is sunny", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
-                 '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>'):
+    for tool_format, text in [
+            (HERMES, "it is sunny"), (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'),
+            (HERMES, '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>'),
+            (HERMES, "<tool_call>\n5\n</tool_call>"), (LLAMA_JSON, "5"), (LLAMA_JSON, '{"name": "get_weather"}')]:
+        tools = ToolUse([WEATHER], "auto", parallel=True, format=tool_format)
         assert tools.reply(text, "stop") == ({"content": text}, "stop")
+
+
+def test_llama_calls_with_python_tag_or_arguments_parse():
+    tools = ToolUse([WEATHER], "auto", parallel=True, format=LLAMA_JSON)
+    for text in ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}',
+                 '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}'):
+        fields, finish = tools.reply(text, "stop")
+        assert finish == "tool_calls" and json.loads(fields["tool_calls"][0]["function"]["arguments"])["city"] == "Oslo"
 
 
 def test_streamed_content_passes_on_and_calls_are_held():

@@ -22,6 +22,7 @@ from scalenlp.engine.grammar import COMPACT
 HERMES, LLAMA_JSON = "hermes", "llama3_json"
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 HERMES_START = "<tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -93,16 +94,19 @@ class ToolUse:
         names = {t["function"]["name"] for t in self.tools}
         if self.format == HERMES:
             bodies, content = _HERMES_CALL.findall(text), text.split(HERMES_START, 1)[0].strip()
-        else:
-            bodies, content = [text.strip()], ""
+        else:  # Llama 3.1 may open the call with <|python_tag|>
+            bodies, content = [text.strip().removeprefix(PYTHON_TAG)], ""
         calls = []
         for body in bodies:
             try:
                 call = json.loads(body)
             except json.JSONDecodeError:
                 return text, []
-            key = "arguments" if self.format == HERMES else "parameters"
-            if not (isinstance(call, dict) and call.get("name") in names and isinstance(call.get(key), dict)):
+            if not isinstance(call, dict):
+                return text, []
+            # Llama's template asks for "parameters", but its models write "arguments" as often.
+            key = "parameters" if self.format == LLAMA_JSON and "parameters" in call else "arguments"
+            if not (call.get("name") in names and isinstance(call.get(key), dict)):
                 return text, []
             calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                           "function": {"name": call["name"], "arguments": json.dumps(call[key], ensure_ascii=False)}})
@@ -144,7 +148,7 @@ class ToolStream:
                 end -= next((k for k in range(len(HERMES_START) - 1, 0, -1) if self.text.endswith(HERMES_START[:k])), 0)
         else:  # Llama 3.1's call is the whole message, a JSON object
             head = self.text.lstrip()
-            if head.startswith("{"):
+            if head.startswith("{") or head.startswith(PYTHON_TAG):
                 self.calling = True
             if self.calling or not head:
                 return ""
