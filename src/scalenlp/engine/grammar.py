@@ -78,8 +78,8 @@ def _checked(grammar: str, param: str, refusal: str) -> str:
 
 
 class Grammars:
-    """One model's vocabulary as llguidance sees it (built on first use: ~1 s for a 100k vocabulary), and the
-    thread that computes masks ahead of the forward."""
+    """One model's vocabulary as llguidance sees it (built on first use: 0.9 s for SmolLM2's 49,152 tokens here),
+    and the thread that computes masks ahead of the forward."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids):
         self._tokenizer_json = tokenizer.to_str()
@@ -94,8 +94,8 @@ class Grammars:
         with self._lock:
             if self._lltokenizer is None:
                 # The end tokens are the engine's stop tokens: a complete grammar allows exactly those next.
-                self._lltokenizer = _llguidance().LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                eos_token=self._stop_ids or None)
+                self._lltokenizer = _llguidance().LLTokenizer(
+                    self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._stop_ids or None)
             return self._lltokenizer
 
     def start(self, grammar: str) -> Constraint:
@@ -104,7 +104,8 @@ class Grammars:
         LLMatcher = _llguidance().LLMatcher
         matcher = LLMatcher(self.tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"the grammar does not compile for this model: {matcher.get_error()}", "response_format")
+            raise GrammarError(f"the grammar does not compile for this model's vocabulary: "
+                               f"{matcher.get_error().splitlines()[0]}", "response_format")
         constraint = Constraint(matcher, self)
         constraint.prefetch()
         return constraint
