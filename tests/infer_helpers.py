@@ -96,17 +96,19 @@ def chat_tokenizer(root: Path) -> Tokenizer:
     return tok
 
 
-def make_hf_chat_model(root: Path, template: str | None = CHATML, logit_scale: float = 8.0) -> Path:
-    """A tiny random LlamaForCausalLM saved as a Hugging Face folder with a ChatML tokenizer config."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_hf_chat_model(root: Path, template: str | None = CHATML, logit_scale: float = 8.0, family: str = "Llama",
+                       max_positions: int = 256) -> Path:
+    """A tiny random ``family``ForCausalLM (Llama, Qwen2...) saved as a Hugging Face folder with a ChatML tokenizer
+    config."""
+    import transformers
 
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = chat_tokenizer(root)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=False)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
     with torch.no_grad():  # spread the logits so that greedy choices are not decided by rounding noise
         model.model.norm.weight.mul_(logit_scale)
     folder = root / "hf"

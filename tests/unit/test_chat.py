@@ -222,7 +222,8 @@ def test_completions_still_served(client):
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "max_completion_tokens": 2}, 400,
      "max_tokens", "only one"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": 9}, 400, "temperature", "between"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools", "unrecognized"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "code_interpreter"}]}, 400, "tools",
+     '"type": "function"'),
     ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "model", "does not exist"),
 ])
 def test_bad_chat_requests_get_openai_errors(served, body, status, param, problem):

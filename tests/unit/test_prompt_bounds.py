@@ -38,7 +38,7 @@ class Templates:
     def __init__(self):
         self.rendered = 0
 
-    async def chat_ids(self, messages: list) -> list[int]:
+    async def chat_ids(self, messages: list, tools: list | None = None) -> list[int]:
         self.rendered += 1
         return [1, 2]
 

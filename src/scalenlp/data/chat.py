@@ -47,7 +47,8 @@ class TemplateLimit(ChatError):
 
 
 def check_messages(messages: Any) -> None:
-    """A non-empty list of {"role": one of ROLES, "content": str}; other keys (name, tool_calls) pass through."""
+    """A non-empty list of {"role": one of ROLES, "content": str}; other keys (name, tool_calls) pass through. An
+    assistant message that made tool calls may have no content (OpenAI's API sends null)."""
     if not isinstance(messages, list) or not messages:
         raise ChatError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
     for i, m in enumerate(messages):
@@ -55,6 +56,8 @@ def check_messages(messages: Any) -> None:
             raise ChatError(f"messages[{i}] must be an object with a role and a content, got {type(m).__name__}")
         if m.get("role") not in ROLES:
             raise ChatError(f"messages[{i}].role is {m.get('role')!r}; it must be one of {', '.join(ROLES)}")
+        if m.get("content") is None and m["role"] == "assistant" and m.get("tool_calls"):
+            continue
         if not isinstance(m.get("content"), str):
             raise ChatError(f"messages[{i}].content must be a string, got {type(m.get('content')).__name__}")
     # Every string, other keys' too: the template may write any of them, and the tokenizer cannot encode a lone

@@ -33,6 +33,7 @@ import string
 from tokenizers import Tokenizer
 
 from scalenlp.data.chat import ChatError, TemplateLimit, chat_template, check_messages, render_chat, template_variables
+from scalenlp.data.text import json_problem
 from scalenlp.errors import UserError
 
 DEFAULT_TIMEOUT = 2.0  # seconds; templates and tokenizers of real models take milliseconds
@@ -67,8 +68,8 @@ def _cap_cpu(seconds: float) -> None:
 
 def _work(conn, phase, tokenizer_json: str, template: str | None, variables: dict, timeout: float,
           max_bytes: int, memory: int) -> None:
-    """A worker's loop: ("chat", messages) -> ("ok", ids) | ("error", message, code); ("probe", text) -> ("ok",
-    number of ids). Ends when the server closes its end of the pipe."""
+    """A worker's loop: ("chat", (messages, tools or None)) -> ("ok", ids) | ("error", message, code); ("probe",
+    text) -> ("ok", number of ids). Ends when the server closes its end of the pipe."""
     # Below the server's priority: a template that spins for its whole time limit, or a worker starting in place
     # of one, takes CPU from requests only where the server leaves some (a real template renders in a millisecond).
     os.nice(WORKER_NICENESS)
@@ -88,7 +89,11 @@ def _work(conn, phase, tokenizer_json: str, template: str | None, variables: dic
                 reply = ("ok", len(tokenizer.encode(payload).ids))
             else:
                 phase.value = _RENDERING
-                text = render_chat(payload, template, add_generation_prompt=True, max_bytes=max_bytes, **variables)
+                messages, tools = payload
+                # Tools only when sent: a template tells "no tools" by their absence (``tools is defined``).
+                extra = {"tools": tools} if tools is not None else {}
+                text = render_chat(messages, template, add_generation_prompt=True, max_bytes=max_bytes, **variables,
+                                   **extra)
                 phase.value = _TOKENIZING
                 # The template writes BOS itself where the model wants one.
                 reply = ("ok", tokenizer.encode(text, add_special_tokens=False).ids)
@@ -204,16 +209,18 @@ class TemplateWorkers:
                         f"normalizers or pre-tokenizers (tokenizer.json) grow the text without end; fix them, or "
                         f"serve a model whose tokenizer works")
 
-    def _check(self, messages) -> None:
+    def _check(self, messages, tools) -> None:
         if self._closed:
             raise WorkersStopped("the chat template workers are closed (the server is stopping)")
         if self.no_template is not None:
             raise self.no_template
         check_messages(messages)  # here, so that a malformed request costs no worker
+        if (problem := json_problem(tools, "tools")) is not None:
+            raise ChatError(problem)
 
-    def _send(self, worker: _Worker, messages: list) -> None:
+    def _send(self, worker: _Worker, messages: list, tools: list | None) -> None:
         try:
-            worker.conn.send(("chat", messages))
+            worker.conn.send(("chat", (messages, tools)))
         except Exception as e:  # pickling fails before anything is written: the worker is still idle
             self._free.put_nowait(worker)
             raise ChatError(f"the messages cannot be passed to the chat template ({type(e).__name__})") from None
@@ -251,20 +258,21 @@ class TemplateWorkers:
         worker.conn.close()
         self._live.discard(worker)
 
-    async def chat_ids(self, messages: list) -> list[int]:
-        """The conversation's prompt ids; ChatError (TemplateLimit for a limit) when they cannot be made."""
-        self._check(messages)
-        job = asyncio.ensure_future(self._job(messages))
+    async def chat_ids(self, messages: list, tools: list | None = None) -> list[int]:
+        """The conversation's prompt ids (``tools``: the tool definitions the template renders, when it is to);
+        ChatError (TemplateLimit for a limit) when they cannot be made."""
+        self._check(messages, tools)
+        job = asyncio.ensure_future(self._job(messages, tools))
         self._tasks.add(job)
         job.add_done_callback(self._tasks.discard)
         return await asyncio.shield(job)  # a caller that leaves does not stop the job: see the module's note
 
-    async def _job(self, messages: list) -> list[int]:
+    async def _job(self, messages: list, tools: list | None) -> list[int]:
         worker = await self._free.get()
         if worker is None:  # a replacement could not be started
             self._free.put_nowait(None)
             raise WorkersStopped(f"the chat template workers have stopped: {self._broken}")
-        self._send(worker, messages)
+        self._send(worker, messages, tools)
         try:
             await _readable(worker.conn, self.timeout)
             ready = True
@@ -298,9 +306,9 @@ class TemplateWorkers:
 
     def chat_ids_blocking(self, messages: list) -> list[int]:
         """``chat_ids`` for one caller at a time, without an event loop: there is always a free worker."""
-        self._check(messages)
+        self._check(messages, None)
         worker = self._free.get_nowait()
-        self._send(worker, messages)
+        self._send(worker, messages, None)
         try:
             return self._answer(worker, worker.conn.poll(self.timeout))
         finally:

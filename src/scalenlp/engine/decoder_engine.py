@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scalenlp.data.text import check_text
+from scalenlp.engine.grammar import Constraint, GrammarError, Grammars, constrain
 from scalenlp.engine.packing import can_pack, pack_linears
 from scalenlp.engine.sampling import InvalidParam, SamplingBatch, SamplingParams, sample
 from scalenlp.errors import UserError
@@ -86,6 +87,7 @@ class Request:
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     adapter: int = 0  # the LoRA adapter this request runs with (engine/lora.py); 0: the base model
+    constraint: Constraint | None = None  # its grammar's matcher (engine/grammar.py), when it has one
 
     @property
     def length(self) -> int:
@@ -163,6 +165,7 @@ class Engine:
         self._stopping = False
         self.error: BaseException | None = None
         self._failure: BaseException | None = None  # set by ``fail``
+        self._grammars: Grammars | None = None  # built by the first request with a grammar
         self.steps = 0  # completed loop steps; a health check watches it move
         # Called with the error when the loop dies: a server exits then, so that its supervisor restarts it.
         self.on_death: Callable[[BaseException], None] | None = None
@@ -181,6 +184,8 @@ class Engine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
+        if self._grammars is not None:
+            self._grammars.close()
         close = getattr(self.model, "close", None)  # a sharded model's other ranks
         if close is not None:
             close()
@@ -241,6 +246,7 @@ class Engine:
             self.check(prompt_ids, params)
         requests = [Request(list(p), params, cb, params.seed if params.seed is not None else random.getrandbits(62))
                     for (p, params), cb in zip(items, on_events)]
+        self._constrain(requests)
         with self._wake:
             if not self.alive:
                 raise EngineDead(f"the engine has stopped: {self.error!r}")
@@ -253,6 +259,25 @@ class Engine:
             self._waiting.extend(requests)
             self._wake.notify()
         return requests
+
+    def grammars(self) -> Grammars:
+        """The vocabulary as llguidance reads it, built by the first call (a second on a 50k vocabulary): a
+        server calls this off its event loop before it submits a request with a grammar."""
+        with self._wake:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.model.args.vocab_size, self.stop_ids)
+        self._grammars.tokenizer()
+        return self._grammars
+
+    def _constrain(self, requests: list[Request]) -> None:
+        """Give each request with a grammar its matcher (RequestError naming the field if it does not compile)."""
+        for r in requests:
+            if r.params.grammar is None:
+                continue
+            try:
+                r.constraint = self.grammars().start(r.params.grammar)
+            except GrammarError as e:
+                raise RequestError(str(e), e.param) from None
 
     def cancel(self, request: Request) -> None:
         """Stop a request (client gone); its slot is freed at the next step."""
@@ -496,6 +521,7 @@ class Engine:
         """(token, its logprob or None, top alternatives or None) for each request."""
         batch = SamplingBatch.build([r.params for r in requests], [r.seed for r in requests],
                                     [len(r.output_ids) for r in requests], self.device)
+        logits = constrain([r.constraint for r in requests], logits)  # grammars: only their rows pay
         tokens, chosen, top = sample(logits, batch)
         tokens = tokens.tolist()
         chosen = chosen.tolist() if chosen is not None else [None] * len(tokens)
@@ -510,6 +536,8 @@ class Engine:
             k = r.params.logprobs
             top_lp = [{self._token_str(t): v for v, t in zip(top[0][:k], top[1][:k])}] if k else None
         self._advance(r, token)
+        if r.constraint is not None and r.finish_reason is None and r.constraint.advance(token):
+            r.finish_reason = "stop"  # the grammar is complete: nothing may follow
         new_text = self._releasable_text(r)
         r.sent += len(new_text)
         if r.finish_reason is not None:

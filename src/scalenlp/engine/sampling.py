@@ -35,6 +35,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # the text ends before the first of these
     logprobs: int | None = None  # None = none; k = the chosen token's logprob and the top k alternatives
     ignore_eos: bool = False  # keep generating past the end-of-text token (benchmarks)
+    # Constrained decoding (engine/grammar.py): llguidance grammar text the output must match; None = free text.
+    grammar: str | None = None
 
     def check(self) -> None:
         """Raise InvalidParam naming the first out-of-range field. Written so that NaN fails every

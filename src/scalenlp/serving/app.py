@@ -197,9 +197,9 @@ def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAUL
     @app.post("/v1/chat/completions", responses=completion_responses)
     async def chat_completions(req: ChatRequest, request: Request):
         check_model(req)
-        completion = await completion_for_chat(req, backend)
-        return await answer(request, req.stream, lambda: complete_chat(backend, completion),
-                            lambda: stream_chat(backend, completion))
+        completion, tools = await completion_for_chat(req, backend)
+        return await answer(request, req.stream, lambda: complete_chat(backend, completion, tools),
+                            lambda: stream_chat(backend, completion, tools))
 
     add_encoder_routes(app, backend, check_model)
     add_adapter_routes(app, backend, api_key)

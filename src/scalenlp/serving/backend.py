@@ -93,10 +93,21 @@ class LocalBackend:
         except UnknownAdapter as e:
             raise APIError(404, str(e), param="lora_name", code="model_not_found") from None
 
-    async def chat_prompt(self, messages: list) -> list[int]:
+    async def chat_prompt(self, messages: list, tools: list | None = None) -> tuple[list[int], str | None]:
         """The prompt ids of a conversation, by the checkpoint's chat template, in a template worker process (a
-        400 when it cannot, or passes a limit); the event loop waits for it holding no thread."""
-        self._check_prompt_chars(text_chars(messages), "messages", "the messages hold")
+        400 when it cannot, or passes a limit); the event loop waits for it holding no thread. With ``tools``, the
+        template renders them too, and the tool-call format it teaches comes back with the ids (serving/tools.py)."""
+        self._check_prompt_chars(text_chars([messages, tools]), "messages", "the messages hold")
+        tool_format = None
+        if tools is not None:
+            from scalenlp.data.chat import ChatError, chat_template
+            from scalenlp.serving.tools import ToolError
+            from scalenlp.serving.tools import tool_format as format_of
+
+            try:
+                tool_format = format_of(chat_template(self.engine.tokenizer_config))
+            except (ChatError, ToolError) as e:
+                raise APIError(400, str(e), param=getattr(e, "param", "messages")) from None
         async with self._templates_starting:
             if self.templates is None:
                 from scalenlp.data.template_workers import TemplateWorkers
@@ -107,7 +118,7 @@ class LocalBackend:
                                                              self.engine.tokenizer_config)
                 except UserError as e:  # the model's tokenizer is refused: not the request's fault
                     raise APIError(500, str(e), type="server_error") from None
-        return await chat_ids(self.templates, messages)
+        return await chat_ids(self.templates, messages, tools), tool_format
 
     def close(self) -> None:
         """Stop the template workers; the engine is its owner's to stop."""
@@ -168,6 +179,8 @@ class LocalBackend:
             else:
                 self._check_prompt_length(p)
         encoded = iter(await asyncio.to_thread(self._tokenize, texts) if texts else [])
+        if params.grammar is not None:
+            await asyncio.to_thread(self.engine.grammars)  # the first one reads the vocabulary: a second
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         items, callbacks, lengths = [], [], []

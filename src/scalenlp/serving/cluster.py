@@ -109,10 +109,11 @@ class EngineReplica:
         out["system_fingerprint"] = self.replica_id
         return out
 
-    async def chat_prompt(self, messages: list) -> dict:
+    async def chat_prompt(self, messages: list, tools: list | None = None) -> dict:
         """The conversation rendered by the checkpoint's chat template, which the router does not load."""
         try:
-            return {"ids": await self.backend.chat_prompt(messages)}
+            ids, tool_format = await self.backend.chat_prompt(messages, tools)
+            return {"ids": ids, "tool_format": tool_format}
         except APIError as e:
             return {"__error__": [e.status, e.body()]}
 
@@ -198,12 +199,13 @@ class RayBackend:
             body["seed"] = random.getrandbits(62)  # retries must regenerate the same text
         return body
 
-    async def chat_prompt(self, messages: list) -> list[int]:
-        """The prompt ids of a conversation, rendered on a replica (which holds the tokenizer)."""
+    async def chat_prompt(self, messages: list, tools: list | None = None) -> tuple[list[int], str | None]:
+        """The prompt ids of a conversation, rendered on a replica (which holds the tokenizer), and the tool-call
+        format of its template when there are ``tools``."""
         async def attempt():
-            out = await self.handle.chat_prompt.remote(messages)
+            out = await self.handle.chat_prompt.remote(messages, tools)
             _raise_if_error(out)
-            return out["ids"]
+            return out["ids"], out["tool_format"]
 
         return await self._retrying(attempt)
 

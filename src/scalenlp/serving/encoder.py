@@ -81,7 +81,7 @@ class EncoderOnly:
 
     stream = complete
 
-    async def chat_prompt(self, messages):
+    async def chat_prompt(self, messages, tools=None):
         raise APIError(400, ENCODER_ONLY, param="messages")
 
 

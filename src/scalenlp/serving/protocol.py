@@ -8,6 +8,7 @@ command and so this module) stays light.
 import asyncio
 import dataclasses
 import functools
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -62,6 +63,10 @@ def _sampling_request():
         top_k: int = 0
         ignore_eos: bool = False
 
+        # ---- structured output (engine/grammar.py) ----
+        response_format: dict[str, Any] | None = None
+        guided_grammar: str | None = None  # vLLM's extension: a Lark grammar the output must match
+
     return SamplingRequest
 
 
@@ -91,6 +96,11 @@ def _chat_request_model():
         logprobs: bool = False
         top_logprobs: int | None = None
 
+        # ---- tool calling (serving/tools.py) ----
+        tools: list[Any] | None = None
+        tool_choice: str | dict[str, Any] | None = None
+        parallel_tool_calls: bool | None = None
+
     return ChatRequest
 
 
@@ -116,7 +126,31 @@ def sampling_params(req):
 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                          seed=req.seed, stop=stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos)
+                          seed=req.seed, stop=stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
+                          grammar=request_grammar(req))
+
+
+# ---- structured output: response_format and guided_grammar become a grammar the engine decodes under ----
+
+def request_grammar(req) -> str | None:
+    """The grammar of a request's output (None: free text); a 400 naming what llguidance cannot decode with."""
+    from scalenlp.engine.grammar import GrammarError
+
+    key = None if req.response_format is None else json.dumps(req.response_format, sort_keys=True)
+    try:
+        return _grammar(key, req.guided_grammar)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar(response_format: str | None, guided_grammar: str | None) -> str | None:
+    """``response_grammar`` by the JSON text of response_format: compiling and checking a schema takes milliseconds
+    on the event loop (8 ms for a 5-field pydantic model here), and a client sends the same schema again and again,
+    and each request asks twice (its checks, then its sampling settings)."""
+    from scalenlp.engine.grammar import response_grammar
+
+    return response_grammar(None if response_format is None else json.loads(response_format), guided_grammar)
 
 
 def check_sampling(params, n: int) -> None:
@@ -196,23 +230,54 @@ async def completion_for_chat(req, backend):
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise APIError(400, "max_tokens and max_completion_tokens are the same setting; send only one",
                        param="max_tokens")
-    ids = await backend.chat_prompt(req.messages)
-    fields = req.model_dump(exclude={"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+    from scalenlp.serving.tools import ToolError, template_messages, tool_use
+
+    try:
+        tools = tool_use(req)
+        messages = template_messages(req.messages)
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    ids, tool_format = await backend.chat_prompt(messages, tools.tools if tools else None)
+    fields = req.model_dump(exclude={"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                     "tool_choice", "parallel_tool_calls"})
     # None: to the end of the context, as OpenAI's chat API (a server's --max-tokens-cap still applies).
     fields["max_tokens"] = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if tools is not None:
+        tools.format = tool_format
+        if tools.forced:  # the output is the calls: decoded under their grammar
+            if req.response_format is not None or req.guided_grammar is not None:
+                raise APIError(400, f"tool_choice {req.tool_choice!r} makes the output a tool call; send "
+                               f"response_format or guided_grammar only with tool_choice \"auto\" or \"none\"",
+                               param="tool_choice")
+            fields["guided_grammar"] = tool_grammar(tools)
     completion = _request_model()(**fields, prompt=ids)
     check_request(completion)
-    return completion
+    return completion, tools
 
 
-async def chat_ids(templates, messages: list) -> list[int]:
-    """The prompt ids of a conversation, made by the model's template workers (``TemplateWorkers``); one they
-    cannot render, or that passes their limits, is a 400 on the request's messages."""
+def tool_grammar(tools) -> str:
+    """The Lark grammar of the calls a ToolUse forces; a 400 on ``tools`` when a function's parameters hold a JSON
+    Schema llguidance cannot decode with."""
+    from scalenlp.engine.grammar import GrammarError, lark_grammar
+
+    grammar = tools.grammar()
+    try:
+        lark_grammar(grammar, "tools", "a function's parameters in tools are not a JSON Schema this server can "
+                                       "decode with")
+    except GrammarError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    return grammar
+
+
+async def chat_ids(templates, messages: list, tools: list | None = None) -> list[int]:
+    """The prompt ids of a conversation (with ``tools`` for the template, when given), made by the model's template
+    workers (``TemplateWorkers``); one they cannot render, or that passes their limits, is a 400 on the request's
+    messages."""
     from scalenlp.data.chat import ChatError
     from scalenlp.data.template_workers import WorkersStopped
 
     try:
-        return await templates.chat_ids(messages)
+        return await templates.chat_ids(messages, tools)
     except ChatError as e:
         raise APIError(400, str(e), param="messages", code=e.code) from None
     except WorkersStopped as e:
@@ -235,26 +300,44 @@ def chat_object(completion: dict, message_key: str, messages: list[dict]) -> dic
             "choices": choices, "usage": completion["usage"]}
 
 
-async def complete_chat(backend, req) -> dict:
+async def complete_chat(backend, req, tools=None) -> dict:
+    """The chat completion of ``req``; with ``tools`` (a ToolUse), each choice's text parsed for tool calls."""
     try:
         out = await backend.complete(req)
     except APIError as e:
         raise _on_messages(e) from None
-    return chat_object(out, "message", [{"role": "assistant", "content": c["text"]} for c in out["choices"]])
+    messages = []
+    for c in out["choices"]:
+        fields = {"content": c["text"]}
+        if tools is not None:
+            fields, c["finish_reason"] = tools.reply(c["text"], c["finish_reason"])
+        messages.append({"role": "assistant", **fields})
+    return chat_object(out, "message", messages)
 
 
-async def stream_chat(backend, req) -> AsyncIterator[dict]:
+async def stream_chat(backend, req, tools=None) -> AsyncIterator[dict]:
     """chat.completion.chunk objects: each choice's first delta carries the assistant role, its last the
-    finish reason (with an empty delta when no text came with it)."""
+    finish reason (with an empty delta when no text came with it). With ``tools`` (a ToolUse), text that may be a
+    tool call is held back, and the calls come in the choice's last delta: a call is only known once written."""
     started: set[int] = set()
+    held = {}  # choice index -> its ToolStream
     try:
         async for chunk in backend.stream(req):
             deltas = []
             for c in chunk["choices"]:
+                calls = []
+                if tools is not None:
+                    stream = held.setdefault(c["index"], tools.stream())
+                    c["text"] = stream.feed(c["text"])
+                    if c["finish_reason"] is not None:
+                        rest, calls, c["finish_reason"] = stream.end(c["finish_reason"])
+                        c["text"] += rest
                 delta = {"content": c["text"]} if c["text"] or c["index"] not in started else {}
                 if c["index"] not in started:
                     started.add(c["index"])
                     delta = {"role": "assistant", **delta}
+                if calls:
+                    delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
                 deltas.append(delta)
             yield chat_object(chunk, "delta", deltas)
     except APIError as e:
