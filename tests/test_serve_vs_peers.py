@@ -52,7 +52,8 @@ def test_prompts_are_cut_at_the_asked_length_and_repeat_only_the_shared_system_p
 
 @pytest.mark.parametrize("argv, message", [(["--concurrency", "1,x"], "comma-separated list of whole numbers"),
                                            (["--workloads", "short,long"], "unknown workload 'long'"),
-                                           (["--tokens", "0"], "--tokens must be 1 or more")])
+                                           (["--tokens", "0"], "--tokens must be 1 or more"),
+                                           (["--rounds", "-1"], "must be 0 (skip that part) or more")])
 def test_bad_flags_are_refused_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         serve_vs_peers.main(argv)
