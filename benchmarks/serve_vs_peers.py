@@ -292,7 +292,7 @@ def decode(args, workdir: Path) -> dict:
     for kind, (path, options) in pairs.items():
         llama = Llama(str(path), n_threads=args.decode_threads, n_threads_batch=args.decode_threads, n_ctx=512,
                       verbose=False)
-        with LLM(path, max_batch=1, max_seq_len=512, **options) as ours:
+        with LLM(str(path), max_batch=1, max_seq_len=512, **options) as ours:
             llama_tokens_per_sec(llama, prompt, 2)  # warm-up
             for rnd in range(args.decode_rounds):
                 speeds[kind, "llama.cpp"].append(llama_tokens_per_sec(llama, prompt, args.decode_tokens))
