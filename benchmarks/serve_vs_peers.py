@@ -184,19 +184,22 @@ def server_commands(args, folder: Path) -> dict[str, tuple[list[str], dict, int]
     return commands
 
 
-def export_smollm2(workdir: Path) -> Path:
-    """The packaged SmolLM2 as a Hugging Face folder in ``workdir`` (written once, reused by later runs)."""
+def exported(out: Path, *flags: str) -> Path:
+    """The packaged SmolLM2 written by `scalenlp export FLAGS` to ``out``, unless an earlier run in the same
+    --workdir wrote it already."""
     from scalenlp.models.packaged import packaged_model
 
-    folder = workdir / "smollm2-hf"
-    if not (folder / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "scalenlp", "export", "--checkpoint", str(packaged_model("smollm2")),
-                        "--format", "hf", "--out", str(folder)], check=True, capture_output=True)
-    return folder
+    if not out.exists():
+        done = subprocess.run([sys.executable, "-m", "scalenlp", "export", "--checkpoint", str(packaged_model("smollm2")),
+                               *flags, "--out", str(out)], capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"error: scalenlp export {' '.join(flags)} failed: "
+                             f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return out
 
 
 def serving(args, workdir: Path) -> dict:
-    folder = Path(args.hf_folder) if args.hf_folder else export_smollm2(workdir)
+    folder = Path(args.hf_folder) if args.hf_folder else exported(workdir / "smollm2-hf", "--format", "hf")
     if not (folder / "config.json").is_file():
         raise SystemExit(f"error: --hf-folder {folder} is not a Hugging Face model folder (no config.json)")
     prompts = Prompts(folder)
@@ -280,10 +283,7 @@ def decode(args, workdir: Path) -> dict:
     from scalenlp.models.packaged import packaged_model
 
     q4 = packaged_model("smollm2")
-    f32 = workdir / "smollm2-f32.gguf"
-    if not f32.is_file():
-        subprocess.run([sys.executable, "-m", "scalenlp", "export", "--checkpoint", str(q4), "--format", "gguf",
-                        "--type", "f32", "--out", str(f32)], check=True, capture_output=True)
+    f32 = exported(workdir / "smollm2-f32.gguf", "--format", "gguf", "--type", "f32")
     torch.set_num_threads(args.decode_threads)
     pairs = {"int4 (Q4_1 file)": (q4, {"quantize": "int4", "group_size": 32}),
              "float32 (f32 file)": (f32, {"dtype": "float32"})}
