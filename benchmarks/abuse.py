@@ -51,8 +51,15 @@ def served(checkpoint: str, serve_args: str):
     from scalenlp.parallel.mesh import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "scalenlp", "serve", "--checkpoint", checkpoint, "--port",
-                             str(port), *shlex.split(serve_args)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with started([sys.executable, "-m", "scalenlp", "serve", "--checkpoint", checkpoint, "--port", str(port),
+                  *shlex.split(serve_args)], port, {**os.environ, "OMP_NUM_THREADS": "1"}) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def started(command: list[str], port: int, env: dict, log=None):
+    """(URL, pid) of a server process that listens on ``port``, once its /health answers; stopped on exit."""
+    proc = subprocess.Popen(command, env=env, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         while True:

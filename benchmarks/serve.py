@@ -207,13 +207,26 @@ def decode(args) -> None:
 
 # ---- serving: Poisson arrivals against a running server ----
 
+def quantile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0.5: the median) of a non-empty list."""
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
 def percentiles(values: list[float]) -> str:
     if not values:
         return "n/a"
-    s = sorted(values)
-    pick = lambda q: s[min(len(s) - 1, int(round(q * (len(s) - 1))))]  # noqa: E731
-    return (f"mean {statistics.fmean(s) * 1e3:8.1f}  p50 {pick(0.5) * 1e3:8.1f}  p90 {pick(0.9) * 1e3:8.1f}  "
-            f"p99 {pick(0.99) * 1e3:8.1f} ms")
+    return (f"mean {statistics.fmean(values) * 1e3:8.1f}  p50 {quantile(values, 0.5) * 1e3:8.1f}  "
+            f"p90 {quantile(values, 0.9) * 1e3:8.1f}  p99 {quantile(values, 0.99) * 1e3:8.1f} ms")
+
+
+def latencies(ok: list[dict]) -> dict[str, list[float]]:
+    """Per-request TTFT, TPOT and E2E and all inter-token gaps (ITL), in seconds, of ``one_request``'s
+    successful results."""
+    return {"TTFT": [r["stamps"][0] - r["sent"] for r in ok],
+            "TPOT": [(r["stamps"][-1] - r["stamps"][0]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1],
+            "ITL": [b - a for r in ok for a, b in zip(r["stamps"], r["stamps"][1:])],
+            "E2E": [r["stamps"][-1] - r["sent"] for r in ok]}
 
 
 async def one_request(client, url, headers, body, delay):
@@ -265,10 +278,6 @@ async def serving(args) -> None:
         duration = time.perf_counter() - began
     ok = [r for r in results if "error" not in r]
     failed = [r["error"] for r in results if "error" in r]
-    ttft = [r["stamps"][0] - r["sent"] for r in ok]
-    e2e = [r["stamps"][-1] - r["sent"] for r in ok]
-    tpot = [(r["stamps"][-1] - r["stamps"][0]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
-    itl = [b - a for r in ok for a, b in zip(r["stamps"], r["stamps"][1:])]
     out_tokens = sum(r["tokens"] for r in ok)
     in_tokens = sum(r["prompt_tokens"] for r in ok)
     slo = {k: float(v) / 1e3 for k, v in (item.split(":") for item in args.goodput)}
@@ -284,7 +293,7 @@ async def serving(args) -> None:
     print(f"output throughput   {out_tokens / duration:8.1f} tok/s; total (in + out) {(in_tokens + out_tokens) / duration:.1f} tok/s")
     if slo:
         print(f"goodput             {len(good) / duration:8.2f} req/s under SLOs {args.goodput}")
-    for name, values in (("TTFT", ttft), ("TPOT", tpot), ("ITL", itl), ("E2E", e2e)):
+    for name, values in latencies(ok).items():
         print(f"{name:5s} {percentiles(values)}")
 
 
