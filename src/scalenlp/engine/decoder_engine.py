@@ -69,6 +69,7 @@ class Delta:
     finish_reason: str | None  # None while running; "stop" | "length" | "error" (this request) | "abort" (engine)
     time: float  # time.perf_counter() when produced
     error: str | None = None  # with finish_reason "error": what went wrong
+    tokens: list[str] | None = None  # with logprobs: the text of each token (``Engine.token_str``)
 
 
 @dataclass
@@ -86,6 +87,8 @@ class Request:
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     adapter: int = 0  # the LoRA adapter this request runs with (engine/lora.py); 0: the base model
+    # (V,) how many times each token has been generated, on the device; kept only for presence/frequency penalties.
+    token_counts: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -236,6 +239,9 @@ class Engine:
         vocab = self.model.args.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias):
+            raise RequestError(f"logit_bias keys must be token ids of this model, in [0, {vocab}); got "
+                               f"{sorted(t for t in params.logit_bias if not 0 <= t < vocab)[:5]}", "logit_bias")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[Delta], None],
                bypass_queue_limit: bool = False, adapter: str | None = None) -> Request:
@@ -505,27 +511,35 @@ class Engine:
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[tuple]:
         """(token, its logprob or None, top alternatives or None) for each request."""
+        for r in requests:
+            if r.token_counts is None and (r.params.presence_penalty or r.params.frequency_penalty):
+                r.token_counts = torch.zeros(logits.shape[-1], device=self.device)
         batch = SamplingBatch.build([r.params for r in requests], [r.seed for r in requests],
-                                    [len(r.output_ids) for r in requests], self.device)
-        tokens, chosen, top = sample(logits, batch)
-        tokens = tokens.tolist()
+                                    [len(r.output_ids) for r in requests], self.device,
+                                    [r.token_counts for r in requests])
+        drawn, chosen, top = sample(logits, batch)
+        tokens = drawn.tolist()
         chosen = chosen.tolist() if chosen is not None else [None] * len(tokens)
         top = list(zip(top.values.tolist(), top.indices.tolist())) if top is not None else [None] * len(tokens)
+        if batch.counts is not None:  # each request keeps its row of the counts, this step's token added
+            for r, row in zip(requests, batch.count(drawn)):
+                if r.token_counts is not None:
+                    r.token_counts = row
         return list(zip(tokens, chosen, top))
 
     def _emit(self, r: Request, token: int, chosen: float | None, top: tuple | None, now: float) -> None:
         r.output_ids.append(token)
-        logprob = top_lp = None
+        logprob = top_lp = texts = None
         if r.params.logprobs is not None:
-            logprob = [chosen]
+            logprob, texts = [chosen], [self.token_str(token)]
             k = r.params.logprobs
-            top_lp = [{self._token_str(t): v for v, t in zip(top[0][:k], top[1][:k])}] if k else None
+            top_lp = [{self.token_str(t): v for v, t in zip(top[0][:k], top[1][:k])}] if k else None
         self._advance(r, token)
         new_text = self._releasable_text(r)
         r.sent += len(new_text)
         if r.finish_reason is not None:
             self._running.pop(r.slot, None)
-        r.on_event(Delta(new_text, [token], logprob, top_lp, r.finish_reason, now))
+        r.on_event(Delta(new_text, [token], logprob, top_lp, r.finish_reason, now, tokens=texts))
 
     def _fail(self, r: Request, error: Exception) -> None:
         log.error("request failed in the engine; the others continue", exc_info=error)
@@ -533,7 +547,7 @@ class Engine:
         self._running.pop(r.slot, None)
         _tell(r, Delta("", [], None, None, "error", time.perf_counter(), f"{error.__class__.__name__}: {error}"))
 
-    def _token_str(self, token: int) -> str:
+    def token_str(self, token: int) -> str:
         """A token's text; a token that is part of a character has none, so it keeps its vocabulary name."""
         text = self.tokenizer.decode([token], skip_special_tokens=False)
         return text if "\ufffd" not in text else self.tokenizer.id_to_token(token)
