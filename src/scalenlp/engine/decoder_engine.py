@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scalenlp.data.text import check_text
+from scalenlp.data.tokenizer import token_bytes
 from scalenlp.engine.packing import can_pack, pack_linears
 from scalenlp.engine.sampling import InvalidParam, SamplingBatch, SamplingParams, sample
 from scalenlp.errors import UserError
@@ -548,9 +549,14 @@ class Engine:
         _tell(r, Delta("", [], None, None, "error", time.perf_counter(), f"{error.__class__.__name__}: {error}"))
 
     def token_str(self, token: int) -> str:
-        """A token's text; a token that is part of a character has none, so it keeps its vocabulary name."""
+        """A token's text. A token that is part of a character has none: it is written as OpenAI writes one,
+        ``bytes:`` and its bytes escaped (``bytes:\\xe2\\x80``), or as its vocabulary name where those are unknown."""
         text = self.tokenizer.decode([token], skip_special_tokens=False)
-        return text if "\ufffd" not in text else self.tokenizer.id_to_token(token)
+        if "\ufffd" not in text:
+            return text
+        name = self.tokenizer.id_to_token(token)
+        raw = token_bytes(name)
+        return name if raw is None else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def _advance(self, r: Request, token: int) -> None:
         """Extend the request's text by its newest token and decide whether it is finished."""
