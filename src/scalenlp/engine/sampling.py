@@ -158,9 +158,13 @@ def adjust(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """float32 logits (B, V) with each row's logit_bias added and its penalties subtracted, as OpenAI defines
     them: logit[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty, where count[j] is how
     many times this completion has generated token j. A new tensor; the rows without either are unchanged."""
-    logits = logits.float().clone()
     if batch.counts is not None:
-        logits -= batch.counts * batch.frequency + (batch.counts > 0).float() * batch.presence
+        # Counts are whole, so min(c, 1) = [c > 0]. Built in place in one new tensor: a fresh (B, V) tensor costs
+        # more than its arithmetic on a CPU (a second one made this 17 ms instead of 1, 16 rows of 49,152 tokens).
+        counts = batch.counts
+        logits = counts.clamp(max=1).mul_(batch.presence).addcmul_(counts, batch.frequency).neg_().add_(logits)
+    else:
+        logits = logits.float().clone()
     if batch.bias is not None:
         rows, ids, values = batch.bias
         logits.index_put_((rows, ids), values, accumulate=True)
