@@ -8,12 +8,14 @@ command and so this module) stays light.
 import asyncio
 import dataclasses
 import functools
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 MAX_N = 64
+ESCAPED_BYTES = re.compile(r"bytes:((?:\\x[0-9a-f]{2})+)")  # how logprobs write a token that is part of a character
 MAX_TEMPERATURE = 2.0  # as the OpenAI API
 
 
@@ -256,8 +258,9 @@ def chat_logprobs(logprobs: dict | None) -> dict | None:
 
     def entry(token: str, logprob: float) -> dict:
         # A part of a character comes as bytes:\xNN... (Engine.token_str): its bytes are the escaped ones.
-        raw = bytes.fromhex(token[len("bytes:"):].replace("\\x", "")) if token.startswith("bytes:\\x") else None
-        return {"token": token, "logprob": logprob, "bytes": list(raw if raw is not None else token.encode("utf-8"))}
+        escaped = ESCAPED_BYTES.fullmatch(token)
+        raw = bytes.fromhex(escaped.group(1).replace("\\x", "")) if escaped else token.encode("utf-8")
+        return {"token": token, "logprob": logprob, "bytes": list(raw)}
 
     return {"content": [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in (top or {}).items()]}
                         for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"],
