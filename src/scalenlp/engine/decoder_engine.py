@@ -518,14 +518,13 @@ class Engine:
         batch = SamplingBatch.build([r.params for r in requests], [r.seed for r in requests],
                                     [len(r.output_ids) for r in requests], self.device,
                                     [r.token_counts for r in requests])
-        drawn, chosen, top = sample(logits, batch)
-        tokens = drawn.tolist()
+        tokens, chosen, top = sample(logits, batch)
+        tokens = tokens.tolist()
         chosen = chosen.tolist() if chosen is not None else [None] * len(tokens)
         top = list(zip(top.values.tolist(), top.indices.tolist())) if top is not None else [None] * len(tokens)
-        if batch.counts is not None:  # each request keeps its row of the counts, this step's token added
-            for r, row in zip(requests, batch.count(drawn)):
-                if r.token_counts is not None:
-                    r.token_counts = row
+        for r, token in zip(requests, tokens):  # each request's own counts (the batch's stack is a copy, let go)
+            if r.token_counts is not None:
+                r.token_counts[token] += 1
         return list(zip(tokens, chosen, top))
 
     def _emit(self, r: Request, token: int, chosen: float | None, top: tuple | None, now: float) -> None:

@@ -109,7 +109,7 @@ class SamplingBatch:
     any_sampled: bool  # known from the settings, so that no device sync is needed to branch
     any_truncated: bool
     # Penalties, only where some row has them: (B, 1) float32 each, and (B, V) float32 counts of the tokens each
-    # row has generated so far (zeros in the rows without penalties); ``count`` adds this step's tokens.
+    # row has generated so far (zeros in the rows without penalties).
     presence: torch.Tensor | None = None
     frequency: torch.Tensor | None = None
     counts: torch.Tensor | None = None
@@ -118,8 +118,8 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], device,
               counts: list[torch.Tensor | None] | None = None) -> SamplingBatch:
-        """counts: each row's (V,) counts of the tokens it has generated, where the row has penalties; the
-        caller keeps them between steps (``count`` gives the next step's)."""
+        """counts: each row's (V,) counts of the tokens it has generated, where the row has penalties (the caller
+        keeps them up to date between steps)."""
         want = [p.logprobs for p in params if p.logprobs is not None]
         penalties = {}
         if counts is not None and any(c is not None for c in counts):
@@ -146,12 +146,6 @@ class SamplingBatch:
             any_truncated=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params),
             bias=bias, **penalties,
         )
-
-    def count(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The counts, in place, with each row's new token (B,) added: one indexed add, whatever the rows' lengths
-        (the stacked counts are this batch's own copy)."""
-        self.counts[torch.arange(len(tokens), device=tokens.device), tokens] += 1
-        return self.counts
 
 
 def adjust(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
