@@ -48,7 +48,9 @@ def _sampling_request():
     from scalenlp.engine.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
 
     class SamplingRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        # Strict: JSON's true is not the token id 1, nor "2" a count (pydantic's lax mode converts both), so the
+        # body accepted is the one the OpenAPI document states.
+        model_config = ConfigDict(extra="forbid", strict=True)
 
         model: str | None = None  # optional where one model is served, as vLLM
         temperature: float = _stated_range(1.0, minimum=0, maximum=MAX_TEMPERATURE)
