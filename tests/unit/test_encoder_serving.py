@@ -168,6 +168,7 @@ def test_classify_takes_the_body_its_docs_and_schema_state(classifying):
     ("/v1/embeddings", {"model": "minilm", "input": [[]]}, 400, "empty"),
     ("/v1/embeddings", {"model": "minilm", "input": 5}, 400, "input"),
     ("/v1/embeddings", {"model": "minilm", "input": ["a", 3]}, 400, "input"),
+    ("/v1/embeddings", {"input": [True, 2]}, 400, "input"),
     ("/v1/embeddings", {"model": "minilm", "input": [10**9]}, 400, "vocabulary"),
     ("/v1/embeddings", {"model": "minilm", "input": ["a"] * (MAX_TEXTS + 1)}, 400, "--max-batch-texts"),
     ("/v1/embeddings", {"model": "minilm", "input": "a", "dimensions": 64}, 400, "384 dimensions"),

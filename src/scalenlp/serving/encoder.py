@@ -29,7 +29,7 @@ def request_models():
     from pydantic import BaseModel, ConfigDict
 
     class EmbeddingRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = ConfigDict(extra="forbid", strict=True)  # as generation: JSON true is no token id
 
         model: str | None = None  # optional: the one model served
         input: str | list[str] | list[int] | list[list[int]]
@@ -38,7 +38,7 @@ def request_models():
         user: str | None = None
 
     class ClassifyRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = ConfigDict(extra="forbid", strict=True)
 
         model: str | None = None  # optional: the one model served
         input: str | list[str]
@@ -48,7 +48,7 @@ def request_models():
         pass
 
     class QARequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = ConfigDict(extra="forbid", strict=True)
 
         model: str | None = None  # optional: the one model served
         question: str | list[str]
