@@ -229,6 +229,10 @@ def test_chat_and_request_limits_answer_as_one_process_does(cluster):
         ("/v1/chat/completions", {"messages": question, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
                                   "stream": True}),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}),  # the template's 400
+        ("/v1/chat/completions", {"messages": question, "max_tokens": 8, "temperature": 0, "logprobs": True,
+                                  "top_logprobs": 2, "presence_penalty": -1.5, "frequency_penalty": 0.5,
+                                  "logit_bias": {"5": 3}}),
+        ("/v1/chat/completions", {"messages": question, "logit_bias": {"1000000": 1}}),  # the replica's vocabulary
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 80}], "max_tokens": 4}),
         ("/v1/chat/completions", {"messages": question, "max_tokens": LIMITS.max_tokens_cap + 1}),
         ("/v1/completions", {"prompt": "hello " * 80, "max_tokens": 4}),  # --max-prompt-tokens
@@ -240,5 +244,5 @@ def test_chat_and_request_limits_answer_as_one_process_does(cluster):
     finally:
         local.stop()
         backend.engine.stop()
-    assert [status for status, _ in expected] == [200, 200, 200, 400, 400, 400, 400, 400, 413]
+    assert [status for status, _ in expected] == [200, 200, 200, 400, 200, 400, 400, 400, 400, 400, 413]
     assert [answer(url, path, body) for path, body in cases] == expected

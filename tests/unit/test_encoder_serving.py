@@ -143,6 +143,24 @@ def test_classify_equals_a_direct_forward(classifying, classifier):
                                    atol=1e-6, rtol=0)
 
 
+def test_classify_takes_the_body_its_docs_and_schema_state(classifying):
+    """docs/serving.md shows {"input": ...} alone: with one model served, the model may be left out, and the
+    OpenAPI document says so, and says what comes back."""
+    server, _ = classifying
+    r = post(server, "/v1/classify", {"input": SENTENCES[:2]})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["model"] == "cls" and [d["index"] for d in out["data"]] == [0, 1]
+    doc = httpx.get(server.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
+    route = doc["paths"]["/v1/classify"]["post"]
+    body = doc["components"]["schemas"][route["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+                                         .rsplit("/", 1)[1]]
+    assert body["required"] == ["input"] and set(body["properties"]) == {"model", "input", "user"}
+    answer = route["responses"]["200"]["content"]["application/json"]["schema"]
+    assert set(answer["required"]) == set(out) and set(answer["properties"]["data"]["items"]["required"]) == set(
+        out["data"][0])
+
+
 @pytest.mark.parametrize("route, body, status, says", [
     ("/v1/embeddings", {"model": "minilm", "input": []}, 400, "empty"),
     ("/v1/embeddings", {"model": "minilm", "input": ""}, 400, "empty"),
@@ -150,6 +168,7 @@ def test_classify_equals_a_direct_forward(classifying, classifier):
     ("/v1/embeddings", {"model": "minilm", "input": [[]]}, 400, "empty"),
     ("/v1/embeddings", {"model": "minilm", "input": 5}, 400, "input"),
     ("/v1/embeddings", {"model": "minilm", "input": ["a", 3]}, 400, "input"),
+    ("/v1/embeddings", {"input": [True, 2]}, 400, "input"),
     ("/v1/embeddings", {"model": "minilm", "input": [10**9]}, 400, "vocabulary"),
     ("/v1/embeddings", {"model": "minilm", "input": ["a"] * (MAX_TEXTS + 1)}, 400, "--max-batch-texts"),
     ("/v1/embeddings", {"model": "minilm", "input": "a", "dimensions": 64}, 400, "384 dimensions"),

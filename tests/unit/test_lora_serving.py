@@ -177,6 +177,14 @@ def test_models_lists_the_adapters_and_requests_pick_them(server, adapters):
     assert "'tiny', 'alpha'" in missing.json()["error"]["message"]
 
 
+def test_a_request_without_model_names_one_when_adapters_are_served(server):
+    client, _ = server
+    for route, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": []})):
+        r = client.post(route, json={**body, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        assert "serves several models ('tiny', 'alpha'" in r.json()["error"]["message"]
+
+
 def test_adapters_load_and_unload_at_run_time_behind_the_key(server, adapters):
     client, engine = server
     body = {"lora_name": "beta", "lora_path": str(adapters["beta"][0])}

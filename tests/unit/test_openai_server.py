@@ -98,6 +98,8 @@ def test_stop_and_logprobs(client):
     ({"model": "tiny", "prompt": "hi", "bogus": 1}, 400, "bogus"),
     ({"model": "tiny", "prompt": "hi " * 200}, 400, "prompt"),
     ({"model": "tiny"}, 400, "prompt"),
+    ({"prompt": [[True]]}, 400, "prompt"),  # not the token id 1 (and without model: the one served)
+    ({"model": "tiny", "prompt": "hi", "n": "2"}, 400, "n"),
     ({"model": "other", "prompt": "hi"}, 404, "model"),
 ])
 def test_bad_requests_get_openai_errors(served, body, status, param):

@@ -7,7 +7,9 @@ give the same tokenizer, which is what lets it be cached by the corpus' fingerpr
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -22,6 +24,7 @@ TOKENIZER_CONFIG = "tokenizer_config.json"  # BOS, EOS and the chat template, in
 EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>", "<eos>")
 BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
 MIN_VOCAB = 257  # the 256 byte symbols plus EOS
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's tokens for single bytes
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -105,3 +108,21 @@ def eos_token_id(tokenizer: Tokenizer, path: str | Path | None = None) -> int:
         raise UserError(f"tokenizer {path or ''} has no end-of-document token ({', '.join(EOS_CANDIDATES)} or an "
                         f"eos_token in tokenizer_config.json / special_tokens_map.json); add one to the tokenizer")
     return token_id
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte each symbol of a byte-level BPE vocabulary (GPT-2's) stands for: printable bytes are written as
+    themselves, the others as the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+def token_bytes(name: str) -> bytes | None:
+    """The bytes a token stands for, from its vocabulary name: a byte-fallback ``<0xNN>`` or a name in byte-level
+    BPE's alphabet; None for any other name. For tokens that are part of a character, whose text is none."""
+    if match := BYTE_FALLBACK.fullmatch(name):
+        return bytes([int(match.group(1), 16)])
+    alphabet = _byte_level_alphabet()
+    return bytes(alphabet[c] for c in name) if name and all(c in alphabet for c in name) else None

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scalenlp.data.text import check_text
+from scalenlp.data.tokenizer import token_bytes
 from scalenlp.engine.grammar import Constraint, GrammarError, Grammars, constrain
 from scalenlp.engine.packing import can_pack, pack_linears
 from scalenlp.engine.sampling import InvalidParam, SamplingBatch, SamplingParams, sample
@@ -70,6 +71,7 @@ class Delta:
     finish_reason: str | None  # None while running; "stop" | "length" | "error" (this request) | "abort" (engine)
     time: float  # time.perf_counter() when produced
     error: str | None = None  # with finish_reason "error": what went wrong
+    tokens: list[str] | None = None  # with logprobs: the text of each token (``Engine.token_str``)
 
 
 @dataclass
@@ -88,6 +90,8 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     adapter: int = 0  # the LoRA adapter this request runs with (engine/lora.py); 0: the base model
     constraint: Constraint | None = None  # its grammar's matcher (engine/grammar.py), when it has one
+    # (V,) how many times each token has been generated, on the device; kept only for presence/frequency penalties.
+    token_counts: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -230,6 +234,9 @@ class Engine:
         vocab = self.model.args.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias):
+            raise RequestError(f"logit_bias keys must be token ids of this model, in [0, {vocab}); got "
+                               f"{sorted(t for t in params.logit_bias if not 0 <= t < vocab)[:5]}", "logit_bias")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[Delta], None],
                bypass_queue_limit: bool = False, adapter: str | None = None) -> Request:
@@ -519,22 +526,29 @@ class Engine:
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[tuple]:
         """(token, its logprob or None, top alternatives or None) for each request."""
+        for r in requests:
+            if r.token_counts is None and (r.params.presence_penalty or r.params.frequency_penalty):
+                r.token_counts = torch.zeros(logits.shape[-1], device=self.device)
         batch = SamplingBatch.build([r.params for r in requests], [r.seed for r in requests],
-                                    [len(r.output_ids) for r in requests], self.device)
+                                    [len(r.output_ids) for r in requests], self.device,
+                                    [r.token_counts for r in requests])
         logits = constrain([r.constraint for r in requests], logits)  # grammars: only their rows pay
         tokens, chosen, top = sample(logits, batch)
         tokens = tokens.tolist()
         chosen = chosen.tolist() if chosen is not None else [None] * len(tokens)
         top = list(zip(top.values.tolist(), top.indices.tolist())) if top is not None else [None] * len(tokens)
+        for r, token in zip(requests, tokens):  # each request's own counts (the batch's stack is a copy, let go)
+            if r.token_counts is not None:
+                r.token_counts[token] += 1
         return list(zip(tokens, chosen, top))
 
     def _emit(self, r: Request, token: int, chosen: float | None, top: tuple | None, now: float) -> None:
         r.output_ids.append(token)
-        logprob = top_lp = None
+        logprob = top_lp = texts = None
         if r.params.logprobs is not None:
-            logprob = [chosen]
+            logprob, texts = [chosen], [self.token_str(token)]
             k = r.params.logprobs
-            top_lp = [{self._token_str(t): v for v, t in zip(top[0][:k], top[1][:k])}] if k else None
+            top_lp = [{self.token_str(t): v for v, t in zip(top[0][:k], top[1][:k])}] if k else None
         self._advance(r, token)
         if r.constraint is not None and r.finish_reason is None and r.constraint.advance(token):
             r.finish_reason = "stop"  # the grammar is complete: nothing may follow
@@ -542,7 +556,7 @@ class Engine:
         r.sent += len(new_text)
         if r.finish_reason is not None:
             self._running.pop(r.slot, None)
-        r.on_event(Delta(new_text, [token], logprob, top_lp, r.finish_reason, now))
+        r.on_event(Delta(new_text, [token], logprob, top_lp, r.finish_reason, now, tokens=texts))
 
     def _fail(self, r: Request, error: Exception) -> None:
         log.error("request failed in the engine; the others continue", exc_info=error)
@@ -550,10 +564,15 @@ class Engine:
         self._running.pop(r.slot, None)
         _tell(r, Delta("", [], None, None, "error", time.perf_counter(), f"{error.__class__.__name__}: {error}"))
 
-    def _token_str(self, token: int) -> str:
-        """A token's text; a token that is part of a character has none, so it keeps its vocabulary name."""
+    def token_str(self, token: int) -> str:
+        """A token's text. A token that is part of a character has none: it is written as OpenAI writes one,
+        ``bytes:`` and its bytes escaped (``bytes:\\xe2\\x80``), or as its vocabulary name where those are unknown."""
         text = self.tokenizer.decode([token], skip_special_tokens=False)
-        return text if "\ufffd" not in text else self.tokenizer.id_to_token(token)
+        if "\ufffd" not in text:
+            return text
+        name = self.tokenizer.id_to_token(token)
+        raw = token_bytes(name)
+        return name if raw is None else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def _advance(self, r: Request, token: int) -> None:
         """Extend the request's text by its newest token and decide whether it is finished."""

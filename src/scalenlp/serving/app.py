@@ -170,8 +170,15 @@ def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAUL
                             **error_responses(400, 401, 404, 413, 429, 500, 503)}
 
     def check_model(req) -> None:
+        """A request without ``model`` gets the one model served (as vLLM); where adapters are served beside it,
+        which one is the client's to say."""
+        served = ", ".join(repr(n) for n in (backend.model_name, *adapters()))
+        if req.model is None:
+            if adapters():
+                raise APIError(400, f"this server serves several models ({served}); name one in the request's "
+                               "\"model\" field", param="model")
+            req.model = backend.model_name
         if req.model != backend.model_name and req.model not in adapters():
-            served = ", ".join(repr(n) for n in (backend.model_name, *adapters()))
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 

@@ -314,8 +314,8 @@ def _empty_logprobs() -> dict:
 def _append_logprobs(logprobs: dict | None, text_so_far: str, delta) -> None:
     if logprobs is None or delta.logprobs is None:
         return
-    for k, token_id in enumerate(delta.token_ids):
-        logprobs["tokens"].append(str(token_id))
+    for k, token in enumerate(delta.tokens):
+        logprobs["tokens"].append(token)
         logprobs["token_logprobs"].append(delta.logprobs[k])
         logprobs["top_logprobs"].append(delta.top_logprobs[k] if delta.top_logprobs else None)
         logprobs["text_offset"].append(len(text_so_far))

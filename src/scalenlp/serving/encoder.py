@@ -29,18 +29,18 @@ def request_models():
     from pydantic import BaseModel, ConfigDict
 
     class EmbeddingRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = ConfigDict(extra="forbid", strict=True)  # as generation: JSON true is no token id
 
-        model: str
+        model: str | None = None  # optional: the one model served
         input: str | list[str] | list[int] | list[list[int]]
         encoding_format: Literal["float", "base64"] = "float"
         dimensions: int | None = None
         user: str | None = None
 
     class ClassifyRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = ConfigDict(extra="forbid", strict=True)
 
-        model: str
+        model: str | None = None  # optional: the one model served
         input: str | list[str]
         user: str | None = None
 
@@ -48,15 +48,23 @@ def request_models():
         pass
 
     class QARequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = ConfigDict(extra="forbid", strict=True)
 
-        model: str
+        model: str | None = None  # optional: the one model served
         question: str | list[str]
         context: str | list[str]  # one per question, or one for them all
         allow_empty: bool = False  # SQuAD v2.0: answer "" when "no answer" scores above every span
         user: str | None = None
 
     return EmbeddingRequest, ClassifyRequest, TagRequest, QARequest
+
+
+CLASSIFY_RESPONSE = {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+    "object": {"const": "list"}, "model": {"type": "string"},
+    "data": {"type": "array", "items": {"type": "object", "required": ["index", "label", "probabilities"], "properties": {
+        "index": {"type": "integer"}, "label": {"type": "string"},
+        "probabilities": {"type": "object", "additionalProperties": {"type": "number"}}}}},
+    "usage": {"type": "object", "properties": {"prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}}}
 
 
 def inputs_of(value: str | list) -> list[str | list[int]]:
@@ -246,7 +254,9 @@ def add_encoder_routes(app, backend, check_model) -> None:
     async def embeddings(req: EmbeddingRequest, request: Request):
         return await served(req, request, "embeddings")
 
-    @app.post("/v1/classify", responses=responses)
+    @app.post("/v1/classify", responses={200: {"description": "a label and the probability of every label, per text",
+                                               "content": {"application/json": {"schema": CLASSIFY_RESPONSE}}},
+                                         **responses})
     async def classify(req: ClassifyRequest, request: Request):
         return await served(req, request, "classify")
 

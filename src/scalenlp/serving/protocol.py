@@ -9,12 +9,14 @@ import asyncio
 import dataclasses
 import functools
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 MAX_N = 64
+ESCAPED_BYTES = re.compile(r"bytes:((?:\\x[0-9a-f]{2})+)")  # how logprobs write a token that is part of a character
 MAX_TEMPERATURE = 2.0  # as the OpenAI API
 
 
@@ -44,10 +46,14 @@ def _sampling_request():
     does not import pydantic."""
     from pydantic import BaseModel, ConfigDict
 
-    class SamplingRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    from scalenlp.engine.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
 
-        model: str
+    class SamplingRequest(BaseModel):
+        # Strict: JSON's true is not the token id 1, nor "2" a count (pydantic's lax mode converts both), so the
+        # body accepted is the one the OpenAPI document states.
+        model_config = ConfigDict(extra="forbid", strict=True)
+
+        model: str | None = None  # optional where one model is served, as vLLM
         temperature: float = _stated_range(1.0, minimum=0, maximum=MAX_TEMPERATURE)
         top_p: float = _stated_range(1.0, exclusiveMinimum=0, maximum=1)
         n: int = _stated_range(1, minimum=1, maximum=MAX_N)
@@ -55,9 +61,11 @@ def _sampling_request():
         stream_options: dict[str, Any] | None = None
         stop: str | list[str] | None = None
         seed: int | None = None
-        presence_penalty: float = 0.0
-        frequency_penalty: float = 0.0
-        logit_bias: dict[str, float] | None = None
+        presence_penalty: float = _stated_range(0.0, minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
+        frequency_penalty: float = _stated_range(0.0, minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
+        # token id (as a string, JSON's keys are) -> a bias added to that token's logit
+        logit_bias: dict[str, float] | None = _stated_range(
+            None, additionalProperties={"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS})
         user: str | None = None
         # Extensions, as in vLLM:
         top_k: int = 0
@@ -73,11 +81,12 @@ def _sampling_request():
 @functools.cache
 def _request_model():
     """OpenAI's (legacy) completion request."""
+    from scalenlp.engine.sampling import MAX_LOGPROBS
 
     class CompletionRequest(_sampling_request()):
         prompt: str | list[str] | list[int] | list[list[int]]
         max_tokens: int | None = 16
-        logprobs: int | None = None
+        logprobs: int | None = _stated_range(None, minimum=0, maximum=MAX_LOGPROBS)
         echo: bool = False
         best_of: int | None = _stated_range(None, minimum=1, maximum=MAX_N)  # n's, the only value served
         suffix: str | None = None
@@ -88,13 +97,14 @@ def _request_model():
 @functools.cache
 def _chat_request_model():
     """OpenAI's chat request; messages are checked by the chat renderer, which names what is wrong."""
+    from scalenlp.engine.sampling import MAX_LOGPROBS
 
     class ChatRequest(_sampling_request()):
         messages: list[Any]
         max_tokens: int | None = None  # the older name of max_completion_tokens
         max_completion_tokens: int | None = None
         logprobs: bool = False
-        top_logprobs: int | None = None
+        top_logprobs: int | None = _stated_range(None, minimum=0, maximum=MAX_LOGPROBS)
 
         # ---- tool calling (serving/tools.py) ----
         tools: list[Any] | None = None
@@ -127,7 +137,21 @@ def sampling_params(req):
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                           seed=req.seed, stop=stop, logprobs=req.logprobs, ignore_eos=req.ignore_eos,
-                          grammar=request_grammar(req))
+                          grammar=request_grammar(req),
+                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                          logit_bias=token_biases(req.logit_bias))
+
+
+def token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    """logit_bias's keys as token ids; a key that is not a whole number is a 400 (the engine checks the range)."""
+    biases = {}
+    for key, value in (logit_bias or {}).items():
+        try:
+            biases[int(key)] = value
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids (whole numbers as strings, such as \"50256\"), "
+                           f"got {key!r}", param="logit_bias") from None
+    return biases
 
 
 # ---- structured output: response_format and guided_grammar become a grammar the engine decodes under ----
@@ -186,10 +210,6 @@ def check_request(req) -> None:
         raise APIError(400, "echo is not supported", param="echo")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
-    if req.presence_penalty or req.frequency_penalty:
-        raise APIError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
     if isinstance(req.prompt, list) and not req.prompt:
         raise APIError(400, "prompt must not be an empty list", param="prompt")
 
@@ -225,8 +245,13 @@ def completion_object(model: str, choices: list[dict], usage_: dict | None, cid:
 async def completion_for_chat(req, backend):
     """The completion request that answers the chat request ``req``; the backend renders the conversation
     (off the event loop: a long one takes time), in this process or on a replica."""
-    if req.logprobs or req.top_logprobs is not None:
-        raise APIError(400, "logprobs are not supported for chat completions", param="logprobs")
+    from scalenlp.engine.sampling import MAX_LOGPROBS
+
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs \"logprobs\": true", param="top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}",
+                       param="top_logprobs")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise APIError(400, "max_tokens and max_completion_tokens are the same setting; send only one",
                        param="max_tokens")
@@ -242,6 +267,7 @@ async def completion_for_chat(req, backend):
                                      "tool_choice", "parallel_tool_calls"})
     # None: to the end of the context, as OpenAI's chat API (a server's --max-tokens-cap still applies).
     fields["max_tokens"] = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    fields["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
     if tools is not None:
         tools.format = tool_format
         if tools.forced:  # the output is the calls: decoded under their grammar
@@ -291,10 +317,27 @@ def _on_messages(e: APIError) -> APIError:
     return e
 
 
+def chat_logprobs(logprobs: dict | None) -> dict | None:
+    """A completion choice's logprobs in the chat API's shape: {"content": [{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]}]}, one entry per generated token."""
+    if logprobs is None:
+        return None
+
+    def entry(token: str, logprob: float) -> dict:
+        # A part of a character comes as bytes:\xNN... (Engine.token_str): its bytes are the escaped ones.
+        escaped = ESCAPED_BYTES.fullmatch(token)
+        raw = bytes.fromhex(escaped.group(1).replace("\\x", "")) if escaped else token.encode("utf-8")
+        return {"token": token, "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in (top or {}).items()]}
+                        for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"],
+                                                       logprobs["top_logprobs"])]}
+
+
 def chat_object(completion: dict, message_key: str, messages: list[dict]) -> dict:
     """A completion object (or chunk) as a chat completion (or chunk) whose choices carry ``messages``."""
-    choices = [{"index": c["index"], message_key: m, "logprobs": None, "finish_reason": c["finish_reason"]}
-               for c, m in zip(completion["choices"], messages)]
+    choices = [{"index": c["index"], message_key: m, "logprobs": chat_logprobs(c["logprobs"]),
+                "finish_reason": c["finish_reason"]} for c, m in zip(completion["choices"], messages)]
     return {"id": "chat" + completion["id"], "created": completion["created"], "model": completion["model"],
             "object": "chat.completion" if message_key == "message" else "chat.completion.chunk",
             "choices": choices, "usage": completion["usage"]}
