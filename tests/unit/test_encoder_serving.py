@@ -272,10 +272,25 @@ def test_a_batch_stays_within_its_token_budget_and_a_longer_text_runs_alone():
     assert [len(big.ids[i]) for _, i in batch] == [budget // 2] * 2 and rest == [big]
     rest.append(small)  # a short request arrives: it shares the next pass, and the big one's second text waits
     batch, rest = fair_batch(rest, len(big.ids), budget)
-    assert [(job, len(job.ids[i])) for job, i in batch] == [(big, budget // 2), (small, 3)]
+    assert [(job, len(job.ids[i])) for job, i in batch] == [(small, 3), (big, budget // 2)]
     assert rest == [big] and len(big.pending) == 3
     huge = Job("embed", [[0] * (budget + 1)] * 2)
     batch, rest = fair_batch([huge, big], len(big.ids), budget)
     assert [(job, len(job.ids[i])) for job, i in batch] == [(huge, budget + 1)]
     assert rest == [big, huge]  # big was not reached (it did not fit): its turn comes first next time
 
+
+
+def test_a_request_just_arrived_is_in_the_next_batch_when_a_batch_holds_fewer_texts_than_there_are_requests():
+    """With a token budget a pass may hold fewer texts than there are waiting requests: the turn goes to the
+    requests that have had the fewest tokens encoded, so a newcomer does not wait for a round of all the others."""
+    from scalenlp.engine.encoder_engine import Job, fair_batch
+
+    width = 8
+    queue = [Job("embed", [[0] * width] * 4) for _ in range(6)]
+    while any(job.taken == 0 for job in queue):  # two texts a pass, until every request has had one
+        batch, queue = fair_batch(queue, len(queue), 2 * width)
+    newcomer = Job("embed", [[0] * width])
+    queue.append(newcomer)
+    batch, queue = fair_batch(queue, len(queue), 2 * width)
+    assert newcomer in [job for job, _ in batch] and not newcomer.pending

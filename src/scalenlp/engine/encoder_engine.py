@@ -4,7 +4,8 @@ Each request's texts become units in a queue. A worker thread takes up to ``forw
 kind (embed, classify or tag), and no more than ``pass_tokens`` token positions once padded to the longest (a
 longer text runs alone), waiting at most ``batch_wait_ms`` after the oldest one arrived for more to come,
 runs one forward and hands each row back; a request's future completes when its last row does. A batch is
-filled round-robin across the waiting requests (each request's texts shortest first), so a one-text request
+filled round-robin across the waiting requests (each request's texts shortest first, the requests with the
+fewest tokens encoded so far first: a newcomer's text is in the next pass), so a one-text request
 behind a 2,048-text one is served within about one forward pass, and the token budget bounds how long that pass
 takes (on a CPU a forward's cost grows with its tokens, at about the same rate from a few hundred up).
 A request whose future is cancelled (its client left) leaves the queue at once: its texts not yet taken
@@ -72,6 +73,7 @@ class Job:
     rows: list = field(default_factory=list)
     left: int = 0  # rows not computed yet
     pending: list[int] = field(default_factory=list)  # rows not taken into a batch yet, shortest first
+    taken: int = 0  # tokens of its rows taken into batches so far: the job with fewest goes first
     arrival: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self):
@@ -408,12 +410,15 @@ def fair_batch(queue: list[Job], size: int, tokens: int) -> tuple[list[tuple[Job
     """(the next batch of (job, row), the jobs left queued, in their new turn order). The batch takes one text
     from each job in turn (each job's shortest first) until it holds ``size`` texts, or until no job's next text
     keeps it within ``tokens`` positions once padded to its longest (the first text is taken whatever its length:
-    a text longer than the budget runs alone). The jobs it served go behind those it did not reach (or could not
-    fit), so that over successive batches every waiting request moves forward."""
+    a text longer than the budget runs alone). The turn goes to the jobs with the fewest tokens taken so far, so
+    that a request just arrived is in the next pass even when a pass holds fewer texts than there are requests;
+    among equals, the jobs a batch served go behind those it did not reach (or could not fit), so that over
+    successive batches every waiting request moves forward."""
     batch: list[tuple[Job, int]] = []
     served: list[Job] = []
     width = 0
     full: set[int] = set()  # ids of jobs whose next text does not fit in this batch
+    queue = sorted(queue, key=lambda job: job.taken)  # stable: the turn order breaks ties
     while len(batch) < size:
         took = False
         for job in queue:
@@ -424,6 +429,7 @@ def fair_batch(queue: list[Job], size: int, tokens: int) -> tuple[list[tuple[Job
                 full.add(id(job))
                 continue
             batch.append((job, job.pending.pop(0)))
+            job.taken += length
             width = max(width, length)
             took = True
             if job not in served:
