@@ -2,6 +2,7 @@
 
   python benchmarks/abuse.py [--checkpoint PATH] [--loads big-prompt,disconnect] [--seconds 20]
                              [--serve-args "--max-seq-len 2048 --max-batch 4"]
+                             [--loads big-embeddings --encoder PATH --encoder-serve-args "--pass-tokens 256"]
 
 One server process runs throughout. The normal client sends one 2-token completion after another; its latency
 is measured first against the idle server, then during each load in turn. The server's RSS (from /proc) is read
