@@ -2,6 +2,7 @@
 
   python benchmarks/abuse.py [--checkpoint PATH] [--loads big-prompt,disconnect] [--seconds 20]
                              [--serve-args "--max-seq-len 2048 --max-batch 4"]
+                             [--loads big-embeddings --encoder PATH --encoder-serve-args "--pass-tokens 256"]
 
 One server process runs throughout. The normal client sends one 2-token completion after another; its latency
 is measured first against the idle server, then during each load in turn. The server's RSS (from /proc) is read
@@ -219,6 +220,8 @@ def main() -> int:
                         help="seconds each load's client waits between requests (default 1)")
     parser.add_argument("--serve-args", default="--max-seq-len 2048 --max-batch 4",
                         help="more `scalenlp serve` flags (default: a 2,048-token context and 4 slots)")
+    parser.add_argument("--encoder-serve-args", default="",
+                        help="more `scalenlp serve` flags for the encoder (e.g. \"--pass-tokens 256\")")
     args = parser.parse_args()
     loads = args.loads.split(",")
     if unknown := set(loads) - set(LOADS):
@@ -237,9 +240,9 @@ def main() -> int:
     if "big-embeddings" in loads:
         if args.encoder is None:
             parser.error("big-embeddings needs --encoder PATH")
-        with served(args.encoder, "") as (url, pid):
+        with served(args.encoder, args.encoder_serve_args) as (url, pid):
             normal = Normal(url, "/v1/embeddings", {"model": model_of(url), "input": "hello"})
-            print(f"{args.encoder}: normal client = one-word embeddings")
+            print(f"{args.encoder} ({args.encoder_serve_args}): normal client = one-word embeddings")
             report(run_loads(url, pid, ["big-embeddings"], normal, args.seconds, args.pause))
     print(f"load average after: {os.getloadavg()}")
     return 0

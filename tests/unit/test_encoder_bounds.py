@@ -12,6 +12,7 @@ import torch
 
 from infer_helpers import ServerThread, minilm_classifier
 from scalenlp.engine.config import EncoderEngineConfig
+from scalenlp.engine.decoder_engine import RequestError
 from scalenlp.engine.encoder_engine import encoder_from_checkpoint
 from scalenlp.serving.app import create_app
 from scalenlp.serving.encoder import EncoderBackend
@@ -135,3 +136,81 @@ def test_health_goes_through_the_batcher_and_fails_while_it_is_wedged(engine, se
     stuck.result(timeout=60)
     assert httpx.get(url + "/health", timeout=30).status_code == 200
     assert e.requests == 1  # the probes are not counted as requests
+
+
+def record_passes(engine) -> list[tuple[int, int]]:
+    """(texts, width: its longest text) of every forward pass from now on, in order."""
+    passes, forward = [], engine._forward
+
+    def recorded(kind, batch):
+        passes.append((len(batch), max(len(job.ids[i]) for job, i in batch)))
+        return forward(kind, batch)
+
+    engine._forward = recorded
+    return passes
+
+
+def test_forward_passes_stay_within_the_token_budget_and_a_small_request_runs_between_them(engine):
+    budget = 48
+    e = engine(forward_batch=32, pass_tokens=budget, batch_wait_ms=0, max_request_tokens=None)
+    texts = [WORDS] * 20 + [WORDS * 10]  # the last is cut at the model's 64 positions: past the budget
+    ids = e.encode(texts)
+    assert max(map(len, ids)) > budget >= 2 * min(map(len, ids))
+    gate = threading.Event()
+    slow_forwards(e, gate)
+    passes = record_passes(e)
+    big = e.submit("embed", ids)
+    while e.num_waiting == len(texts):  # the first pass is taken and waits at the gate
+        time.sleep(0.01)
+    small = e.submit("embed", e.encode(["hi"]))
+    order = []
+    small.add_done_callback(lambda f: order.append(("small", e.forwards)))
+    big.add_done_callback(lambda f: order.append(("big", e.forwards)))
+    gate.set()
+    assert big.result(timeout=60).shape[0] == len(texts) and small.result(timeout=60).shape[0] == 1
+    assert all(n * width <= budget for n, width in passes if n > 1), passes
+    assert (1, max(map(len, ids))) in passes  # the text longer than the budget ran, alone
+    assert order == [("small", 2), ("big", len(passes))] and len(passes) > 3, (order, passes)
+
+
+def test_pass_tokens_must_be_positive(classifier, capsys):
+    from scalenlp.cli import main
+
+    assert main(["serve", "--checkpoint", str(classifier), "--device", "cpu", "--pass-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --pass-tokens must be at least 1, got 0\n", err
+
+
+class TokenizerSpy:
+    """A tokenizer that counts the texts it is given, otherwise the engine's own."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.texts = tokenizer, 0
+
+    def encode_batch(self, texts, *args, **kwargs):
+        self.texts += len(texts)
+        return self.tokenizer.encode_batch(texts, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_a_request_surely_over_its_price_is_refused_before_tokenizing(engine, serve):
+    e = engine(max_request_tokens=100)
+    e.tokenizer, e.words = spy, tag_spy = TokenizerSpy(e.tokenizer), TokenizerSpy(e.words)
+    url = serve(e)
+    # 10 texts of 14 words: at least 10 x (14 + [CLS] + [SEP]) tokens, over 100 whatever the tokenizer does.
+    r = httpx.post(url + "/v1/embeddings", json={"model": "cls", "input": [WORDS] * 10}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "at least" in r.json()["error"]["message"] and "--max-request-tokens" in r.json()["error"]["message"]
+    assert spy.texts == 0 and e.requests == 0
+    with pytest.raises(RequestError, match="at least"):  # tagging's windows keep every word: no cut at 64
+        e.tag_windows([" ".join([WORDS] * 10)], priced=True)
+    assert tag_spy.texts == 0
+    # One word of many tokens passes the bound: the exact price, after tokenizing, still refuses it.
+    dense = ",".join("abcdefghijklmnopqrstuvwxyz")
+    r = httpx.post(url + "/v1/embeddings", json={"model": "cls", "input": [dense] * 4}, timeout=60)
+    assert r.status_code == 400 and "at least" not in r.json()["error"]["message"], r.text
+    assert spy.texts == 4 and e.requests == 0
+    r = httpx.post(url + "/v1/embeddings", json={"model": "cls", "input": [WORDS] * 3}, timeout=60)
+    assert r.status_code == 200 and spy.texts == 7, r.text

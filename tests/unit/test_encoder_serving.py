@@ -270,9 +270,46 @@ def test_a_batch_takes_each_requests_shortest_texts_in_turn():
 
     first, second = Job("embed", [[0] * n for n in (9, 1, 30, 8)]), Job("embed", [[0] * n for n in (29, 2, 10, 31)])
     third = Job("embed", [[0] * 5])
-    batch, rest = fair_batch([first, second, third], 2)
+    unbounded = sum(len(ids) for job in (first, second, third) for ids in job.ids) ** 2  # no token budget here
+    batch, rest = fair_batch([first, second, third], 2, unbounded)
     assert [(job, len(job.ids[i])) for job, i in batch] == [(first, 1), (second, 2)]
     assert rest == [third, first, second]
-    batch, rest = fair_batch(rest, 4)
+    batch, rest = fair_batch(rest, 4, unbounded)
     assert [(job, len(job.ids[i])) for job, i in batch] == [(third, 5), (first, 8), (second, 10), (first, 9)]
     assert rest == [first, second]  # third is done; the others keep the order they were served in
+
+
+def test_a_batch_stays_within_its_token_budget_and_a_longer_text_runs_alone():
+    """Padded to its longest text, a batch holds at most the budget's token positions: a short request still joins
+    a long one's pass, a text that would push the padding past the budget waits, and a text over the budget on its
+    own is taken alone rather than never."""
+    from scalenlp.engine.encoder_engine import Job, fair_batch
+
+    budget = 64
+    big, small = Job("embed", [[0] * (budget // 2)] * 6), Job("embed", [[0] * 3])
+    batch, rest = fair_batch([big], len(big.ids), budget)
+    assert [len(big.ids[i]) for _, i in batch] == [budget // 2] * 2 and rest == [big]
+    rest.append(small)  # a short request arrives: it shares the next pass, and the big one's second text waits
+    batch, rest = fair_batch(rest, len(big.ids), budget)
+    assert [(job, len(job.ids[i])) for job, i in batch] == [(small, 3), (big, budget // 2)]
+    assert rest == [big] and len(big.pending) == 3
+    huge = Job("embed", [[0] * (budget + 1)] * 2)
+    batch, rest = fair_batch([huge, big], len(big.ids), budget)
+    assert [(job, len(job.ids[i])) for job, i in batch] == [(huge, budget + 1)]
+    assert rest == [big, huge]  # big was not reached (it did not fit): its turn comes first next time
+
+
+
+def test_a_request_just_arrived_is_in_the_next_batch_when_a_batch_holds_fewer_texts_than_there_are_requests():
+    """With a token budget a pass may hold fewer texts than there are waiting requests: the turn goes to the
+    requests that have had the fewest tokens encoded, so a newcomer does not wait for a round of all the others."""
+    from scalenlp.engine.encoder_engine import Job, fair_batch
+
+    width = 8
+    queue = [Job("embed", [[0] * width] * 4) for _ in range(6)]
+    while any(job.taken == 0 for job in queue):  # two texts a pass, until every request has had one
+        batch, queue = fair_batch(queue, len(queue), 2 * width)
+    newcomer = Job("embed", [[0] * width])
+    queue.append(newcomer)
+    batch, queue = fair_batch(queue, len(queue), 2 * width)
+    assert newcomer in [job for job, _ in batch] and not newcomer.pending

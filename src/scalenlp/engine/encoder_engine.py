@@ -1,10 +1,13 @@
 """A batcher for encoders: concurrent embedding, classification and tagging requests share forward passes.
 
 Each request's texts become units in a queue. A worker thread takes up to ``forward_batch`` units of one
-kind (embed, classify or tag), waiting at most ``batch_wait_ms`` after the oldest one arrived for more to come,
-pads them to the longest, runs one forward and hands each row back; a request's future completes
-when its last row does. A batch is filled round-robin across the waiting requests (each request's texts
-shortest first), so a one-text request behind a 2,048-text one is served within about one forward pass.
+kind (embed, classify or tag), and no more than ``pass_tokens`` token positions once padded to the longest (a
+longer text runs alone), waiting at most ``batch_wait_ms`` after the oldest one arrived for more to come,
+runs one forward and hands each row back; a request's future completes when its last row does. A batch is
+filled round-robin across the waiting requests (each request's texts shortest first, the requests with the
+fewest tokens encoded so far first: a newcomer's text is in the next pass), so a one-text request
+behind a 2,048-text one is served within about one forward pass, and the token budget bounds how long that pass
+takes (on a CPU a forward's cost grows with its tokens, at about the same rate from a few hundred up).
 A request whose future is cancelled (its client left) leaves the queue at once: its texts not yet taken
 into a batch are never encoded. A text to tag is cut into windows of whole words (``data.tags.word_windows``)
 when it is longer than the model's window, each window a unit, so no word is lost.
@@ -28,6 +31,7 @@ from scalenlp.data.entities import text_entities
 from scalenlp.data.spans import Answer, Windower, best_answer, char_spans
 from scalenlp.data.tags import plain_tokenizer, special_ends, word_windows
 from scalenlp.data.text import check_text
+from scalenlp.data.word_floor import counts_words, words
 from scalenlp.engine.config import EncoderEngineConfig
 from scalenlp.engine.decoder_engine import EngineDead, QueueFull, RequestError, pick_device
 from scalenlp.engine.dtype import LayerShapes, choose_dtype
@@ -71,6 +75,7 @@ class Job:
     rows: list = field(default_factory=list)
     left: int = 0  # rows not computed yet
     pending: list[int] = field(default_factory=list)  # rows not taken into a batch yet, shortest first
+    taken: int = 0  # tokens of its rows taken into batches so far: the job with fewest goes first
     arrival: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self):
@@ -81,7 +86,7 @@ class Job:
 
 class EncoderEngine:
     def __init__(self, model, tokenizer: Tokenizer, *, max_seq_len: int | None = None, forward_batch: int = 32,
-                 batch_wait_ms: float = 2.0, max_queue: int = 64, max_batch_texts: int = 2048,
+                 pass_tokens: int | None = None, batch_wait_ms: float = 2.0, max_queue: int = 64, max_batch_texts: int = 2048,
                  max_text_chars: int = 32768, max_request_tokens: int | None = None):
         """The options are ``EncoderEngineConfig``'s (checked there); ``max_seq_len`` is at most the model's."""
         self.model = model.eval()
@@ -96,9 +101,11 @@ class EncoderEngine:
         # The special tokens wrapped around a text ([CLS] ... [SEP]), added to token-id inputs as well.
         self.prefix, self.suffix = special_ends(self.tokenizer)
         self.words = plain_tokenizer(tokenizer)  # texts to tag are cut into windows here, not truncated
+        self.counts_words = counts_words(tokenizer)  # whether a request's words bound its tokens from below
         self.windower = (Windower(tokenizer, self.max_seq_len, int(self.max_seq_len * QA_OVERLAP))
                          if self.args.task == "question_answering" else None)
         self.forward_batch, self.batch_wait_ms = forward_batch, batch_wait_ms
+        self.pass_tokens = pass_tokens or forward_batch * self.max_seq_len  # None: texts alone bound a pass
         self.max_queue, self.max_batch_texts = max_queue, max_batch_texts
         self.max_text_chars, self.max_request_tokens = max_text_chars, max_request_tokens
         self.queues: dict[str, list[Job]] = {k: [] for k in KINDS}  # jobs with texts still queued, served in turn
@@ -141,10 +148,13 @@ class EncoderEngine:
     def waiting_jobs(self) -> int:
         return sum(map(len, self.queues.values()))
 
-    def encode(self, inputs: list[str | list[int]]) -> list[list[int]]:
+    def encode(self, inputs: list[str | list[int]], priced: bool = False) -> list[list[int]]:
         """Token ids per input, special tokens included, truncated to ``max_seq_len``. Text is tokenized; token
-        ids are taken as the text's tokens and wrapped in the special tokens. RequestError for bad input."""
+        ids are taken as the text's tokens and wrapped in the special tokens. RequestError for bad input, and
+        with ``priced`` for inputs surely past ``max_request_tokens`` (``refuse_surely_over``)."""
         self._check_inputs(inputs)
+        if priced:
+            self.refuse_surely_over(inputs)
         texts = [x for x in inputs if isinstance(x, str)]
         encoded = iter(self.tokenizer.encode_batch(texts))
         out = []
@@ -164,14 +174,17 @@ class EncoderEngine:
         room = self.max_seq_len - len(self.prefix) - len(self.suffix)
         return [(e, word_windows(e.word_ids, room)) for e in self.words.encode_batch(texts, add_special_tokens=False)]
 
-    def tag_windows(self, texts: list[str]) -> list[list[int]]:
+    def tag_windows(self, texts: list[str], priced: bool = False) -> list[list[int]]:
         """Token ids of every window of every text, in order, special tokens included (``entities`` reads the
-        rows back). RequestError for bad input, or for token ids: tagging needs text, to give character offsets."""
+        rows back). RequestError for bad input, or for token ids: tagging needs text, to give character offsets;
+        with ``priced``, for texts surely past ``max_request_tokens``."""
         self._check_inputs(texts)
         for i, x in enumerate(texts):
             if not isinstance(x, str):
                 raise RequestError(f"input {i} is token ids; tagging takes texts (entities come back with the "
                                    f"character offsets of the text)")
+        if priced:
+            self.refuse_surely_over(texts, whole=True)
         split = self._word_windows(texts)
         for i, (_, windows) in enumerate(split):
             if not windows:
@@ -192,10 +205,10 @@ class EncoderEngine:
         """Entities of each text (type, text, start, end character offsets, score), long texts in windows."""
         return self.entities(texts, self.submit("tag", self.tag_windows(texts)).result())
 
-    def qa_windows(self, questions: list[str], contexts: list[str]) -> list[list]:
+    def qa_windows(self, questions: list[str], contexts: list[str], priced: bool = False) -> list[list]:
         """The windows (tokenizers Encodings: ids, segments, offsets) of each (question, context) pair.
         RequestError for bad input: no pairs, unequal lists, an empty or too long text, a question too long
-        for a window."""
+        for a window; with ``priced``, pairs surely past ``max_request_tokens``."""
         self._check_answers_questions()
         if len(questions) != len(contexts):
             raise RequestError(f"{len(questions)} questions and {len(contexts)} contexts; send one context per "
@@ -204,6 +217,8 @@ class EncoderEngine:
         self._check_inputs(contexts)
         if any(not isinstance(x, str) for x in questions + contexts):
             raise RequestError("questions and contexts must be texts")
+        if priced:  # a pair's windows hold its question's and context's words, between a text's special tokens
+            self.refuse_surely_over([f"{q} {c}" for q, c in zip(questions, contexts)], whole=True)
         windows = self.windower(questions, contexts)
         for i, w in enumerate(windows):
             if isinstance(w, str):
@@ -255,10 +270,30 @@ class EncoderEngine:
     def price(self, ids: list[list[int]]) -> int:
         """The tokens these encoded texts cost; RequestError past ``max_request_tokens`` (checked before queueing)."""
         tokens = sum(map(len, ids))
-        if self.max_request_tokens is not None and tokens > self.max_request_tokens:
-            raise RequestError(f"the input holds {tokens} tokens ({len(ids)} texts); this server encodes at most "
-                               f"{self.max_request_tokens} per request (--max-request-tokens): split it")
+        self._refuse_over(tokens, len(ids), "")
         return tokens
+
+    def refuse_surely_over(self, inputs: list[str | list[int]], whole: bool = False) -> None:
+        """RequestError when these inputs cost more than ``max_request_tokens`` even at the fewest tokens they can
+        become, found without tokenizing: each text's special tokens and one per word (``data.word_floor``, when
+        this tokenizer allows it), cut at ``max_seq_len`` as ``encode`` cuts unless ``whole`` (tagging's and
+        question answering's windows keep every token). The count stops once past the limit, so that a refused
+        request of megabytes costs little more than its first texts; ``price`` still applies after tokenizing."""
+        if self.max_request_tokens is None:
+            return
+        ends = len(self.prefix) + len(self.suffix)
+        room = None if whole else self.max_seq_len - ends
+        least = 0
+        for x in inputs:
+            body = len(x) if not isinstance(x, str) else words(x, room) if self.counts_words else 0
+            least += ends + (body if room is None else min(body, room))
+            if least > self.max_request_tokens:
+                self._refuse_over(least, len(inputs), "at least ")
+
+    def _refuse_over(self, tokens: int, texts: int, bound: str) -> None:
+        if self.max_request_tokens is not None and tokens > self.max_request_tokens:
+            raise RequestError(f"the input holds {bound}{tokens} tokens ({texts} texts); this server encodes at "
+                               f"most {self.max_request_tokens} per request (--max-request-tokens): split it")
 
     def submit(self, kind: str, ids: list[list[int]], *, types: list[list[int]] | None = None,
                bypass_queue_limit: bool = False) -> Future:
@@ -316,7 +351,7 @@ class EncoderEngine:
                 if sum(len(job.pending) for job in queue) < self.forward_batch and wait > 0:
                     self.cond.wait(wait)
                     continue
-                batch, self.queues[kind] = fair_batch(queue, self.forward_batch)
+                batch, self.queues[kind] = fair_batch(queue, self.forward_batch, self.pass_tokens)
                 return kind, batch
 
     def _forward(self, kind: str, batch: list[tuple[Job, int]]) -> torch.Tensor | list[torch.Tensor]:
@@ -373,18 +408,36 @@ class EncoderEngine:
                     queue.clear()
 
 
-def fair_batch(queue: list[Job], size: int) -> tuple[list[tuple[Job, int]], list[Job]]:
+def fair_batch(queue: list[Job], size: int, tokens: int) -> tuple[list[tuple[Job, int]], list[Job]]:
     """(the next batch of (job, row), the jobs left queued, in their new turn order). The batch takes one text
-    from each job in turn (each job's shortest first) until it holds ``size``; the jobs it served go behind
-    those it did not reach, so that over successive batches every waiting request moves forward."""
+    from each job in turn (each job's shortest first) until it holds ``size`` texts, or until no job's next text
+    keeps it within ``tokens`` positions once padded to its longest (the first text is taken whatever its length:
+    a text longer than the budget runs alone). The turn goes to the jobs with the fewest tokens taken so far, so
+    that a request just arrived is in the next pass even when a pass holds fewer texts than there are requests;
+    among equals, the jobs a batch served go behind those it did not reach (or could not fit), so that over
+    successive batches every waiting request moves forward."""
     batch: list[tuple[Job, int]] = []
     served: list[Job] = []
-    while len(batch) < size and any(job.pending for job in queue):
+    width = 0
+    full: set[int] = set()  # ids of jobs whose next text does not fit in this batch
+    queue = sorted(queue, key=lambda job: job.taken)  # stable: the turn order breaks ties
+    while len(batch) < size:
+        took = False
         for job in queue:
-            if job.pending and len(batch) < size:
-                batch.append((job, job.pending.pop(0)))
-                if job not in served:
-                    served.append(job)
+            if not job.pending or len(batch) == size or id(job) in full:
+                continue
+            length = len(job.ids[job.pending[0]])
+            if batch and (len(batch) + 1) * max(width, length) > tokens:
+                full.add(id(job))
+                continue
+            batch.append((job, job.pending.pop(0)))
+            job.taken += length
+            width = max(width, length)
+            took = True
+            if job not in served:
+                served.append(job)
+        if not took:
+            break
     unserved = [job for job in queue if job not in served]
     return batch, unserved + [job for job in served if job.pending]
 
@@ -416,6 +469,7 @@ def encoder_from_checkpoint(config: EncoderEngineConfig) -> EncoderEngine:
         print(dtype.line(), file=sys.stderr, flush=True)
     model = instantiate(pre, device=torch_device, dtype=dtype.dtype, quantize=spec)
     return EncoderEngine(model, pre.tokenizer, max_seq_len=config.max_seq_len or sentence_max_len(pre.path),
-                         forward_batch=config.forward_batch, batch_wait_ms=config.batch_wait_ms,
+                         forward_batch=config.forward_batch, pass_tokens=config.pass_tokens,
+                         batch_wait_ms=config.batch_wait_ms,
                          max_queue=config.max_queue, max_batch_texts=config.max_batch_texts,
                          max_text_chars=config.max_text_chars, max_request_tokens=config.max_request_tokens).start()

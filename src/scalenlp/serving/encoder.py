@@ -107,13 +107,14 @@ class EncoderBackend(EncoderOnly):
 
     async def _run(self, kind: str, inputs: list[str | list[int]], encode=None):
         """(rows of the engine's output, the token ids they came from: ``encode``'s, the engine's ``encode`` by
-        default). The request is priced (characters per text, then tokens) before it is queued; cancelling this
-        coroutine (the client left) drops its texts."""
+        default, each called with ``priced=True``). The request is priced (characters per text, a lower bound on
+        its tokens from its words, then its tokens) before it is queued; cancelling this coroutine (the client
+        left) drops its texts."""
         from scalenlp.engine.decoder_engine import EngineDead, QueueFull, RequestError
 
         try:
             # Tokenizing thousands of texts takes a while, and the tokenizer lets go of the GIL meanwhile.
-            encoded = await asyncio.to_thread(encode or self.engine.encode, inputs)
+            encoded = await asyncio.to_thread(encode or self.engine.encode, inputs, priced=True)
             # Question answering's windows come with their segments (and the windows, to read answers from).
             ids, types = (encoded[0], encoded[1]) if isinstance(encoded, tuple) else (encoded, None)
             self.engine.price(ids)
@@ -159,8 +160,8 @@ class EncoderBackend(EncoderOnly):
         if len(contexts) == 1:
             contexts *= len(questions)
 
-        def windows(_):
-            found = self.engine.qa_windows(questions, contexts)
+        def windows(_, priced):
+            found = self.engine.qa_windows(questions, contexts, priced)
             flat = [w for ws in found for w in ws]
             return [w.ids for w in flat], [w.type_ids for w in flat], found
 
