@@ -11,6 +11,7 @@ from scalenlp.data.tokenizer import load_tokenizer
 from scalenlp.engine.decoder_engine import Engine, RequestError
 from scalenlp.engine.kv_blocks import BlockPool, block_keys
 from scalenlp.engine.sampling import SamplingParams
+from scalenlp.models import paged_attention
 from scalenlp.models.flavors import build_model, model_args
 
 torch.set_num_threads(1)
@@ -67,11 +68,17 @@ def count_calls(monkeypatch, engine, name):
     return calls
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["decode-kernel", "gather"])
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_paged_logits_equal_a_forward_without_cache(tok, config, monkeypatch):
+def test_paged_logits_equal_a_forward_without_cache(tok, config, kernel, monkeypatch):
     """Every logit row the engine samples from, against the same model's full forward over the sequence so far:
     mixed prompt lengths, prefix hits (the second wave), blocks evicted and reused (a pool of 12 blocks for 10
-    requests), preemption, and prompts computed in chunks (a budget of 6 tokens)."""
+    requests), preemption, and prompts computed in chunks (a budget of 6 tokens); decode steps through the C++
+    kernel (models/paged_attention.cpp) and through the generic gather + attention path."""
+    if kernel:
+        assert paged_attention.available(), "the paged decode kernel did not build (see the warning above)"
+    else:
+        monkeypatch.setattr(paged_attention, "available", lambda: False)
     engine = make_engine(tok, config, kv_cache_tokens=12 * BLOCK, token_budget=6)
     seen = []
     sample = engine._sample

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scalenlp.models import cpu_attention
+from scalenlp.models import cpu_attention, paged_attention
 from scalenlp.models.limits import check_fields
 from scalenlp.models.loss import compiled_linear_cross_entropy, linear_cross_entropy
 
@@ -231,7 +231,9 @@ class CacheIndex:
     positions, so the index tensors and the masks are built once per forward, not once per layer."""
 
     slot_mapping: torch.Tensor  # (B, T) pool slot each new position's key and value go to
+    block_table: torch.Tensor  # (B, N) the pool blocks of each row's positions, in order
     key_slots: torch.Tensor  # (B, S) pool slot of each key a row reads: its block table, block by block
+    lengths: torch.Tensor  # (B,) keys the last query of each row sees (its position + 1)
     mask: torch.Tensor  # (B, 1, T, S): each query sees the keys up to its own position
     local_mask: torch.Tensor | None = None  # the same within a sliding window, for local layers
 
@@ -247,7 +249,7 @@ class CacheIndex:
         keys = torch.arange(key_slots.shape[1], device=input_pos.device)[None, None, :]
         mask = keys <= input_pos[:, :, None]
         local = (mask & (keys > input_pos[:, :, None] - window))[:, None] if window else None
-        return cls(slot_mapping, key_slots, mask[:, None], local)
+        return cls(slot_mapping, block_table, key_slots, input_pos[:, -1] + 1, mask[:, None], local)
 
 
 def window_mask(T: int, window: int, device) -> torch.Tensor:
@@ -285,12 +287,14 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, index: CacheIndex, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: (B, H_kv, T, D), written at ``index.slot_mapping``. Returns each row's keys and values over its
-        block table, (B, H_kv, S, D), gathered from the pool."""
+    def write(self, index: CacheIndex, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (B, H_kv, T, D), written at ``index.slot_mapping``."""
         slots = index.slot_mapping.flatten()
         self.k.index_copy_(0, slots, k.transpose(1, 2).flatten(0, 1).to(self.k.dtype))
         self.v.index_copy_(0, slots, v.transpose(1, 2).flatten(0, 1).to(self.v.dtype))
+
+    def read(self, index: CacheIndex) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's keys and values over its block table, (B, H_kv, S, D), gathered from the pool."""
         return self.k[index.key_slots].transpose(1, 2), self.v[index.key_slots].transpose(1, 2)
 
 
@@ -346,9 +350,15 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
         if cache_index is not None:
-            k, v = self.cache.update(cache_index, k, v)
-            mask = cache_index.local_mask if self.window else cache_index.mask
-            out = self.attend(q, k.to(q.dtype), v.to(q.dtype), mask, 0.0)
+            self.cache.write(cache_index, k, v)
+            if paged_attention.usable(q, self.cache.k):  # a decode step: read in place through the block tables
+                out = paged_attention.decode_attention(q, self.cache.k, self.cache.v, cache_index.block_table,
+                                                       cache_index.lengths, self.cache.block_size,
+                                                       self.scale or self.head_dim ** -0.5, self.softcap, self.window)
+            else:
+                k, v = self.cache.read(cache_index)
+                mask = cache_index.local_mask if self.window else cache_index.mask
+                out = self.attend(q, k.to(q.dtype), v.to(q.dtype), mask, 0.0)
         elif not (self.window or self.scale or self.softcap) and cpu_attention.usable(q, k, dropout):
             out = cpu_attention.causal_attention(q, k, v)
         else:
