@@ -57,8 +57,14 @@ def generate(engine, prompts, params=GREEDY, waves=1):
 
         engine.submit_many([(p, params) for p in prompts[start:start + size]], [collector(i) for i in range(len(done))])
         for event in done:
-            assert event.wait(120)
+            wait(engine, event)
     return outs
+
+
+def wait(engine, event):
+    """Until ``event`` is set; fails if the engine's loop dies first (no time limit: a slow machine is not a bug)."""
+    while not event.wait(1.0):
+        assert engine.alive, engine.error
 
 
 def count_calls(monkeypatch, engine, name):
@@ -148,3 +154,29 @@ def test_cached_blocks_are_shared_counted_and_evicted_least_recently_used():
     pool.release([first[0]])
     taken = [pool.allocate(), pool.allocate()]  # ...the free block, then the LRU cached one
     assert taken[1] == first[1] and pool.lookup(a) == [first[0]]
+
+
+def test_a_decode_step_whose_requests_are_all_preempted_for_an_older_prompt(tok, monkeypatch):
+    """A long prompt computed a token per step (budget 2, one for the decode) holds most blocks; a request after
+    it decodes from a one-token prompt until it needs a block that is not there, and is the one preempted: the
+    step then has no decode left, and both requests still finish with their greedy text."""
+    long, short = list(range(3, 27)), [5]
+    roomy = make_engine(tok)
+    try:
+        expected = generate(roomy, [long, short], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    finally:
+        roomy.stop()
+    engine = make_engine(tok, kv_cache_tokens=8 * BLOCK, token_budget=2)
+    preempted = count_calls(monkeypatch, engine, "_preempt")
+    try:
+        outs = [[], []]
+        done = [threading.Event(), threading.Event()]
+        for i, (prompt, n) in enumerate(((long, 2), (short, 10))):
+            engine.submit(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                          lambda d, i=i: (outs[i].extend(d.token_ids), d.finish_reason and done[i].set()))
+        for event in done:
+            wait(engine, event)
+    finally:
+        engine.stop()
+    assert preempted and preempted[0][0].prompt_ids == short
+    assert outs == [expected[0][:2], expected[1]]

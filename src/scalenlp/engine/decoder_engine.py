@@ -531,9 +531,10 @@ class Engine:
                     r.blocks.append(self.blocks.allocate())
                 else:
                     self._preempt(max(self._running.values(), key=lambda q: q.arrival))
+        # Every one of them may have been preempted, for an older request still computing its prompt.
         decoding = [r for r in decoding if self._running.get(r.slot) is r]
-        logits = self._forward(decoding, [1] * len(decoding), self._decode)
-        self._sample_and_emit(decoding, logits)
+        if decoding:
+            self._sample_and_emit(decoding, self._forward(decoding, [1] * len(decoding), self._decode))
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving the LoRA adapter ``name``: requests for it are refused from now on (UnknownAdapter),
