@@ -180,3 +180,19 @@ def test_a_decode_step_whose_requests_are_all_preempted_for_an_older_prompt(tok,
         engine.stop()
     assert preempted and preempted[0][0].prompt_ids == short
     assert outs == [expected[0][:2], expected[1]]
+
+
+def test_requests_arriving_together_compute_their_shared_prefix_once(tok):
+    """Three prompts opening with the same three full blocks, submitted at once: the first computes them, the
+    other two wait for it and take them from the cache, with the text they would have had alone."""
+    engine = make_engine(tok)
+    try:
+        together = generate(engine, PROMPTS[:3])
+        assert engine.blocks.hit_tokens == 2 * 3 * BLOCK
+    finally:
+        engine.stop()
+    alone = make_engine(tok, prefix_caching=False)
+    try:
+        assert together == generate(alone, PROMPTS[:3])
+    finally:
+        alone.stop()

@@ -92,7 +92,8 @@ class Request:
     adapter: int = 0  # the LoRA adapter this request runs with (engine/lora.py); 0: the base model
     blocks: list[int] = field(default_factory=list)  # its block table: the KV cache blocks of its positions
     computed: int = 0  # leading positions (prompt, then output) whose keys and values are in those blocks
-    keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks
+    keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks computed
+    planned: list[bytes] = field(default_factory=list)  # those of the full blocks it had when admitted
 
     @property
     def tokens(self) -> list[int]:
@@ -442,7 +443,7 @@ class Engine:
                 keys = block_keys(tokens, size, (len(tokens) - 1) // size, self._key_seed(r))
                 cached = pool.lookup(keys)
                 needed = -(-len(tokens) // size) - len(cached)
-                if needed > pool.available:
+                if needed > pool.available or self._computing_elsewhere(keys, len(cached)):
                     pool.release(cached)
                     break
                 self._waiting.popleft()
@@ -450,9 +451,19 @@ class Engine:
                     pool.prompt_tokens += len(tokens)
                     pool.hit_tokens += len(cached) * size
                 r.blocks = cached + [pool.allocate() for _ in range(needed)]
-                r.keys, r.computed = keys[:len(cached)], len(cached) * size
+                r.keys, r.planned, r.computed = keys[:len(cached)], keys, len(cached) * size
                 r.slot, self._admitted = self._admitted, self._admitted + 1
                 self._running[r.slot] = r
+
+    def _computing_elsewhere(self, keys: list[bytes], hits: int) -> bool:
+        """Whether a running request is computing block ``hits`` of the prefix ``keys`` names (admitted in the same
+        step as an earlier request with the same prompt prefix, say): the request waits, to take those blocks from
+        the cache a step or two later rather than compute them again (16 requests with one system prompt then
+        compute it once, not 16 times)."""
+        size = self.blocks.block_size
+        return self.blocks.prefix_caching and hits < len(keys) and any(
+            len(q.planned) > hits and q.planned[hits] == keys[hits] and q.computed < (hits + 1) * size
+            for q in self._running.values())
 
     def _key_seed(self, r: Request) -> bytes:
         """What a request's prefix keys start from: its adapter, and how often that adapter's slot was freed
@@ -463,7 +474,7 @@ class Engine:
         """Take ``r`` out of the running table and give its blocks back."""
         self._running.pop(r.slot, None)
         self.blocks.release(r.blocks)
-        r.blocks, r.keys, r.computed = [], [], 0
+        r.blocks, r.keys, r.planned, r.computed = [], [], [], 0
 
     def _preempt(self, r: Request) -> None:
         """Give ``r``'s blocks back and put it at the front of the queue; it keeps its output so far, and is
