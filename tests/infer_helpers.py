@@ -204,3 +204,10 @@ def wait_healthy(url: str, proc) -> None:
 
 # ``ray.init`` keywords of the tests that start a local Ray for `serve --replicas` (cluster.start's ray_init_kwargs).
 RAY_INIT = {"num_cpus": 2, "include_dashboard": False, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
+
+
+def paged_args(tables: torch.Tensor, input_pos: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_table, slot_mapping) for a model forward over a paged KV cache: each row's positions live in the
+    blocks of its row of ``tables`` (B, N), in order."""
+    rows = torch.arange(tables.shape[0])[:, None]
+    return tables, tables[rows, input_pos // block_size] * block_size + input_pos % block_size

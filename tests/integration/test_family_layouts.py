@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from infer_helpers import paged_args
 from scalenlp.models.decoder import ModelArgs
 from scalenlp.models.flavors import build_model
 from scalenlp.testing.ranks import spawn_ranks
@@ -112,9 +113,11 @@ def _sharded_inference(rank, world):
     with torch.no_grad():
         torch.testing.assert_close(sharded(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
         for model in (reference, sharded):
-            model.setup_kv_cache(2, 32)
+            model.setup_kv_cache(5, 8)
+        tables = torch.tensor([[3, 1], [2, 4]])
         steps = [torch.arange(10)] + [torch.tensor([t]) for t in range(10, 16)]
         for pos in steps:
             at = pos.unsqueeze(0).expand(2, -1)
-            torch.testing.assert_close(sharded(tokens[:, pos], input_pos=at), reference(tokens[:, pos], input_pos=at),
+            paged = paged_args(tables, at, 8)
+            torch.testing.assert_close(sharded(tokens[:, pos], at, *paged), reference(tokens[:, pos], at, *paged),
                                        rtol=1e-5, atol=1e-5)

@@ -240,12 +240,14 @@ def test_packed_bf16_weights_match_plain_bf16(tmp_path, flavor):
         engine.stop()
 
 
-@pytest.mark.parametrize("budget,expected_prefills", [(16, [1, 1, 1, 1]), (64, [4])])
+@pytest.mark.parametrize("budget,expected_prefills", [(16, [(10, 6), (4, 10, 1), (9,)]), (64, [(10, 10, 10, 10)])])
 def test_token_budget_limits_prefill(export, budget, expected_prefills):
-    e = start_engine(export, max_batch=4, token_budget=budget)
+    """Prompt tokens computed per prefill forward (each row's count): at most the budget less one per decoding
+    request, a prompt that does not fit being cut into chunks that continue next step."""
+    e = start_engine(export, max_batch=4, token_budget=budget, prefix_caching=False)
     prefills = []
-    e.model.register_forward_pre_hook(lambda m, args: prefills.append(args[0].shape[0]) if args[0].shape[1] > 1
-                                      else None)
+    e.model.register_forward_pre_hook(lambda m, args, kwargs: prefills.append(tuple((kwargs["logits_at"] + 1).tolist()))
+                                      if args[0].shape[1] > 1 else None, with_kwargs=True)
     try:
         ids = [list(range(40 + i * 10, 50 + i * 10)) for i in range(4)]  # 10 tokens each: two exceed 16
         done = [threading.Event() for _ in ids]

@@ -160,14 +160,14 @@ def test_weights_larger_than_the_machine(files, tmp_path, capsys):
 
 
 def test_kv_cache_larger_than_the_machine(files, tmp_path, capsys, monkeypatch):
-    # A context of 65,536 positions in a machine of 8 MiB: the weights (100 KB) and RoPE tables (4 MiB) fit, eight
-    # cache slots of it (64 MiB) do not, and the message says how long a context does.
+    # A context of 65,536 positions in a machine of 8 MiB: the weights (100 KB) and RoPE tables (4 MiB) fit, the
+    # default KV cache of eight such sequences (64 MiB) does not, and the message says how large a cache does.
     monkeypatch.setattr(memory, "device_memory", lambda device: 8 << 20)
     model = changed_gguf(files, tmp_path, "llama.context_length", 65536)
-    line = refused(capsys, model, "KV cache of 8 slots x 65,536 positions", "--max-seq-len")
-    fit = int(line.split("--max-seq-len ")[1].split()[0].replace(",", ""))
-    assert main(command(model, "--max-seq-len", str(fit))) == 0, capsys.readouterr().err
-    assert main(command(model, "--max-seq-len", str(fit + 1))) == 2
+    line = refused(capsys, model, "KV cache of 524,288 positions", "--kv-cache-tokens")
+    fit = int(line.split("--kv-cache-tokens ")[1].split()[0].replace(",", ""))
+    assert main(command(model, "--kv-cache-tokens", str(fit))) == 0, capsys.readouterr().err
+    assert main(command(model, "--kv-cache-tokens", str(fit + 1))) == 2
 
 
 # ---------------------------------------------------------------------------------------------- the fuzzer

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from infer_helpers import paged_args
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.flavors import FLAVORS, build_model, model_args
@@ -69,11 +70,14 @@ def test_kv_cache_matches_the_full_forward(flavor):
     x = torch.randint(0, 97, (3, 10))
     with torch.no_grad():
         full = model(x)
-        model.setup_kv_cache(3, 32)
+        # Blocks of 4 positions, each row's three in a shuffled order through the pool (block 0 left out).
+        model.setup_kv_cache(10, 4)
+        tables = torch.randperm(9).add(1).view(3, 3)
         pos = torch.arange(6).expand(3, 6)
-        steps = [model(x[:, :6], pos)]
+        steps = [model(x[:, :6], pos, *paged_args(tables, pos, 4))]
         for t in range(6, 10):
-            steps.append(model(x[:, t:t + 1], torch.full((3, 1), t)))
+            pos = torch.full((3, 1), t)
+            steps.append(model(x[:, t:t + 1], pos, *paged_args(tables, pos, 4)))
         model.clear_kv_cache()
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 

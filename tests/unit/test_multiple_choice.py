@@ -106,7 +106,7 @@ def test_loglikelihood_refuses_what_it_cannot_score(engine):
         engine.loglikelihood([([1, 2], [])])
     with pytest.raises(RequestError, match="empty context"):
         engine.loglikelihood([([], [1])])
-    with pytest.raises(RequestError, match="positions of a cache row"):
+    with pytest.raises(RequestError, match="positions of a sequence"):
         engine.loglikelihood([([1], [1] * (engine.max_seq_len + 1))])
     assert engine.loglikelihood([]) == []
 

@@ -141,6 +141,19 @@ def test_metrics(served, client):
     assert float(generated[0].split()[-1]) >= 3
 
 
+def test_prefix_cache_hit_rate_moves_when_a_prompt_prefix_comes_again(served, client):
+    def hit_rate():
+        text = httpx.get(served[0].url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        return float(next(line for line in text.splitlines()
+                          if line.startswith("scalenlp_prefix_cache_hit_rate")).split()[-1])
+
+    prompt = "a shared system prompt, longer than two blocks of the cache " * 2
+    client.completions.create(model="tiny", prompt=prompt + "first", max_tokens=2, temperature=0)
+    before = hit_rate()
+    client.completions.create(model="tiny", prompt=prompt + "second", max_tokens=2, temperature=0)
+    assert hit_rate() > before
+
+
 def test_queue_full_is_429_and_others_still_served(served, client, monkeypatch):
     server, engine = served
     fast = engine._decode

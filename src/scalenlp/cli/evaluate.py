@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default": "float32", "help": "weight dtype (default float32: perplexity and accuracy are quality figures, "
                                       "bf16 shifts them)"},
         tp={"help": "with --tasks or --chat: tensor-parallel processes for the model (gloo on CPU, NCCL on GPUs)"},
-        max_batch={"help": "with --tasks: most sequences in one forward, the engine's cache rows (default 8)"},
-        max_seq_len={"help": "with --tasks: positions per cache row, which a longer question and choice are cut to "
+        max_batch={"help": "with --tasks: most sequences in one forward (default 64)"},
+        max_seq_len={"help": "with --tasks: positions per sequence, which a longer question and choice are cut to "
                              "from the left (default: the model's context length; a smaller one saves cache memory "
                              "on long-context models)"})
     what = parser.add_mutually_exclusive_group(required=True)

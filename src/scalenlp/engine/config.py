@@ -102,7 +102,18 @@ SHARED_OPTIONS = tuple(f.name for f in dataclasses.fields(BaseEngineConfig))
 class EngineConfig(BaseEngineConfig):
     """The decoder engine's options (`generate`, `chat`, `serve`, ``LLM``)."""
 
-    max_batch: int = option(8, type=int, help="sequence slots in the KV cache (default 8)")
+    max_batch: int = option(64, type=int, help="most requests running at once, as the KV cache's blocks allow "
+                                                "(default 64)")
+    kv_cache_tokens: int | None = option(None, type=int,
+                                         help="positions the paged KV cache holds over all running requests "
+                                              "(default: 8 x --max-seq-len, what 8 full-length sequences take)")
+    block_size: int = option(16, type=int, help="positions per KV cache block (default 16)")
+    no_prefix_caching: bool = option(False, action="store_true",
+                                     help="compute every prompt in full; by default a prompt's leading blocks "
+                                          "computed before for another request (same tokens, same adapter) are reused")
+    token_budget: int = option(2048, type=int,
+                               help="tokens one engine step computes: one per running request, the rest for prompts; "
+                                    "a longer prompt is computed in chunks over several steps (default 2048)")
     compile: bool = option(False, action="store_true", help="torch.compile the decode step")
     tp: int = option(1, type=int, help="tensor-parallel processes for one model (gloo on CPU, NCCL on GPUs)")
     # A list, not a tuple: argparse's "append" extends the default it is given.
@@ -117,7 +128,7 @@ class EngineConfig(BaseEngineConfig):
                                             "the largest --lora rank, or 16)")
 
     def check(self) -> None:
-        self.at_least(1, "max_batch")
+        self.at_least(1, "max_batch", "kv_cache_tokens", "block_size", "token_budget")
         self.at_least(2, "max_seq_len")  # a prompt token and an output token
         self.at_least(0, "max_loras")
         self.at_least(1, "max_lora_rank")

@@ -1,16 +1,19 @@
-"""Inference engine: a static per-slot KV cache and continuous batching.
+"""Inference engine: a paged KV cache, prefix caching, chunked prefill and continuous batching.
 
 One background thread runs the loop; callers submit requests from any thread and receive
-``Delta`` events through a callback. Each step of the loop
-  1. drops cancelled requests and frees their slots,
-  2. admits waiting requests (FIFO) into free slots while the step's token budget allows, and
-     prefills them together, which yields their first token,
-  3. runs one decode step over every running request, whatever its length: each cache row
-     holds its own positions, so requests join and leave at every step,
-  4. detokenizes, checks stop conditions, and emits events.
-Decode always runs over the leading rows ``0..hi`` of the cache (a free row in between decodes a
-dummy token at position 0, which the next prefill of that row overwrites): the cache is then read
-as a view, never gathered, and the step has few distinct shapes for ``torch.compile``.
+``Delta`` events through a callback. The KV cache is a pool of fixed-size blocks (models.decoder.KVCache,
+kept by engine.kv_blocks.BlockPool): a running request holds the blocks its positions need, so as many
+requests run as the blocks allow (up to ``max_batch``). Each step of the loop
+  1. drops cancelled requests and gives back their blocks,
+  2. admits waiting requests (FIFO) while blocks allow; a prompt whose leading blocks are cached (the same
+     prefix computed before, with the same adapter) takes those blocks and computes only the rest,
+  3. runs one decode step over every request whose prompt is computed: a request that needs a new block
+     when none is left preempts the newest running request, which gives its blocks back and waits at the
+     queue's front with its output kept, to be computed again (recompute) and continue,
+  4. computes prompt tokens with what is left of the step's token budget: a prompt longer than that is
+     computed in chunks over several steps, so a long prompt delays the running decodes by one chunk per step;
+     a prompt's last chunk yields its first token,
+  5. detokenizes, checks stop conditions, and emits events.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ import torch
 from scalenlp.data.text import check_text
 from scalenlp.data.tokenizer import token_bytes
 from scalenlp.engine.grammar import Constraint, GrammarError, Grammars, constrain
+from scalenlp.engine.kv_blocks import NULL_BLOCK, BlockPool, block_keys
 from scalenlp.engine.packing import can_pack, pack_linears
 from scalenlp.engine.sampling import InvalidParam, SamplingBatch, SamplingParams, sample
 from scalenlp.errors import UserError
-from scalenlp.models.memory import check_kv_cache
+from scalenlp.models.memory import DEFAULT_CACHED_SEQUENCES, check_kv_cache, kv_cache_blocks
 from scalenlp.parallel.mesh import device_type
 
 log = logging.getLogger(__name__)
@@ -80,7 +84,7 @@ class Request:
     params: SamplingParams
     on_event: Callable[[Delta], None]
     seed: int
-    slot: int = -1
+    slot: int = -1  # the key of the engine's running table: its admission number, so the newest has the largest
     output_ids: list[int] = field(default_factory=list)
     text: str = ""  # decoded output, full
     sent: int = 0  # characters of ``text`` already emitted
@@ -92,6 +96,14 @@ class Request:
     constraint: Constraint | None = None  # its grammar's matcher (engine/grammar.py), when it has one
     # (V,) how many times each token has been generated, on the device; kept only for presence/frequency penalties.
     token_counts: torch.Tensor | None = None
+    blocks: list[int] = field(default_factory=list)  # its block table: the KV cache blocks of its positions
+    computed: int = 0  # leading positions (prompt, then output) whose keys and values are in those blocks
+    keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks computed
+    planned: list[bytes] = field(default_factory=list)  # those of the full blocks it had when admitted
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     @property
     def length(self) -> int:
@@ -100,10 +112,10 @@ class Request:
 
 @dataclass
 class _Scoring:
-    """One ``loglikelihood`` call, scored a batch per loop step in free cache rows, longest sequences first
+    """One ``loglikelihood`` call, scored a batch per loop step without the KV cache, longest sequences first
     (so that a batch pads little)."""
 
-    inputs: list[list[int]]  # context + continuation less its last token, left-truncated to a cache row
+    inputs: list[list[int]]  # context + continuation less its last token, left-truncated to max_seq_len
     targets: list[list[int]]  # the continuation tokens, predicted by the inputs' last len(target) positions
     results: list[tuple[float, bool] | None]
     order: list[int]  # indices into inputs, longest first
@@ -116,14 +128,17 @@ def pick_device() -> torch.device:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 64, token_budget: int = 2048,
+    def __init__(self, model, tokenizer, *, max_batch: int = 64, max_queue: int = 64, token_budget: int = 2048,
                  max_seq_len: int | None = None, eos_id: int | None = None, stop_ids: Collection[int] = (),
                  compile: bool = False, cache_dtype: torch.dtype | None = None, pack_weights: bool = True,
-                 tokenizer_config: dict | None = None, adapters=None):
+                 tokenizer_config: dict | None = None, adapters=None, kv_cache_tokens: int | None = None,
+                 block_size: int = 16, prefix_caching: bool = True):
         """model: a Transformer (or anything with its ``setup_kv_cache`` and forward signature, like a
-        sharded one). tokenizer: a ``tokenizers.Tokenizer``. max_seq_len: positions per cache row
-        (prompt + output), at most the model's. token_budget: tokens one step may process
-        (decode rows + prefill prompts); a prompt longer than it is still admitted alone.
+        sharded one). tokenizer: a ``tokenizers.Tokenizer``. max_batch: most requests running at once.
+        max_seq_len: positions per sequence (prompt + output), at most the model's. token_budget: tokens one
+        step computes (one per decoding request, the rest for prompts, chunked to fit). kv_cache_tokens:
+        positions the KV cache holds over all requests (default: DEFAULT_CACHED_SEQUENCES x max_seq_len),
+        in blocks of ``block_size``; prefix_caching: reuse the blocks of a prompt prefix computed before.
         pack_weights: on CPU with bf16 weights, pre-pack the linear layers for oneDNN (the model
         is changed in place and is for inference only afterwards). tokenizer_config: the checkpoint's
         special tokens and chat template, for whoever renders conversations into prompts. adapters: the
@@ -134,6 +149,11 @@ class Engine:
         self.max_queue = max_queue
         self.token_budget = token_budget
         self.max_seq_len = min(max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
+        kv_cache_tokens = kv_cache_tokens or DEFAULT_CACHED_SEQUENCES * self.max_seq_len
+        num_blocks = kv_cache_blocks(kv_cache_tokens, block_size)
+        self.blocks = BlockPool(num_blocks, block_size, prefix_caching)
+        self._admitted = 0  # requests admitted so far, which numbers them (Request.slot)
+        self._adapter_epoch: collections.Counter[int] = collections.Counter()  # loads of each adapter slot
         self.eos_id = eos_id
         self.stop_ids = frozenset(stop_ids) | ({eos_id} if eos_id is not None else set())
         self.tokenizer_config = tokenizer_config or {}
@@ -145,9 +165,9 @@ class Engine:
             raise UserError("this model already has an Engine that has not stopped, and the KV cache lives in the "
                             "model; stop() that engine first, or load the model again for a second one")
         # Refused before allocating: a model file's context length may be far more than this device can cache.
-        check_kv_cache(model.args, max_batch, self.max_seq_len, cache_dtype or ref.dtype, self.device,
+        check_kv_cache(model.args, kv_cache_tokens, block_size, cache_dtype or ref.dtype, self.device,
                        sum(p.numel() * p.element_size() for p in model.parameters()))
-        model.setup_kv_cache(max_batch, self.max_seq_len, cache_dtype or ref.dtype)
+        model.setup_kv_cache(num_blocks, block_size, cache_dtype or ref.dtype)
         if compile:
             # Inductor's freezing folds the weights into constants and lays them out for the device's
             # kernels itself (on CPU, oneDNN's blocked bf16 layout); it cannot lower pre-packed weights.
@@ -237,6 +257,12 @@ class Engine:
         if any(not 0 <= t < vocab for t in params.logit_bias):
             raise RequestError(f"logit_bias keys must be token ids of this model, in [0, {vocab}); got "
                                f"{sorted(t for t in params.logit_bias if not 0 <= t < vocab)[:5]}", "logit_bias")
+        pool = self.blocks.capacity * self.blocks.block_size
+        if len(prompt_ids) + params.max_tokens > pool:
+            raise RequestError(
+                f"the KV cache holds {pool} positions in all, but the prompt has {len(prompt_ids)} tokens and "
+                f"max_tokens asks for {params.max_tokens}; shorten the prompt, lower max_tokens or start the server "
+                f"with a larger --kv-cache-tokens")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[Delta], None],
                bypass_queue_limit: bool = False, adapter: str | None = None) -> Request:
@@ -245,10 +271,11 @@ class Engine:
     def submit_many(self, items: list[tuple[list[int], SamplingParams]], on_events: list[Callable[[Delta], None]],
                     bypass_queue_limit: bool = False, adapter: str | None = None) -> list[Request]:
         """All or none: either every request is queued, or QueueFull / RequestError / UnknownAdapter is raised.
-        A request without max_tokens may run to the end of the context. ``adapter``: the name of the LoRA
-        adapter every request runs with (None: the base model)."""
+        A request without max_tokens may run to the end of the context (or of the KV cache, if that is smaller).
+        ``adapter``: the name of the LoRA adapter every request runs with (None: the base model)."""
+        longest = min(self.max_seq_len, self.blocks.capacity * self.blocks.block_size)
         items = [(p, params if params.max_tokens is not None else
-                  dataclasses.replace(params, max_tokens=max(1, self.max_seq_len - len(p)))) for p, params in items]
+                  dataclasses.replace(params, max_tokens=max(1, longest - len(p)))) for p, params in items]
         for prompt_ids, params in items:
             self.check(prompt_ids, params)
         requests = [Request(list(p), params, cb, params.seed if params.seed is not None else random.getrandbits(62))
@@ -287,7 +314,7 @@ class Engine:
                 raise RequestError(str(e), e.param) from None
 
     def cancel(self, request: Request) -> None:
-        """Stop a request (client gone); its slot is freed at the next step."""
+        """Stop a request (client gone); its blocks are given back at the next step."""
         request.cancelled = True
         with self._wake:
             self._wake.notify()
@@ -318,8 +345,8 @@ class Engine:
         """Blocking: for each (context ids, continuation ids), the summed log-probability of the continuation
         given the context and whether greedy decoding would have produced it, computed as evaluation harnesses
         do (lm-eval's ``loglikelihood``): one forward of context + continuation, no generation; a sequence longer
-        than a cache row keeps its last ``max_seq_len`` + 1 tokens. The forwards run on the engine's loop in the
-        cache rows that generation leaves free, as many sequences per forward as rows and ``token_budget`` allow."""
+        than ``max_seq_len`` keeps its last ``max_seq_len`` + 1 tokens. The forwards run on the engine's loop
+        between its steps, without the KV cache, up to ``max_batch`` sequences and ``token_budget`` tokens each."""
         inputs, targets = [], []
         vocab = self.model.args.vocab_size
         for n, (context, continuation) in enumerate(pairs):
@@ -328,7 +355,7 @@ class Engine:
                                    "needs at least one token (put a start-of-text token before an empty context)")
             if len(continuation) > self.max_seq_len:
                 raise RequestError(f"pair {n}'s continuation has {len(continuation)} tokens, more than the "
-                                   f"{self.max_seq_len} positions of a cache row; shorten it")
+                                   f"{self.max_seq_len} positions of a sequence; shorten it")
             if any(not 0 <= t < vocab for t in (*context, *continuation)):
                 raise RequestError(f"pair {n} holds token ids outside [0, {vocab})")
             whole = [*context, *continuation][-(self.max_seq_len + 1):]
@@ -377,44 +404,40 @@ class Engine:
                 self.on_death(self.error)
 
     def step(self) -> None:
-        for slot, r in list(self._running.items()):
+        for r in list(self._running.values()):
             if r.cancelled:
-                del self._running[slot]
+                self._leave(r)
         if self._scoring:
             self._score_batch()
-        admitted = self._admit()
-        if admitted:
-            self._prefill(admitted)
-        if self._running:  # includes the requests just prefilled: they decode their second token now
-            self._decode_step()
+        self._admit()
+        decoding = [r for r in self._running.values() if r.computed == r.length - 1]
+        if decoding:
+            self._decode_step(decoding)
+        if any(r.computed < r.length - 1 for r in self._running.values()):
+            self._prefill(self.token_budget - len(decoding))
         if self.adapters is not None and self.adapters.retiring:  # after this step's requests have finished
             self._release_adapters()
         self.steps += 1
 
     def _score_batch(self) -> None:
-        """One forward over the next sequences of the oldest ``loglikelihood`` call, right-padded in the rows no
-        request holds (none free: it waits for a request to finish). Each row writes only its own cache row, and
-        nothing reads it afterwards: the next prefill there overwrites it."""
+        """One forward, without the KV cache, over the next sequences of the oldest ``loglikelihood`` call,
+        right-padded (a causal forward's positions do not see the padding after them)."""
         job = self._scoring[0]
-        free = [slot for slot in range(self.max_batch) if slot not in self._running]
         rows: list[int] = []
-        while job.scored < len(job.order) and len(rows) < len(free):
+        while job.scored < len(job.order) and len(rows) < self.max_batch:
             i = job.order[job.scored]
             # Longest first, so the first row's length is the batch's width.
             if rows and len(job.inputs[rows[0]]) * (len(rows) + 1) > self.token_budget:
                 break
             rows.append(i)
             job.scored += 1
-        if not rows:
-            return
         T = len(job.inputs[rows[0]])
         tokens = torch.zeros(len(rows), T, dtype=torch.long)
         for b, i in enumerate(rows):
             tokens[b, :len(job.inputs[i])] = torch.tensor(job.inputs[i])
         positions = torch.arange(T).expand(len(rows), T)
-        slots = torch.tensor(free[:len(rows)])
         self._select_adapters([0] * len(rows))  # scoring runs on the base model
-        logits = self.model(tokens.to(self.device), positions.to(self.device), slots.to(self.device), kv_len=T)
+        logits = self.model(tokens.to(self.device), positions.to(self.device))
         for b, i in enumerate(rows):
             n, k = len(job.inputs[i]), len(job.targets[i])
             logprobs = logits[b, n - k:n].float().log_softmax(-1)
@@ -426,51 +449,124 @@ class Engine:
                 self._scoring.popleft()
             job.done.set()
 
-    def _admit(self) -> list[Request]:
-        free = sorted(set(range(self.max_batch)) - set(self._running))
-        budget = self.token_budget - len(self._running)
-        admitted: list[Request] = []
+    def _admit(self) -> None:
+        """Move waiting requests (FIFO) into the running table while there is room and blocks for their
+        tokens so far; each takes the cached blocks of its longest cached prefix first."""
+        pool, size = self.blocks, self.blocks.block_size
         with self._wake:
-            while self._waiting and free:
+            while self._waiting and len(self._running) < self.max_batch:
                 r = self._waiting[0]
                 if r.cancelled:
                     self._waiting.popleft()
                     continue
-                if admitted and len(r.prompt_ids) > budget:
+                tokens = r.tokens
+                # The last token is always computed, for the logits the next token is sampled from.
+                keys = block_keys(tokens, size, (len(tokens) - 1) // size, self._key_seed(r))
+                cached = pool.lookup(keys)
+                needed = -(-len(tokens) // size) - len(cached)
+                if needed > pool.available or self._computing_elsewhere(keys, len(cached)):
+                    pool.release(cached)
                     break
                 self._waiting.popleft()
-                budget -= len(r.prompt_ids)
-                r.slot = free.pop(0)
+                if not r.output_ids:  # counted once, not again after a preemption
+                    pool.prompt_tokens += len(tokens)
+                    pool.hit_tokens += len(cached) * size
+                r.blocks = cached + [pool.allocate() for _ in range(needed)]
+                r.keys, r.planned, r.computed = keys[:len(cached)], keys, len(cached) * size
+                r.slot, self._admitted = self._admitted, self._admitted + 1
                 self._running[r.slot] = r
-                admitted.append(r)
-        return admitted
 
-    def _prefill(self, admitted: list[Request]) -> None:
-        """All admitted prompts in one forward, right-padded; padding writes cache positions past a
-        prompt's end, which no query of that row sees before decode overwrites them."""
-        T = max(len(r.prompt_ids) for r in admitted)
-        tokens = torch.zeros(len(admitted), T, dtype=torch.long)
-        for i, r in enumerate(admitted):
-            tokens[i, :len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
-        positions = torch.arange(T).expand(len(admitted), T)
-        last = torch.tensor([len(r.prompt_ids) - 1 for r in admitted])
-        slots = torch.tensor([r.slot for r in admitted])
-        self._select_adapters([r.adapter for r in admitted])
-        logits = self.model(tokens.to(self.device), positions.to(self.device), slots.to(self.device),
-                            kv_len=T, logits_at=last.to(self.device))
-        self._sample_and_emit(admitted, logits[:, -1])
+    def _computing_elsewhere(self, keys: list[bytes], hits: int) -> bool:
+        """Whether a running request is computing block ``hits`` of the prefix ``keys`` names (admitted in the same
+        step as an earlier request with the same prompt prefix, say): the request waits, to take those blocks from
+        the cache a step or two later rather than compute them again (16 requests with one system prompt then
+        compute it once, not 16 times)."""
+        size = self.blocks.block_size
+        return self.blocks.prefix_caching and hits < len(keys) and any(
+            len(q.planned) > hits and q.planned[hits] == keys[hits] and q.computed < (hits + 1) * size
+            for q in self._running.values())
 
-    def _decode_step(self) -> None:
-        hi = max(self._running) + 1
-        rows = [self._running.get(slot) for slot in range(hi)]
-        live = [r for r in rows if r is not None]
-        tokens = torch.tensor([[r.output_ids[-1] if r else 0] for r in rows])
-        positions = torch.tensor([[r.length - 1 if r else 0] for r in rows])
-        kv_len = max(r.length for r in live)
-        self._select_adapters([r.adapter if r else 0 for r in rows])
-        logits = self._decode(tokens.to(self.device), positions.to(self.device), kv_len=kv_len)
-        index = torch.tensor([r.slot for r in live], device=self.device)
-        self._sample_and_emit(live, logits[index, -1])
+    def _key_seed(self, r: Request) -> bytes:
+        """What a request's prefix keys start from: its adapter, and how often that adapter's slot was freed
+        for another, so that KV computed with different weights is never shared."""
+        return f"{r.adapter}.{self._adapter_epoch[r.adapter]}".encode()
+
+    def _leave(self, r: Request) -> None:
+        """Take ``r`` out of the running table and give its blocks back."""
+        self._running.pop(r.slot, None)
+        self.blocks.release(r.blocks)
+        r.blocks, r.keys, r.planned, r.computed = [], [], [], 0
+
+    def _preempt(self, r: Request) -> None:
+        """Give ``r``'s blocks back and put it at the front of the queue; it keeps its output so far, and is
+        computed again (its cached blocks reused) when admitted, then goes on from where it stopped."""
+        log.info("KV cache full: a request goes back to the queue and will be computed again "
+                 "(a larger --kv-cache-tokens avoids this)")
+        self._leave(r)
+        with self._wake:
+            self._waiting.appendleft(r)
+
+    def _forward(self, requests: list[Request], counts: list[int], model) -> torch.Tensor:
+        """One forward computing the next ``counts[i]`` positions of each request (right-padded; padding
+        writes to the null block and reads nothing a real position sees), its KV through the block tables.
+        Returns the logits at each request's last position computed, (B, vocab)."""
+        size, T = self.blocks.block_size, max(counts)
+        tokens = torch.zeros(len(requests), T, dtype=torch.long)
+        positions = torch.zeros(len(requests), T, dtype=torch.long)
+        slot_mapping = torch.full((len(requests), T), NULL_BLOCK * size, dtype=torch.long)
+        width = max(len(r.blocks) for r in requests)
+        table = torch.full((len(requests), width), NULL_BLOCK, dtype=torch.long)
+        for i, (r, n) in enumerate(zip(requests, counts)):
+            tokens[i, :n] = torch.tensor(r.tokens[r.computed:r.computed + n])
+            pos = torch.arange(r.computed, r.computed + n)
+            positions[i, :n], positions[i, n:] = pos, pos[-1]
+            blocks = torch.tensor(r.blocks)
+            table[i, :len(r.blocks)] = blocks
+            slot_mapping[i, :n] = blocks[pos // size] * size + pos % size
+        self._select_adapters([r.adapter for r in requests])
+        logits = model(tokens.to(self.device), positions.to(self.device), table.to(self.device),
+                       slot_mapping.to(self.device), logits_at=torch.tensor(counts).to(self.device) - 1)
+        for r, n in zip(requests, counts):
+            r.computed += n
+            full = r.computed // size
+            if full > len(r.keys):  # blocks completed by this forward: reusable by key from now on
+                keys = block_keys(r.tokens, size, full, self._key_seed(r), len(r.keys), r.keys[-1] if r.keys else None)
+                for block, key in zip(r.blocks[len(r.keys):full], keys):
+                    self.blocks.register(block, key)
+                r.keys += keys
+        return logits[:, -1]
+
+    def _prefill(self, budget: int) -> None:
+        """Compute prompt tokens of the requests admitted, oldest first, ``budget`` of them in all (at least
+        one): a prompt that does not fit is computed in part, and continues next step. A request whose prompt
+        is complete then samples its first token."""
+        budget = max(1, budget)
+        requests, counts = [], []
+        for r in self._running.values():
+            pending = r.length - r.computed
+            if pending > 1 and budget > 0:
+                requests.append(r)
+                counts.append(min(pending, budget))
+                budget -= counts[-1]
+        logits = self._forward(requests, counts, self.model)
+        done = [i for i, r in enumerate(requests) if r.computed == r.length]
+        if done:
+            self._sample_and_emit([requests[i] for i in done], logits[done])
+
+    def _decode_step(self, decoding: list[Request]) -> None:
+        """One token for each request in ``decoding``, after finding a block for those whose blocks are full;
+        when none is left, the running request that arrived last is preempted (possibly one of these)."""
+        size = self.blocks.block_size
+        for r in decoding:
+            while r.slot in self._running and (r.length - 1) // size >= len(r.blocks):
+                if self.blocks.available:
+                    r.blocks.append(self.blocks.allocate())
+                else:
+                    self._preempt(max(self._running.values(), key=lambda q: q.arrival))
+        # Every one of them may have been preempted, for an older request still computing its prompt.
+        decoding = [r for r in decoding if self._running.get(r.slot) is r]
+        if decoding:
+            self._sample_and_emit(decoding, self._forward(decoding, [1] * len(decoding), self._decode))
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving the LoRA adapter ``name``: requests for it are refused from now on (UnknownAdapter),
@@ -494,7 +590,10 @@ class Engine:
         """Free the slots of unloaded adapters that no request waiting or running uses any more."""
         with self._wake:
             in_use = {r.adapter for r in self._waiting} | {r.adapter for r in self._running.values()}
+            retiring = set(self.adapters.retiring)
             self.adapters.release(in_use)
+            for index in retiring - self.adapters.retiring:  # another adapter may load there: new prefix keys
+                self._adapter_epoch[index] += 1
 
     def _select_adapters(self, indices: list[int]) -> None:
         """Which adapter each row of the next forward uses."""
@@ -555,13 +654,13 @@ class Engine:
         new_text = self._releasable_text(r)
         r.sent += len(new_text)
         if r.finish_reason is not None:
-            self._running.pop(r.slot, None)
+            self._leave(r)
         r.on_event(Delta(new_text, [token], logprob, top_lp, r.finish_reason, now, tokens=texts))
 
     def _fail(self, r: Request, error: Exception) -> None:
         log.error("request failed in the engine; the others continue", exc_info=error)
         r.finish_reason = "error"
-        self._running.pop(r.slot, None)
+        self._leave(r)
         _tell(r, Delta("", [], None, None, "error", time.perf_counter(), f"{error.__class__.__name__}: {error}"))
 
     def token_str(self, token: int) -> str:

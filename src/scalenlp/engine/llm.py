@@ -53,7 +53,9 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
                     max_seq_len=config.max_seq_len,
                     eos_id=end_of_text_id(pre.tokenizer, pre.tokenizer_config),  # none: runs to max_tokens
                     stop_ids=end_of_turn_ids(pre.tokenizer, pre.tokenizer_config),
-                    tokenizer_config=pre.tokenizer_config, compile=config.compile, adapters=adapters)
+                    tokenizer_config=pre.tokenizer_config, compile=config.compile, adapters=adapters,
+                    kv_cache_tokens=config.kv_cache_tokens, block_size=config.block_size,
+                    prefix_caching=not config.no_prefix_caching, token_budget=config.token_budget)
     if config.tp > 1:  # a rank that dies ends the engine: its requests are answered, a server exits 1
         model.followers.on_failure = engine.fail
     return engine.start()

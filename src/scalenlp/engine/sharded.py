@@ -202,21 +202,22 @@ class ShardedModel:
         header = torch.tensor(list(values) + [0] * (HEADER - len(values)), dtype=torch.long, device=self.device)
         dist.broadcast(header, src=0)
 
-    def setup_kv_cache(self, slots: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
+    def setup_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> None:
         dtype = dtype or next(self.model.parameters()).dtype
-        self._broadcast_header(SETUP_CACHE, slots, max_seq_len, DTYPES.index(dtype))
-        self.model.setup_kv_cache(slots, max_seq_len, dtype)
+        self._broadcast_header(SETUP_CACHE, num_blocks, block_size, DTYPES.index(dtype))
+        self.model.setup_kv_cache(num_blocks, block_size, dtype)
 
-    def __call__(self, tokens, input_pos, slots=None, kv_len=None, logits_at=None):
+    def __call__(self, tokens, input_pos, block_table=None, slot_mapping=None, logits_at=None):
         B, T = tokens.shape
         try:
-            self._broadcast_header(FORWARD, B, T, -1 if kv_len is None else kv_len, slots is not None,
+            # The block table's width, or -1 for a forward without the cache (no block table, no slot mapping).
+            self._broadcast_header(FORWARD, B, T, -1 if block_table is None else block_table.shape[1],
                                    logits_at is not None)
-            for t in (tokens, input_pos, slots, logits_at):
+            for t in (tokens, input_pos, block_table, slot_mapping, logits_at):
                 if t is not None:
                     dist.broadcast(t.contiguous(), src=0)
             faults.inject(self.fault, self.forwards, None)
-            logits = self.model(tokens, input_pos, slots, kv_len=kv_len, logits_at=logits_at)
+            logits = self.model(tokens, input_pos, block_table, slot_mapping, logits_at=logits_at)
         except Exception as e:
             self.failed = True
             # A follower that failed first closes its connections, and so fails rank 0's collective:
@@ -250,19 +251,20 @@ def follow(model, fault: tuple[str, int] | None) -> None:
         if cmd == STOP:
             return
         if cmd == SETUP_CACHE:
-            slots, max_seq_len, dtype_index = rest[:3]
-            model.setup_kv_cache(slots, max_seq_len, DTYPES[dtype_index])
+            num_blocks, block_size, dtype_index = rest[:3]
+            model.setup_kv_cache(num_blocks, block_size, DTYPES[dtype_index])
             continue
-        B, T, kv_len, has_slots, has_logits_at = rest[:5]
+        B, T, width, has_logits_at = rest[:4]
         tokens = torch.empty(B, T, dtype=torch.long, device=device)
         input_pos = torch.empty(B, T, dtype=torch.long, device=device)
-        slots = torch.empty(B, dtype=torch.long, device=device) if has_slots else None
+        block_table = torch.empty(B, width, dtype=torch.long, device=device) if width >= 0 else None
+        slot_mapping = torch.empty(B, T, dtype=torch.long, device=device) if width >= 0 else None
         logits_at = torch.empty(B, dtype=torch.long, device=device) if has_logits_at else None
-        for t in (tokens, input_pos, slots, logits_at):
+        for t in (tokens, input_pos, block_table, slot_mapping, logits_at):
             if t is not None:
                 dist.broadcast(t, src=0)
         faults.inject(fault, forwards, None)
-        model(tokens, input_pos, slots, kv_len=None if kv_len < 0 else kv_len, logits_at=logits_at)
+        model(tokens, input_pos, block_table, slot_mapping, logits_at=logits_at)
         forwards += 1
 
 

@@ -48,8 +48,15 @@ _built: bool | None = None
 
 
 def _build() -> bool:
-    if os.environ.get("SCALENLP_CPU_ATTENTION", "1") == "0":
+    if os.environ.get("SCALENLP_CPU_ATTENTION", "1") == "0" or not load_native("scalenlp_cpu_attention", SOURCE):
         return False
+    _register_autograd()
+    return True
+
+
+def load_native(name: str, source: Path) -> bool:
+    """Build (or load the cached build of) the C++ operators in ``source`` as the extension ``name``; False,
+    with one warning line, where that fails (no compiler, no ninja, no headers)."""
     from torch.utils import cpp_extension
 
     # -march=native code must not be loaded on another CPU from a shared cache: the name carries the CPU.
@@ -58,14 +65,13 @@ def _build() -> bool:
     # region, which without -fopenmp compiles to one thread.
     openmp = ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
     try:
-        cpp_extension.load(name=f"scalenlp_cpu_attention_{tag}", sources=[str(SOURCE)], is_python_module=False,
+        cpp_extension.load(name=f"{name}_{tag}", sources=[str(source)], is_python_module=False,
                            extra_cflags=["-O3", "-march=native", "-fno-math-errno", *openmp],
                            extra_ldflags=openmp, verbose=False)
-    except Exception as exc:  # no compiler, no ninja, no headers: SDPA serves instead
-        log.warning("scalenlp's CPU attention kernel did not build (%s); using PyTorch's SDPA",
+    except Exception as exc:  # the caller falls back to PyTorch's own operators
+        log.warning("scalenlp's kernel %s did not build (%s); using PyTorch's operators instead", source.name,
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return False
-    _register_autograd()
     return True
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scalenlp.models import cpu_attention
+from scalenlp.models import cpu_attention, paged_attention
 from scalenlp.models.limits import check_fields
 from scalenlp.models.loss import compiled_linear_cross_entropy, linear_cross_entropy
 
@@ -227,29 +227,29 @@ def stack_projections(model: nn.Module, enabled: bool) -> None:
 
 @dataclass
 class CacheIndex:
-    """Where one forward writes and reads the KV caches. Every layer uses the same positions, so the
-    index tensors and the mask are built once per forward, not once per layer."""
+    """Where one forward writes and reads the paged KV caches (``KVCache``). Every layer uses the same
+    positions, so the index tensors and the masks are built once per forward, not once per layer."""
 
-    rows: torch.Tensor  # (B, 1) cache rows written
-    input_pos: torch.Tensor  # (B, T) positions written
-    slots: torch.Tensor | None  # (B,) cache rows read, or None for the leading rows 0..B-1
-    kv_len: int  # leading cache positions read
-    mask: torch.Tensor  # (B, 1, T, kv_len): each query sees the keys up to its own position
+    slot_mapping: torch.Tensor  # (B, T) pool slot each new position's key and value go to
+    block_table: torch.Tensor  # (B, N) the pool blocks of each row's positions, in order
+    key_slots: torch.Tensor  # (B, S) pool slot of each key a row reads: its block table, block by block
+    lengths: torch.Tensor  # (B,) keys the last query of each row sees (its position + 1)
+    mask: torch.Tensor  # (B, 1, T, S): each query sees the keys up to its own position
     local_mask: torch.Tensor | None = None  # the same within a sliding window, for local layers
 
     @classmethod
-    def build(cls, input_pos: torch.Tensor, slots: torch.Tensor | None, kv_len: int, window: int = 0) -> CacheIndex:
-        """input_pos: (B, T) positions; slots: (B,) cache rows or None for 0..B-1. kv_len: a bound on
-        every position in ``input_pos`` (exclusive), known to the caller without a device sync; only
-        that many leading cache positions are read, which is what makes decode cost grow with the
-        sequence instead of with the cache size. window: the sliding window of the model's local layers
-        (0: none); their queries see only the last ``window`` positions up to their own."""
-        B, device = input_pos.shape[0], input_pos.device
-        rows = (torch.arange(B, device=device) if slots is None else slots)[:, None]
-        keys = torch.arange(kv_len, device=device)[None, None, :]
+    def build(cls, input_pos: torch.Tensor, block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
+              window: int = 0) -> CacheIndex:
+        """input_pos: (B, T) positions; block_table: (B, N) the pool blocks holding each row's positions
+        0..N * block_size - 1, in order (rows with fewer blocks pad with any block: the mask hides keys past a
+        query's position); slot_mapping: (B, T) where each new key goes. window: the sliding window of the
+        model's local layers (0: none); their queries see only the last ``window`` positions up to their own."""
+        offsets = torch.arange(block_size, device=block_table.device)
+        key_slots = (block_table[:, :, None] * block_size + offsets).flatten(1)
+        keys = torch.arange(key_slots.shape[1], device=input_pos.device)[None, None, :]
         mask = keys <= input_pos[:, :, None]
         local = (mask & (keys > input_pos[:, :, None] - window))[:, None] if window else None
-        return cls(rows, input_pos, slots, kv_len, mask[:, None], local)
+        return cls(slot_mapping, block_table, key_slots, input_pos[:, -1] + 1, mask[:, None], local)
 
 
 def window_mask(T: int, window: int, device) -> torch.Tensor:
@@ -273,28 +273,29 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 
 
 class KVCache(nn.Module):
-    """Static per-slot key/value buffers (gpt-fast style): one row per sequence slot.
-
-    ``update`` writes the new keys/values at each row's own positions, so rows may be at different
-    lengths (continuous batching), and returns the rows the index reads.
+    """A paged key/value cache (vLLM's PagedAttention layout): a pool of ``num_blocks`` blocks of ``block_size``
+    positions each, shared by every sequence. A sequence holds a list of blocks (its block table), so its memory
+    grows a block at a time instead of being set aside for the longest sequence, and sequences with the same
+    prefix can read the same blocks. The pool is flat, slot = block * block_size + offset.
     """
 
-    def __init__(self, slots: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
+    def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device=None):
         super().__init__()
-        shape = (slots, n_kv_heads, max_seq_len, head_dim)
+        self.block_size = block_size
+        shape = (num_blocks * block_size, n_kv_heads, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, index: CacheIndex, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: (B, H_kv, T, D). Returns the keys and values of the rows read, (B, H_kv, kv_len, D)."""
-        # Advanced indices split by a slice put the indexed dims first: (B, T, H_kv, D).
-        self.k[index.rows, :, index.input_pos] = k.transpose(1, 2).to(self.k.dtype)
-        self.v[index.rows, :, index.input_pos] = v.transpose(1, 2).to(self.v.dtype)
-        if index.slots is None:  # leading rows: a view, no gather copy of the cache
-            B = k.shape[0]
-            return self.k[:B, :, :index.kv_len], self.v[:B, :, :index.kv_len]
-        return self.k[index.slots, :, :index.kv_len], self.v[index.slots, :, :index.kv_len]
+    def write(self, index: CacheIndex, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (B, H_kv, T, D), written at ``index.slot_mapping``."""
+        slots = index.slot_mapping.flatten()
+        self.k.index_copy_(0, slots, k.transpose(1, 2).flatten(0, 1).to(self.k.dtype))
+        self.v.index_copy_(0, slots, v.transpose(1, 2).flatten(0, 1).to(self.v.dtype))
+
+    def read(self, index: CacheIndex) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's keys and values over its block table, (B, H_kv, S, D), gathered from the pool."""
+        return self.k[index.key_slots].transpose(1, 2), self.v[index.key_slots].transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -348,10 +349,16 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
-        if self.cache is not None:
-            k, v = self.cache.update(cache_index, k, v)
-            mask = cache_index.local_mask if self.window else cache_index.mask
-            out = self.attend(q, k.to(q.dtype), v.to(q.dtype), mask, 0.0)
+        if cache_index is not None:
+            self.cache.write(cache_index, k, v)
+            if paged_attention.usable(q, self.cache.k):  # a decode step: read in place through the block tables
+                out = paged_attention.decode_attention(q, self.cache.k, self.cache.v, cache_index.block_table,
+                                                       cache_index.lengths, self.cache.block_size,
+                                                       self.scale or self.head_dim ** -0.5, self.softcap, self.window)
+            else:
+                k, v = self.cache.read(cache_index)
+                mask = cache_index.local_mask if self.window else cache_index.mask
+                out = self.attend(q, k.to(q.dtype), v.to(q.dtype), mask, 0.0)
         elif not (self.window or self.scale or self.softcap) and cpu_attention.usable(q, k, dropout):
             out = cpu_attention.causal_attention(q, k, v)
         else:
@@ -524,12 +531,13 @@ class Transformer(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def setup_kv_cache(self, slots: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
-        """Attach a static KV cache of ``slots`` rows to every attention layer (inference only)."""
+    def setup_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> None:
+        """Attach a paged KV cache of ``num_blocks`` blocks of ``block_size`` positions to every attention layer
+        (inference only); a forward given block tables reads and writes it."""
         ref = next(self.parameters())
         for block in self.layers.values():
             attn = block.attention
-            attn.cache = KVCache(slots, attn.local_kv_heads(), max_seq_len, attn.head_dim, dtype or ref.dtype,
+            attn.cache = KVCache(num_blocks, block_size, attn.local_kv_heads(), attn.head_dim, dtype or ref.dtype,
                                  ref.device)
 
     def clear_kv_cache(self) -> None:
@@ -537,10 +545,11 @@ class Transformer(nn.Module):
             block.attention.cache = None
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None,
-                slots: torch.Tensor | None = None, kv_len: int | None = None,
+                block_table: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (B, T) ids, or (B, T, dim) hidden states on a pipeline stage without embeddings.
-        input_pos: (B, T) positions, required with a KV cache. slots, kv_len: see ``CacheIndex.build``.
+        input_pos: (B, T) positions, required with a KV cache. block_table, slot_mapping: where the KV cache
+        (``setup_kv_cache``) is read and written, see ``CacheIndex.build``; without them the cache is not used.
         logits_at: (B,) one position per row whose logits are wanted, giving (B, 1, vocab); a prefill
         then skips the output projection (the largest matmul) for every other position.
         targets: (B, T) next tokens; the summed fp32 cross-entropy is returned instead of the logits,
@@ -565,9 +574,9 @@ class Transformer(nn.Module):
                 rope, local_rope = zip(*(t.split(self.args.head_dim, dim=-1) for t in rope))
         cache_index = None
         blocks = list(self.layers.values())
-        if blocks and blocks[0].attention.cache is not None:
-            kv_len = blocks[0].attention.cache.k.shape[2] if kv_len is None else kv_len
-            cache_index = CacheIndex.build(input_pos, slots, kv_len, self.args.sliding_window)
+        if block_table is not None:
+            cache_index = CacheIndex.build(input_pos, block_table, slot_mapping, blocks[0].attention.cache.block_size,
+                                           self.args.sliding_window)
         for block in blocks:
             h = block(h, local_rope if block.local and local_rope else rope, cache_index)
         if logits_at is not None:

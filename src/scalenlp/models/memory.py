@@ -20,6 +20,9 @@ from scalenlp.models.decoder import ModelArgs, Transformer
 from scalenlp.models.encoder import Encoder, EncoderArgs
 
 GiB = 2**30
+# Sequences of max_seq_len that the default KV cache holds: the slots the cache had before it was paged, so that
+# the default memory did not grow with paging.
+DEFAULT_CACHED_SEQUENCES = 8
 # cgroup v2's and v1's memory limit of this process's group ("max" or a huge number when unlimited).
 CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
 
@@ -74,26 +77,31 @@ def check_fits(args: ModelArgs | EncoderArgs, device: str | torch.device, itemsi
                         f"{torch.device(device)} memory; the file's context length is wrong")
 
 
-def kv_cache_bytes(args: ModelArgs, slots: int, positions: int, itemsize: int) -> int:
-    """A KV cache of ``slots`` rows of ``positions`` each over every layer (keys and values)."""
-    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * itemsize * slots * positions
+def kv_cache_bytes(args: ModelArgs, positions: int, itemsize: int) -> int:
+    """A KV cache of ``positions`` over every layer (keys and values)."""
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * itemsize * positions
 
 
-def check_kv_cache(args: ModelArgs, slots: int, positions: int, dtype: torch.dtype, device: str | torch.device,
+def kv_cache_blocks(tokens: int, block_size: int) -> int:
+    """Blocks of a paged KV cache that holds ``tokens`` positions: enough for them, and the null block that
+    padding writes to (engine.kv_blocks)."""
+    return -(-tokens // block_size) + 1
+
+
+def check_kv_cache(args: ModelArgs, tokens: int, block_size: int, dtype: torch.dtype, device: str | torch.device,
                    weights: int) -> None:
-    """UserError, before the cache is allocated, unless ``slots`` x ``positions`` of KV cache fit in ``device``'s
-    memory beside ``weights`` bytes of model. The message gives the longest sequence that would fit: a model whose
-    context is longer than this machine can cache is refused, not cut short behind the user's back."""
-    need = kv_cache_bytes(args, slots, positions, dtype.itemsize)
+    """UserError, before the cache is allocated, unless a paged KV cache holding ``tokens`` positions (over all
+    sequences) fits in ``device``'s memory beside ``weights`` bytes of model. The message gives the most
+    positions that would fit."""
+    positions = kv_cache_blocks(tokens, block_size) * block_size
+    need = kv_cache_bytes(args, positions, dtype.itemsize)
     left = device_memory(device) - weights
     if need <= left:
         return
-    fit = max(0, left) // kv_cache_bytes(args, slots, 1, dtype.itemsize)
-    hint = (f"pass --max-seq-len {fit:,} or less, or a smaller --max-batch" if fit >= 2 else
-            f"{slots} slots of even 2 positions do not fit: pass a smaller --max-batch")
-    raise UserError(f"a KV cache of {slots} slots x {positions:,} positions (the model's max_seq_len is "
-                    f"{args.max_seq_len:,}) needs {need / GiB:,.1f} GiB, more than the {max(0, left) / GiB:,.1f} GiB "
-                    f"of {torch.device(device)} memory left beside the weights; {hint}")
+    fit = (max(0, left) // kv_cache_bytes(args, block_size, dtype.itemsize) - 1) * block_size
+    raise UserError(f"a KV cache of {tokens:,} positions needs {need / GiB:,.1f} GiB, more than the "
+                    f"{max(0, left) / GiB:,.1f} GiB of {torch.device(device)} memory left beside the weights; "
+                    f"pass --kv-cache-tokens {max(0, fit):,} or less (it defaults to {DEFAULT_CACHED_SEQUENCES} x --max-seq-len)")
 
 
 def bytes_per(dtype: torch.dtype | None, state: dict[str, torch.Tensor]) -> int:

@@ -46,10 +46,12 @@ class LocalBackend:
         self.templates = templates
         self._templates_starting = asyncio.Lock()
         self.registry = CollectorRegistry()
-        Gauge("scalenlp_requests_running", "requests holding a KV-cache slot", registry=self.registry
+        Gauge("scalenlp_requests_running", "requests holding KV-cache blocks", registry=self.registry
               ).set_function(lambda: engine.num_running)
-        Gauge("scalenlp_requests_waiting", "requests queued for a slot", registry=self.registry
+        Gauge("scalenlp_requests_waiting", "requests queued for KV-cache blocks", registry=self.registry
               ).set_function(lambda: engine.num_waiting)
+        Gauge("scalenlp_prefix_cache_hit_rate", "prompt tokens served from the prefix cache / prompt tokens",
+              registry=self.registry).set_function(lambda: engine.blocks.hit_rate)
         self.prompt_tokens = Counter("scalenlp_prompt_tokens", "prompt tokens processed", registry=self.registry)
         self.generated_tokens = Counter("scalenlp_generation_tokens", "tokens generated", registry=self.registry)
         self.finished = Counter("scalenlp_requests_finished", "finished requests", ["finish_reason"],

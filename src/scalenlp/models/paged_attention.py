@@ -1,0 +1,53 @@
+"""Decode attention over the paged KV cache on CPUs: scalenlp's float32 kernel (paged_attention.cpp), built on
+first use like cpu_attention's.
+
+The decoder's generic paged path gathers each row's blocks into one tensor and runs SDPA over it; at decode
+(one query per row) that gather copies everything the step reads, and measured 2-3x slower per layer than SDPA
+over a dense cache (SmolLM2's heads, batch 1 and 16). The kernel reads keys and values in place through the
+block table. It serves decode steps on CPU in float32 (``usable``); prefill, other dtypes, GPUs and machines
+where it does not build keep the generic path. ``SCALENLP_PAGED_ATTENTION=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from scalenlp.models.cpu_attention import load_native
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_built: bool | None = None
+
+
+@torch.compiler.assume_constant_result  # torch.compile calls it while tracing, never traces into it
+def available() -> bool:
+    """Builds (or loads the cached build of) the kernel once per process; False where it cannot be built or is
+    turned off."""
+    global _built
+    if _built is None:
+        _built = os.environ.get("SCALENLP_PAGED_ATTENTION", "1") != "0" and load_native("scalenlp_paged_attention",
+                                                                                         SOURCE)
+        if _built:
+            # Shapes without computing, for torch.compile's tracing: what makes the op a graph node.
+            @torch.library.register_fake("scalenlp_paged::decode_attention")
+            def _(q, k, v, block_table, lengths, scale, softcap, window, block_size):
+                return q.new_empty(q.shape)
+    return _built
+
+
+def usable(q: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Where the kernel applies: one float32 query per row against a float32 pool on a CPU, plain tensors."""
+    return (q.device.type == "cpu" and q.shape[2] == 1 and q.dtype == torch.float32 and pool.dtype == torch.float32
+            and type(q) is torch.Tensor and available())
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
+                     lengths: torch.Tensor, block_size: int, scale: float, softcap: float, window: int) -> torch.Tensor:
+    """q: (B, H, 1, D); k, v: the pool, (slots, H_kv, D), slot = block * block_size + offset; block_table (B, N);
+    lengths (B,), the keys each query sees; window: the last that many of them only (0: all); softcap: scores
+    capped as Gemma 2 does (0: not). Returns (B, H, 1, D)."""
+    out = torch.ops.scalenlp_paged.decode_attention(q[:, :, 0], k, v, block_table, lengths, scale, softcap, window,
+                                                    block_size)
+    return out.unsqueeze(2)
