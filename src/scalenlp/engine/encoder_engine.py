@@ -465,9 +465,9 @@ def encoder_from_checkpoint(config: EncoderEngineConfig) -> EncoderEngine:
                         f"encoder")
     torch_device = torch.device(config.device) if config.device else pick_device()
     dtype = choose_dtype(torch_device, config.dtype, LayerShapes.of(pre.args))
-    if dtype.reason:
-        print(dtype.line(), file=sys.stderr, flush=True)
     model = instantiate(pre, device=torch_device, dtype=dtype.dtype, quantize=spec)
+    if dtype.reason:  # once the model is built: a model refused before then gets its one error line alone
+        print(dtype.line(), file=sys.stderr, flush=True)
     return EncoderEngine(model, pre.tokenizer, max_seq_len=config.max_seq_len or sentence_max_len(pre.path),
                          forward_batch=config.forward_batch, pass_tokens=config.pass_tokens,
                          batch_wait_ms=config.batch_wait_ms,

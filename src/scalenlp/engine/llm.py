@@ -40,8 +40,6 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
     torch_device = torch.device(config.device) if config.device else pick_device()
     # Chosen once here, for every rank under --tp: ranks that each measured could disagree.
     dtype = choose_dtype(torch_device, config.dtype, LayerShapes.of(pre.args, config.tp))
-    if dtype.reason:
-        print(dtype.line(), file=sys.stderr, flush=True)
     if config.tp > 1:
         from scalenlp.engine.sharded import start_sharded  # starts processes: only when asked for
 
@@ -58,6 +56,8 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
                     prefix_caching=not config.no_prefix_caching, token_budget=config.token_budget)
     if config.tp > 1:  # a rank that dies ends the engine: its requests are answered, a server exits 1
         model.followers.on_failure = engine.fail
+    if dtype.reason:  # once the engine is built: a model refused before then gets its one error line alone
+        print(dtype.line(), file=sys.stderr, flush=True)
     return engine.start()
 
 
