@@ -56,9 +56,16 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
                     prefix_caching=not config.no_prefix_caching, token_budget=config.token_budget)
     if config.tp > 1:  # a rank that dies ends the engine: its requests are answered, a server exits 1
         model.followers.on_failure = engine.fail
-    if dtype.reason:  # once the engine is built: a model refused before then gets its one error line alone
-        print(dtype.line(), file=sys.stderr, flush=True)
+    # Said by the caller once everything it checks has passed (``announce``): a refused model or tokenizer gets
+    # its one error line alone.
+    engine.startup_line = dtype.line() if dtype.reason else None
     return engine.start()
+
+
+def announce(engine: Engine) -> None:
+    """Print the engine's start-up line (which dtype ``auto`` chose, and why), if it has one."""
+    if engine.startup_line:
+        print(engine.startup_line, file=sys.stderr, flush=True)
 
 
 def serve_adapters(model, config: EngineConfig):
@@ -89,6 +96,7 @@ class LLM:
         else:
             config = EngineConfig(checkpoint, **options)
         self.engine = engine_from_checkpoint(config)
+        announce(self.engine)
 
     def generate(self, prompts: str | list[str], params: SamplingParams | None = None,
                  adapter: str | None = None) -> list[str]:
