@@ -57,7 +57,8 @@ def run(args) -> int:
     from scalenlp.data.template_workers import TemplateWorkers
     from scalenlp.data.text import text_problem
     from scalenlp.engine.decoder_engine import RequestError
-    from scalenlp.engine.llm import announce, engine_from_checkpoint
+    from scalenlp.engine.dtype import announce
+    from scalenlp.engine.llm import engine_from_checkpoint
     from scalenlp.engine.sampling import SamplingParams
     from scalenlp.errors import UserError
 

@@ -56,7 +56,8 @@ def run(args) -> int:
             check_text(prompt, "--prompt")
     except InvalidParam as e:
         raise UserError(f"--{e.param.replace('_', '-')}: {e}") from None
-    from scalenlp.engine.llm import announce, engine_from_checkpoint
+    from scalenlp.engine.dtype import announce
+    from scalenlp.engine.llm import engine_from_checkpoint
 
     engine = engine_from_checkpoint(EngineConfig.from_args(args))
     announce(engine)

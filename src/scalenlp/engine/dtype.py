@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -234,3 +235,10 @@ def _layers(shapes: LayerShapes, dtype: torch.dtype, copies: int):
 def _run(products: list[nn.Module], inputs: dict[int, torch.Tensor]) -> None:
     for product in products:
         product(inputs[product.in_features])
+
+
+def announce(engine) -> None:
+    """Print an engine's start-up line (which dtype ``auto`` chose, and why), if it has one: said by a command once
+    its own checks have passed, so that a refusal stays one error line."""
+    if engine.startup_line:
+        print(engine.startup_line, file=sys.stderr, flush=True)

@@ -13,7 +13,6 @@ whose fields hold the defaults) and gets the checkpoint's end-of-text and end-of
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ from scalenlp.compress.quantized import quantization_of
 from scalenlp.data.chat import encode_chat, end_of_text_id, end_of_turn_ids
 from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.decoder_engine import Engine, pick_device
-from scalenlp.engine.dtype import LayerShapes, choose_dtype
+from scalenlp.engine.dtype import LayerShapes, announce, choose_dtype
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.errors import UserError
 from scalenlp.loader import instantiate, read
@@ -60,12 +59,6 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
     # its one error line alone.
     engine.startup_line = dtype.line() if dtype.reason else None
     return engine.start()
-
-
-def announce(engine: Engine) -> None:
-    """Print the engine's start-up line (which dtype ``auto`` chose, and why), if it has one."""
-    if engine.startup_line:
-        print(engine.startup_line, file=sys.stderr, flush=True)
 
 
 def serve_adapters(model, config: EngineConfig):

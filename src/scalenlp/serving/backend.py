@@ -327,7 +327,8 @@ def generation_backend(config: EngineConfig, limits: ServeLimits, model_name: st
     """The engine ``config`` names, behind a server's request limits: one-process serving, and each
     replica of --replicas, build it here."""
     from scalenlp.data.template_workers import TemplateWorkers
-    from scalenlp.engine.llm import announce, engine_from_checkpoint  # torch: not for `scalenlp --help`
+    from scalenlp.engine.dtype import announce
+    from scalenlp.engine.llm import engine_from_checkpoint  # torch: not for `scalenlp --help`
 
     engine = engine_from_checkpoint(config)
     try:  # before serving: the first worker tries the model's tokenizer on a test text
