@@ -43,7 +43,9 @@ from scalenlp.parallel.mesh import device_type
 log = logging.getLogger(__name__)
 # Settled tokens decoded before the new ones when streaming, so that these decode as they do mid-sequence.
 DECODE_CONTEXT = 4
-# model -> the last engine built on it: the KV cache lives in the model, so only one engine may run on it at a time.
+# model -> a weak reference to the last engine built on it: the KV cache lives in the model, so only one engine may
+# run on it at a time. The value is weak too, since the engine holds its model: a strong one would keep both, and
+# the cache (gigabytes), alive for the life of the process.
 _ENGINE_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -160,7 +162,7 @@ class Engine:
         self.adapters = adapters
         ref = next(model.parameters())
         self.device = ref.device
-        previous = _ENGINE_OF.get(model)
+        previous = _ENGINE_OF[model]() if model in _ENGINE_OF else None
         if previous is not None and not previous._stopping and previous.error is None:
             raise UserError("this model already has an Engine that has not stopped, and the KV cache lives in the "
                             "model; stop() that engine first, or load the model again for a second one")
@@ -194,7 +196,7 @@ class Engine:
         self.steps = 0  # completed loop steps; a health check watches it move
         # Called with the error when the loop dies: a server exits then, so that its supervisor restarts it.
         self.on_death: Callable[[BaseException], None] | None = None
-        _ENGINE_OF[model] = self
+        _ENGINE_OF[model] = weakref.ref(self)
 
     # ---- public API (any thread) ----
 
