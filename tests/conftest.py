@@ -8,6 +8,8 @@ so the fast loop keeps its budget as tests are added.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from infer_helpers import make_export, make_hf_chat_model
@@ -29,6 +31,17 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = (f"took {report.duration:.1f} s, over the fast tier's {limit:g} s: make it cheaper or "
                            f"mark it @pytest.mark.slow")
+
+
+def pytest_runtest_teardown(item):
+    """Empty FastAPI's caches of endpoint functions after each test. They keep (up to 4,096 of) the endpoints of
+    every app made in the process, and so each app's backend, its engine, model and KV cache: harmless in a
+    server, which makes one app, but across this suite's hundreds of apps it grew pytest to 24 GiB and the
+    kernel killed it."""
+    models = sys.modules.get("fastapi.dependencies.models")
+    for obj in vars(models).values() if models else ():
+        if hasattr(obj, "cache_clear"):
+            obj.cache_clear()
 
 
 @pytest.fixture(scope="session")
