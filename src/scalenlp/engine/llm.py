@@ -55,7 +55,8 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
                     stop_ids=end_of_turn_ids(pre.tokenizer, pre.tokenizer_config),
                     tokenizer_config=pre.tokenizer_config, compile=config.compile, adapters=adapters,
                     kv_cache_tokens=config.kv_cache_tokens, block_size=config.block_size,
-                    prefix_caching=not config.no_prefix_caching, token_budget=config.token_budget)
+                    prefix_caching=not config.no_prefix_caching, token_budget=config.token_budget,
+                    speculative_tokens=config.speculative_tokens)
     if config.tp > 1:  # a rank that dies ends the engine: its requests are answered, a server exits 1
         model.followers.on_failure = engine.fail
     return engine.start()
