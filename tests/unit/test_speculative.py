@@ -11,6 +11,7 @@ from infer_helpers import count_calls, generate
 from scalenlp.data.tokenizer import load_tokenizer
 from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.decoder_engine import Engine, Request
+from scalenlp.engine.llm import LLM
 from scalenlp.engine.sampling import SamplingBatch, SamplingParams, sample
 from scalenlp.engine.speculative import propose
 from scalenlp.errors import UserError
@@ -185,7 +186,14 @@ def test_sampled_output_is_distributed_as_the_model_says(tok):
     assert statistic < chi2_critical(bins), (statistic, bins, engine.accepted, engine.drafted)
 
 
-def test_the_flag_is_declared_checked_and_reaches_the_engine():
+def test_the_flag_is_declared_checked_and_reaches_the_engine(tiny_export):
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with LLM(tiny_export, speculative_tokens=3) as llm:
+        assert llm.engine.speculative_tokens == 3
+        fast = llm.generate(["the quick brown fox"], params)
+        assert llm.engine.drafted > 0
+    with LLM(tiny_export) as llm:
+        assert llm.generate(["the quick brown fox"], params) == fast
     parser = argparse.ArgumentParser()
     EngineConfig.add_arguments(parser)
     assert EngineConfig.from_args(parser.parse_args(["--checkpoint", "x", "--speculative-tokens", "3"])
