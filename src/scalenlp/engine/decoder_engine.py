@@ -101,6 +101,7 @@ class Request:
     token_counts: torch.Tensor | None = None
     blocks: list[int] = field(default_factory=list)  # its block table: the KV cache blocks of its positions
     computed: int = 0  # leading positions (prompt, then output) whose keys and values are in those blocks
+    draft_computed: int = 0  # those whose draft model's keys and values are there too (speculative decoding)
     keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks computed
     planned: list[bytes] = field(default_factory=list)  # those of the full blocks it had when admitted
 
@@ -135,7 +136,7 @@ class Engine:
                  max_seq_len: int | None = None, eos_id: int | None = None, stop_ids: Collection[int] = (),
                  compile: bool = False, cache_dtype: torch.dtype | None = None, pack_weights: bool = True,
                  tokenizer_config: dict | None = None, adapters=None, kv_cache_tokens: int | None = None,
-                 block_size: int = 16, prefix_caching: bool = True, speculative_tokens: int = 0):
+                 block_size: int = 16, prefix_caching: bool = True, speculative_tokens: int = 0, draft_model=None):
         """model: a Transformer (or anything with its ``setup_kv_cache`` and forward signature, like a
         sharded one). tokenizer: a ``tokenizers.Tokenizer``. max_batch: most requests running at once.
         max_seq_len: positions per sequence (prompt + output), at most the model's. token_budget: tokens one
@@ -143,7 +144,8 @@ class Engine:
         positions the KV cache holds over all requests (default: DEFAULT_CACHED_SEQUENCES x max_seq_len),
         in blocks of ``block_size``; prefix_caching: reuse the blocks of a prompt prefix computed before.
         speculative_tokens: draft tokens proposed per request and step by prompt lookup (engine.speculative) and
-        verified in the decode step's forward; 0: none.
+        verified in the decode step's forward; 0: none. draft_model: a smaller model with the same vocabulary that
+        proposes them instead (greedily, with its own KV cache in the same blocks), or None.
         pack_weights: on CPU with bf16 weights, pre-pack the linear layers for oneDNN (the model
         is changed in place and is for inference only afterwards). tokenizer_config: the checkpoint's
         special tokens and chat template, for whoever renders conversations into prompts. adapters: the
@@ -173,6 +175,13 @@ class Engine:
         check_kv_cache(model.args, kv_cache_tokens, block_size, cache_dtype or ref.dtype, self.device,
                        sum(p.numel() * p.element_size() for p in model.parameters()))
         model.setup_kv_cache(num_blocks, block_size, cache_dtype or ref.dtype)
+        self.draft_model = draft_model
+        if draft_model is not None:
+            if draft_model.args.vocab_size < model.args.vocab_size:
+                raise UserError(f"the draft model's vocabulary ({draft_model.args.vocab_size} tokens) is smaller than "
+                                f"the model's ({model.args.vocab_size}); a draft model must share its tokenizer")
+            # The draft's keys and values live in blocks of the same numbers: one block table serves both models.
+            draft_model.setup_kv_cache(num_blocks, block_size, cache_dtype or ref.dtype)
         if compile:
             # Inductor's freezing folds the weights into constants and lays them out for the device's
             # kernels itself (on CPU, oneDNN's blocked bf16 layout); it cannot lower pre-packed weights.
@@ -485,6 +494,8 @@ class Engine:
                     pool.hit_tokens += len(cached) * size
                 r.blocks = cached + [pool.allocate() for _ in range(needed)]
                 r.keys, r.planned, r.computed = keys[:len(cached)], keys, len(cached) * size
+                # A cached block holds the draft model's keys and values too, if a request's draft computed them.
+                r.draft_computed = r.computed
                 r.slot, self._admitted = self._admitted, self._admitted + 1
                 self._running[r.slot] = r
 
@@ -520,34 +531,43 @@ class Engine:
 
     def _forward(self, requests: list[Request], counts: list[int], model,
                  drafts: list[list[int]] | None = None) -> torch.Tensor:
-        """One forward computing the next ``counts[i]`` positions of each request (right-padded; padding
-        writes to the null block and reads nothing a real position sees), its KV through the block tables.
+        """One forward computing the next ``counts[i]`` positions of each request, its KV through the block tables.
         drafts: tokens proposed to follow each request's, computed at the positions after its own; their KV is
         written but not counted as computed (``_sample_and_emit`` counts those accepted; the others are overwritten).
         Returns the logits at each request's last position computed, (B, vocab); with drafts, those at each of its
         positions, (B, T, vocab)."""
-        size = self.blocks.block_size
-        widths = [n + len(d) for n, d in zip(counts, drafts)] if drafts else counts
-        T = max(widths)
+        inputs = [r.tokens[r.computed:r.computed + n] + (drafts[i] if drafts else [])
+                  for i, (r, n) in enumerate(zip(requests, counts))]
+        logits = self._run(model, requests, inputs, [r.computed for r in requests], every_position=bool(drafts))
+        for r, n in zip(requests, counts):
+            self._count_computed(r, n)
+        return logits
+
+    def _run(self, model, requests: list[Request], inputs: list[list[int]], starts: list[int],
+             every_position: bool = False) -> torch.Tensor:
+        """``model``'s forward over ``inputs[i]`` at positions ``starts[i]`` on of each request (right-padded;
+        padding writes to the null block and reads nothing a real position sees), its KV cache read and written
+        through the requests' block tables. Returns the logits at each row's last input, (B, vocab), or at
+        every position, (B, T, vocab)."""
+        size, T = self.blocks.block_size, max(map(len, inputs))
         tokens = torch.zeros(len(requests), T, dtype=torch.long)
         positions = torch.zeros(len(requests), T, dtype=torch.long)
         slot_mapping = torch.full((len(requests), T), NULL_BLOCK * size, dtype=torch.long)
         width = max(len(r.blocks) for r in requests)
         table = torch.full((len(requests), width), NULL_BLOCK, dtype=torch.long)
-        for i, (r, n, width) in enumerate(zip(requests, counts, widths)):
-            tokens[i, :width] = torch.tensor(r.tokens[r.computed:r.computed + n] + (drafts[i] if drafts else []))
-            pos = torch.arange(r.computed, r.computed + width)
-            positions[i, :width], positions[i, width:] = pos, pos[-1]
+        for i, (r, row, start) in enumerate(zip(requests, inputs, starts)):
+            n = len(row)
+            tokens[i, :n] = torch.tensor(row)
+            pos = torch.arange(start, start + n)
+            positions[i, :n], positions[i, n:] = pos, pos[-1]
             blocks = torch.tensor(r.blocks)
             table[i, :len(r.blocks)] = blocks
-            slot_mapping[i, :width] = blocks[pos // size] * size + pos % size
+            slot_mapping[i, :n] = blocks[pos // size] * size + pos % size
         self._select_adapters([r.adapter for r in requests])
+        lasts = None if every_position else torch.tensor([len(row) - 1 for row in inputs]).to(self.device)
         logits = model(tokens.to(self.device), positions.to(self.device), table.to(self.device),
-                       slot_mapping.to(self.device),
-                       logits_at=None if drafts else torch.tensor(counts).to(self.device) - 1)
-        for r, n in zip(requests, counts):
-            self._count_computed(r, n)
-        return logits if drafts else logits[:, -1]
+                       slot_mapping.to(self.device), logits_at=lasts)
+        return logits if every_position else logits[:, -1]
 
     def _count_computed(self, r: Request, n: int) -> None:
         """The next ``n`` positions of ``r`` hold its tokens' keys and values; the blocks that completes become
@@ -594,7 +614,7 @@ class Engine:
         decoding = [r for r in decoding if self._running.get(r.slot) is r]
         if not decoding:
             return 0
-        drafts = [self._draft(r) for r in decoding] if self.speculative_tokens else []
+        drafts = self._drafts(decoding) if self.speculative_tokens else []
         if not any(drafts):
             self._sample_and_emit(decoding, self._forward(decoding, [1] * len(decoding), self._decode))
             return len(decoding)
@@ -602,23 +622,52 @@ class Engine:
         self._sample_and_emit(decoding, self._forward(decoding, [1] * len(decoding), self._decode, drafts), drafts)
         return len(decoding) + sum(map(len, drafts))
 
-    def _draft(self, r: Request) -> list[int]:
-        """Draft tokens for ``r`` (engine.speculative), as many as it may still generate less the one its forward
-        yields anyway, and as the blocks free now hold: speculation never preempts a request. A request with a
-        grammar does not speculate: its matcher would have to follow each draft token before it is accepted."""
+    def _drafts(self, decoding: list[Request]) -> list[list[int]]:
+        """Draft tokens for each request, from prompt lookup (engine.speculative) or the draft model."""
+        rooms = [self._room(r) for r in decoding]
+        if self.draft_model is None:
+            drafts = [propose(r.tokens, room) for r, room in zip(decoding, rooms)]
+            return [d[:self._fits(r, len(d))] for r, d in zip(decoding, drafts)]
+        rooms = [self._fits(r, room) for r, room in zip(decoding, rooms)]
+        return self._draft_with_model(decoding, rooms)
+
+    def _room(self, r: Request) -> int:
+        """How many draft tokens ``r`` may take: as many as it may still generate less the one its forward yields
+        anyway. A request with a grammar takes none: its matcher would have to follow each draft token first."""
         if r.constraint is not None:
-            return []
-        room = min(self.speculative_tokens, r.params.max_tokens - len(r.output_ids) - 1,
-                   self.max_seq_len - r.length - 1)
-        if room <= 0:
-            return []
-        drafts = propose(r.tokens, room)
+            return 0
+        return max(0, min(self.speculative_tokens, r.params.max_tokens - len(r.output_ids) - 1,
+                          self.max_seq_len - r.length - 1))
+
+    def _fits(self, r: Request, n: int) -> int:
+        """How many of ``n`` draft tokens ``r``'s blocks hold, after taking free blocks for them: speculation never
+        preempts a request."""
         size = self.blocks.block_size
-        while drafts and (r.length - 1 + len(drafts)) // size >= len(r.blocks):
+        while n and (r.length - 1 + n) // size >= len(r.blocks):
             if self.blocks.available:
                 r.blocks.append(self.blocks.allocate())
             else:
-                drafts = drafts[:len(r.blocks) * size - r.length]
+                n = len(r.blocks) * size - r.length
+        return n
+
+    def _draft_with_model(self, decoding: list[Request], rooms: list[int]) -> list[list[int]]:
+        """The draft model's greedy tokens after each request, ``rooms[i]`` of them: its first forward computes
+        the positions it has not computed yet (the prompt, or the last step's tokens), each later one the token
+        before. Its keys and values go into the request's own blocks (the draft model's cache), so a rejected
+        draft's are overwritten later, as the target's are."""
+        drafts: list[list[int]] = [[] for _ in decoding]
+        active = [i for i, room in enumerate(rooms) if room]
+        inputs = {i: decoding[i].tokens[decoding[i].draft_computed:] for i in active}
+        vocab = self.model.args.vocab_size
+        while active:
+            requests = [decoding[i] for i in active]
+            logits = self._run(self.draft_model, requests, [inputs[i] for i in active],
+                               [r.draft_computed for r in requests])
+            for i, r, token in zip(active, requests, logits[:, :vocab].argmax(-1).tolist()):
+                r.draft_computed += len(inputs[i])
+                drafts[i].append(token)
+                inputs[i] = [token]
+            active = [i for i in active if len(drafts[i]) < rooms[i]]
         return drafts
 
     def unload_adapter(self, name: str) -> None:
@@ -681,6 +730,7 @@ class Engine:
                         break
                 else:  # the draft tokens accepted, before the last token emitted, are computed (see _forward)
                     self._count_computed(r, len(run) - 1)
+                    r.draft_computed = min(r.draft_computed, r.computed)  # the draft model's, as far as they agree
             except Exception as e:  # noqa: BLE001 - as above
                 self._fail(r, e)
 
