@@ -2,15 +2,18 @@
 in engine.sampling.sample): greedy text identical to plain decoding, sampled text distributed as the model's."""
 
 import argparse
+import json
 import math
+import threading
 
 import pytest
 import torch
 
-from infer_helpers import count_calls, generate, make_export
-from scalenlp.data.tokenizer import load_tokenizer
+from infer_helpers import count_calls, generate, make_export, wait
+from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.decoder_engine import Engine, Request
+from scalenlp.engine.grammar import json_schema_grammar
 from scalenlp.engine.llm import LLM
 from scalenlp.engine.sampling import SamplingBatch, SamplingParams, sample
 from scalenlp.engine.speculative import propose
@@ -45,7 +48,8 @@ def make_engine(tok, vocab_size=None, logit_scale=1.0, draft=None, **kw):
     vocab_size = vocab_size or tok.get_vocab_size()
     model = random_model(vocab_size, logit_scale)
     draft_model = random_model(vocab_size, logit_scale, seed=0 if draft == "same" else 1) if draft else None
-    return Engine(model, tok, eos_id=None, block_size=BLOCK, draft_model=draft_model, **kw).start()
+    kw.setdefault("eos_id", None)
+    return Engine(model, tok, block_size=BLOCK, draft_model=draft_model, **kw).start()
 
 
 def run(tok, prompts, params, waves=1, field="token_ids", vocab_size=None, **kw):
@@ -231,3 +235,43 @@ def test_a_draft_model_with_another_tokenizer_is_refused_in_one_line(tiny_export
     with pytest.raises(UserError) as refused:
         LLM(tiny_export, speculative_tokens=2, draft=str(other))
     assert "another tokenizer" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_request_with_a_grammar_runs_beside_speculating_ones_without_drafts(tok, monkeypatch):
+    """A JSON-constrained request in the same batches as requests that speculate: it gets no drafts, its text
+    parses, and every request's text is the one plain decoding gives."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["a"], "additionalProperties": False}
+    constrained = SamplingParams(max_tokens=30, temperature=0, grammar=json_schema_grammar(schema, "response_format"))
+    free = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    items = [(p, free) for p in PROMPTS] + [(PROMPTS[0], constrained)]
+
+    def texts(**kw):
+        engine = make_engine(tok, eos_id=find_eos_token_id(tok), **kw)
+        drafted = []
+        drafts = engine._drafts
+
+        def recording(requests):
+            found = drafts(requests)
+            drafted.extend(zip(requests, found))
+            return found
+
+        monkeypatch.setattr(engine, "_drafts", recording)
+        done = [threading.Event() for _ in items]
+        outs = [[] for _ in items]
+
+        def collector(i):
+            return lambda d: (outs[i].append(d.text), d.finish_reason and done[i].set())
+
+        try:
+            engine.submit_many(items, [collector(i) for i in range(len(items))])
+            for event in done:
+                wait(engine, event)
+        finally:
+            engine.stop()
+        return ["".join(o) for o in outs], [d for r, d in drafted if r.constraint is not None], drafted
+
+    got, grammar_drafts, drafted = texts(speculative_tokens=4)
+    assert json.loads(got[-1])["a"] in range(100)
+    assert not any(grammar_drafts) and any(d for _, d in drafted)
+    assert texts()[0] == got
