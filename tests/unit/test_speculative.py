@@ -6,10 +6,11 @@ import json
 import math
 import threading
 
+import httpx
 import pytest
 import torch
 
-from infer_helpers import count_calls, generate, make_export, wait
+from infer_helpers import ServerThread, count_calls, generate, make_export, wait
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.decoder_engine import Engine, Request
@@ -19,6 +20,9 @@ from scalenlp.engine.sampling import SamplingBatch, SamplingParams, sample
 from scalenlp.engine.speculative import propose
 from scalenlp.errors import UserError
 from scalenlp.models.flavors import build_model, model_args
+from scalenlp.models.io import load_pretrained
+from scalenlp.serving.app import create_app
+from scalenlp.serving.backend import LocalBackend
 
 torch.set_num_threads(1)
 BLOCK = 4
@@ -275,3 +279,26 @@ def test_a_request_with_a_grammar_runs_beside_speculating_ones_without_drafts(to
     assert json.loads(got[-1])["a"] in range(100)
     assert not any(grammar_drafts) and any(d for _, d in drafted)
     assert texts()[0] == got
+
+
+def test_the_server_streams_speculated_text_and_reports_the_acceptance_rate(tiny_export):
+    """Streamed over HTTP, several tokens may come from one step: the text is plain decoding's, and /metrics says
+    what share of the drafts was kept."""
+    tok = load_tokenizer(tiny_export)
+    body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 40, "temperature": 0, "stream": True}
+    texts, rates = [], []
+    for k in (0, 4):
+        engine = Engine(load_pretrained(tiny_export), tok, eos_id=None, speculative_tokens=k).start()
+        server = ServerThread(create_app(LocalBackend(engine, "tiny")))
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:
+                chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+            texts.append("".join(c["choices"][0]["text"] for c in chunks))
+            metrics = httpx.get(server.url + "/metrics").text
+            rates.append(float(next(line for line in metrics.splitlines()
+                                    if line.startswith("scalenlp_spec_decode_acceptance_rate")).split()[-1]))
+        finally:
+            server.stop()
+            engine.stop()
+    assert texts[0] == texts[1] and texts[0]
+    assert rates[0] == 0 and rates[1] == engine.acceptance_rate > 0
