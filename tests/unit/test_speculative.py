@@ -148,7 +148,6 @@ def test_logprobs_are_those_of_each_verified_position(tok):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.slow
 def test_speculation_stops_at_max_tokens_and_at_the_end_of_the_context(tok):
     """Drafts never run past max_tokens or the model's positions: the text is that of plain decoding, to the end."""
     for params in (SamplingParams(max_tokens=33, temperature=0, ignore_eos=True),

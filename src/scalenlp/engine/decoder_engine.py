@@ -626,7 +626,7 @@ class Engine:
         """Draft tokens for each request, from prompt lookup (engine.speculative) or the draft model."""
         rooms = [self._room(r) for r in decoding]
         if self.draft_model is None:
-            drafts = [propose(r.tokens, room) for r, room in zip(decoding, rooms)]
+            drafts = [propose(r.tokens, room) if room else [] for r, room in zip(decoding, rooms)]
             return [d[:self._fits(r, len(d))] for r, d in zip(decoding, drafts)]
         rooms = [self._fits(r, room) for r, room in zip(decoding, rooms)]
         return self._draft_with_model(decoding, rooms)
