@@ -119,7 +119,7 @@ class EngineConfig(BaseEngineConfig):
                                           "proposed by prompt lookup (what followed the latest earlier occurrence of "
                                           "its last tokens in its prompt and output) and verified in the decode "
                                           "step's forward; greedy output is unchanged, sampled output keeps its "
-                                          "distribution (default 0: off)")
+                                          "distribution (default 0: off; on a CPU it measured slower, see docs/serving.md)")
     draft: str | None = option(None, metavar="CHECKPOINT",
                                help="with --speculative-tokens: a smaller model with the same tokenizer (any "
                                     "checkpoint the loader reads) proposes the draft tokens, greedily, instead of "
