@@ -165,6 +165,22 @@ class ServerThread:
 
 
 @contextlib.contextmanager
+def serving(config, name: str = "tiny"):
+    """The engine ``config`` builds, served on a thread as model ``name``: (server, engine), both stopped after."""
+    from scalenlp.engine.llm import engine_from_checkpoint
+    from scalenlp.serving.app import create_app
+    from scalenlp.serving.backend import LocalBackend
+
+    engine = engine_from_checkpoint(config)
+    server = ServerThread(create_app(LocalBackend(engine, name)))
+    try:
+        yield server, engine
+    finally:
+        server.stop()
+        engine.stop()
+
+
+@contextlib.contextmanager
 def serve_process(checkpoint: Path, *flags: str, env: dict | None = None):
     """`scalenlp serve --checkpoint CHECKPOINT FLAGS` in a process of its own on a free port: (its URL, the
     process) once /health answers; the process is terminated on leaving."""

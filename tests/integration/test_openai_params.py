@@ -7,11 +7,8 @@ import openai
 import pytest
 import torch
 
-from infer_helpers import ServerThread
+from infer_helpers import serving
 from scalenlp.engine.config import EngineConfig
-from scalenlp.engine.llm import engine_from_checkpoint
-from scalenlp.serving.app import create_app
-from scalenlp.serving.backend import LocalBackend
 
 torch.set_num_threads(1)
 CHAT = [{"role": "user", "content": "the quick brown fox"}]
@@ -19,11 +16,8 @@ CHAT = [{"role": "user", "content": "the quick brown fox"}]
 
 @pytest.fixture(scope="module")
 def served(hf_chat_model):
-    engine = engine_from_checkpoint(EngineConfig(hf_chat_model, dtype="float32", device="cpu", max_batch=4))
-    server = ServerThread(create_app(LocalBackend(engine, "tiny")))
-    yield server, engine
-    server.stop()
-    engine.stop()
+    with serving(EngineConfig(hf_chat_model, dtype="float32", device="cpu", max_batch=4)) as pair:
+        yield pair
 
 
 @pytest.fixture

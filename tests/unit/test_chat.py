@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 
-from infer_helpers import CHATML, ServerThread, chat_tokenizer, make_hf_chat_model, run_request
+from infer_helpers import CHATML, ServerThread, chat_tokenizer, make_hf_chat_model, run_request, serving
 from scalenlp.data.chat import (
     ChatError,
     chat_template,
@@ -162,11 +162,8 @@ def test_generation_stops_at_the_end_of_turn_token(hf_chat_model):
 
 @pytest.fixture(scope="module")
 def served(hf_chat_model):
-    engine = engine_from_checkpoint(engine_config(hf_chat_model, max_queue=8))
-    server = ServerThread(create_app(LocalBackend(engine, "tiny")))
-    yield server, engine
-    server.stop()
-    engine.stop()
+    with serving(engine_config(hf_chat_model, max_queue=8)) as pair:
+        yield pair
 
 
 @pytest.fixture

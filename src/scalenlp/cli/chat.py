@@ -57,6 +57,7 @@ def run(args) -> int:
     from scalenlp.data.template_workers import TemplateWorkers
     from scalenlp.data.text import text_problem
     from scalenlp.engine.decoder_engine import RequestError
+    from scalenlp.engine.dtype import announce
     from scalenlp.engine.llm import engine_from_checkpoint
     from scalenlp.engine.sampling import SamplingParams
     from scalenlp.errors import UserError
@@ -69,6 +70,7 @@ def run(args) -> int:
     except BaseException:
         engine.stop()
         raise
+    announce(engine)
     opening = [{"role": "system", "content": args.system}] if args.system else []
     history = list(opening)
     interactive = sys.stdin.isatty()

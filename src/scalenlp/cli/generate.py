@@ -56,9 +56,11 @@ def run(args) -> int:
             check_text(prompt, "--prompt")
     except InvalidParam as e:
         raise UserError(f"--{e.param.replace('_', '-')}: {e}") from None
+    from scalenlp.engine.dtype import announce
     from scalenlp.engine.llm import engine_from_checkpoint
 
     engine = engine_from_checkpoint(EngineConfig.from_args(args))
+    announce(engine)
     try:
         for i, prompt in enumerate(args.prompt):
             ids = engine.encode(prompt)

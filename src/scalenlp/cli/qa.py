@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from scalenlp.engine.decoder_engine import RequestError
+    from scalenlp.engine.dtype import announce
     from scalenlp.engine.encoder_engine import encoder_from_checkpoint
     from scalenlp.errors import UserError
 
@@ -46,6 +47,7 @@ def run(args) -> int:
         raise UserError(str(e)) from None
     finally:
         engine.stop()
+    announce(engine)
     for i, (question, a) in enumerate(zip(questions, answers)):
         if args.json:
             print(json.dumps({"question": question, "answer": a.text, "start": a.start, "end": a.end,

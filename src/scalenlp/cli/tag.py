@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from scalenlp.engine.decoder_engine import RequestError
+    from scalenlp.engine.dtype import announce
     from scalenlp.engine.encoder_engine import encoder_from_checkpoint
     from scalenlp.errors import UserError
 
@@ -35,6 +36,7 @@ def run(args) -> int:
         raise UserError(str(e)) from None
     finally:
         engine.stop()
+    announce(engine)
     for i, (text, entities) in enumerate(zip(args.text, found)):
         if args.json:
             print(json.dumps({"text": text, "entities": entities}))

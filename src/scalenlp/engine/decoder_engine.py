@@ -202,6 +202,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
+        self.startup_line: str | None = None  # what its builder says at start-up (engine.dtype.announce)
         self._failure: BaseException | None = None  # set by ``fail``
         self._grammars: Grammars | None = None  # built by the first request with a grammar
         self.steps = 0  # completed loop steps; a health check watches it move

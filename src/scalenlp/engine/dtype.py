@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from torch.nn.utils import skip_init
 
 from scalenlp.engine.packing import PackedLinear, onednn_bf16
 from scalenlp.hardware import cache_dir, processor_name, slug, write_cached
+from scalenlp.models.memory import device_memory
 
 CPU_CANDIDATES = ("float32", "bfloat16")
 # bf16 is served only when it runs the request at least this many times as fast as float32: it rounds every weight
@@ -47,6 +49,8 @@ CPU_CANDIDATES = ("float32", "bfloat16")
 BF16_MARGIN = 1.1
 PREFILL_ROWS = 32  # prompt tokens of the timed request: time per prompt token is about flat from here up
 WARMUP, ROUNDS = 1, 5
+# Timed only when one float32 layer takes at most this share of memory, so a model of a few layers still fits.
+MEMORY_SHARE = 4
 FILL = 0.01  # every weight and input: a normal float in both dtypes, whose sums stay far from overflow
 
 # Per candidate dtype name, per round: (seconds of a one-row pass, seconds of a PREFILL_ROWS-row pass).
@@ -117,6 +121,10 @@ def choose_dtype(device: torch.device, requested: str, shapes: LayerShapes,
         return DtypeChoice(torch.float16, "this GPU has no bf16 arithmetic; fp16 runs on its tensor cores (auto)")
     if device.type != "cpu":
         return DtypeChoice(torch.float32, f"auto measures CPUs and knows CUDA's dtypes, not {device.type}'s")
+    if sum(i * o for i, o in shapes.products(fused=False)) * 4 * MEMORY_SHARE > device_memory(device):
+        # Such a model does not fit this machine (the loader, next, refuses it in one line): timing it would
+        # allocate its layer first, terabytes for a model file's absurd widths.
+        return DtypeChoice(torch.float32, None)
     threads = torch.get_num_threads()
     path = cache_dir() / (f"dtype-{slug(processor_name(device))}-torch-{slug(torch.__version__)}-{threads}t-"
                           f"{shapes.key()}.json")
@@ -227,3 +235,10 @@ def _layers(shapes: LayerShapes, dtype: torch.dtype, copies: int):
 def _run(products: list[nn.Module], inputs: dict[int, torch.Tensor]) -> None:
     for product in products:
         product(inputs[product.in_features])
+
+
+def announce(engine) -> None:
+    """Print an engine's start-up line (which dtype ``auto`` chose, and why), if it has one: said by a command once
+    its own checks have passed, so that a refusal stays one error line."""
+    if engine.startup_line:
+        print(engine.startup_line, file=sys.stderr, flush=True)

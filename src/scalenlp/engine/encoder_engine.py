@@ -16,7 +16,6 @@ when it is longer than the model's window, each window a unit, so no word is los
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
@@ -113,6 +112,7 @@ class EncoderEngine:
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.error: BaseException | None = None
+        self.startup_line: str | None = None  # what its builder says at start-up (engine.dtype.announce)
         # Counters, read by the server's /metrics and by tests and benchmarks.
         self.requests = self.forwards = self.texts = self.tokens = self.padded_tokens = self.truncated = 0
 
@@ -465,11 +465,11 @@ def encoder_from_checkpoint(config: EncoderEngineConfig) -> EncoderEngine:
                         f"encoder")
     torch_device = torch.device(config.device) if config.device else pick_device()
     dtype = choose_dtype(torch_device, config.dtype, LayerShapes.of(pre.args))
-    if dtype.reason:
-        print(dtype.line(), file=sys.stderr, flush=True)
     model = instantiate(pre, device=torch_device, dtype=dtype.dtype, quantize=spec)
-    return EncoderEngine(model, pre.tokenizer, max_seq_len=config.max_seq_len or sentence_max_len(pre.path),
+    engine = EncoderEngine(model, pre.tokenizer, max_seq_len=config.max_seq_len or sentence_max_len(pre.path),
                          forward_batch=config.forward_batch, pass_tokens=config.pass_tokens,
                          batch_wait_ms=config.batch_wait_ms,
                          max_queue=config.max_queue, max_batch_texts=config.max_batch_texts,
-                         max_text_chars=config.max_text_chars, max_request_tokens=config.max_request_tokens).start()
+                         max_text_chars=config.max_text_chars, max_request_tokens=config.max_request_tokens)
+    engine.startup_line = dtype.line() if dtype.reason else None  # said by the caller: dtype.announce
+    return engine.start()

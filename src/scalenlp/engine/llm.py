@@ -13,7 +13,6 @@ whose fields hold the defaults) and gets the checkpoint's end-of-text and end-of
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ from scalenlp.compress.quantized import quantization_of
 from scalenlp.data.chat import encode_chat, end_of_text_id, end_of_turn_ids
 from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.decoder_engine import Engine, pick_device
-from scalenlp.engine.dtype import LayerShapes, choose_dtype
+from scalenlp.engine.dtype import LayerShapes, announce, choose_dtype
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.errors import UserError
 from scalenlp.loader import instantiate, read
@@ -40,8 +39,6 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
     torch_device = torch.device(config.device) if config.device else pick_device()
     # Chosen once here, for every rank under --tp: ranks that each measured could disagree.
     dtype = choose_dtype(torch_device, config.dtype, LayerShapes.of(pre.args, config.tp))
-    if dtype.reason:
-        print(dtype.line(), file=sys.stderr, flush=True)
     if config.tp > 1:
         from scalenlp.engine.sharded import start_sharded  # starts processes: only when asked for
 
@@ -66,6 +63,9 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
                     speculative_tokens=config.speculative_tokens, draft_model=draft)
     if config.tp > 1:  # a rank that dies ends the engine: its requests are answered, a server exits 1
         model.followers.on_failure = engine.fail
+    # Said by the caller once everything it checks has passed (``announce``): a refused model or tokenizer gets
+    # its one error line alone.
+    engine.startup_line = dtype.line() if dtype.reason else None
     return engine.start()
 
 
@@ -97,6 +97,7 @@ class LLM:
         else:
             config = EngineConfig(checkpoint, **options)
         self.engine = engine_from_checkpoint(config)
+        announce(self.engine)
 
     def generate(self, prompts: str | list[str], params: SamplingParams | None = None,
                  adapter: str | None = None) -> list[str]:

@@ -329,6 +329,7 @@ def generation_backend(config: EngineConfig, limits: ServeLimits, model_name: st
     """The engine ``config`` names, behind a server's request limits: one-process serving, and each
     replica of --replicas, build it here."""
     from scalenlp.data.template_workers import TemplateWorkers
+    from scalenlp.engine.dtype import announce
     from scalenlp.engine.llm import engine_from_checkpoint  # torch: not for `scalenlp --help`
 
     engine = engine_from_checkpoint(config)
@@ -338,6 +339,7 @@ def generation_backend(config: EngineConfig, limits: ServeLimits, model_name: st
     except BaseException:
         engine.stop()
         raise
+    announce(engine)
     return LocalBackend(engine, model_name, max_prompt_tokens=limits.max_prompt_tokens,
                         max_tokens_cap=limits.max_tokens_cap, max_prompt_chars=limits.max_prompt_chars,
                         templates=templates)

@@ -272,6 +272,9 @@ def add_encoder_routes(app, backend, check_model) -> None:
 
 def build_encoder_backend(config: EncoderEngineConfig, model_name: str) -> EncoderBackend:
     """The encoder ``config`` names, behind the encoder routes: one-process serving and each replica build it here."""
+    from scalenlp.engine.dtype import announce
     from scalenlp.engine.encoder_engine import encoder_from_checkpoint  # torch: not for `scalenlp --help`
 
-    return EncoderBackend(encoder_from_checkpoint(config), model_name)
+    engine = encoder_from_checkpoint(config)
+    announce(engine)
+    return EncoderBackend(engine, model_name)
