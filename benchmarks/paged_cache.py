@@ -42,14 +42,18 @@ def engine_on(pre, max_batch: int, rows: int) -> Engine:
     return Engine(model, pre.tokenizer, max_batch=rows, max_seq_len=MAX_SEQ_LEN, max_queue=1024).start()
 
 
-def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[tuple[float, list[float]]]:
-    """Submit every prompt at once; per request its submit time and the time of each token."""
+def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+          tokens: list[list[int]] | None = None) -> list[tuple[float, list[float]]]:
+    """Submit every prompt at once; per request its submit time and the time of each token (and its token ids
+    appended to ``tokens[i]``, when given)."""
     times = [[] for _ in prompts]
     done = [threading.Event() for _ in prompts]
 
     def collector(i):
         def on_event(d):
             times[i].extend([d.time] * len(d.token_ids))
+            if tokens is not None:
+                tokens[i].extend(d.token_ids)
             if d.finish_reason:
                 done[i].set()
         return on_event

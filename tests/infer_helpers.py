@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -227,3 +228,38 @@ def paged_args(tables: torch.Tensor, input_pos: torch.Tensor, block_size: int) -
     blocks of its row of ``tables`` (B, N), in order."""
     rows = torch.arange(tables.shape[0])[:, None]
     return tables, tables[rows, input_pos // block_size] * block_size + input_pos % block_size
+
+
+def generate(engine, prompts, params, waves=1, field="token_ids"):
+    """Token ids generated for each prompt (or another list ``field`` of the events: "logprobs"); the prompts go
+    in ``waves`` batches, each after the one before has finished (a later wave finds the earlier one's blocks in
+    the prefix cache)."""
+    outs = [[] for _ in prompts]
+    size = -(-len(prompts) // waves)
+    for start in range(0, len(prompts), size):
+        done = [threading.Event() for _ in prompts[start:start + size]]
+
+        def collector(i):
+            def on_event(d):
+                outs[start + i].extend(getattr(d, field) or [])
+                if d.finish_reason:
+                    done[i].set()
+            return on_event
+
+        engine.submit_many([(p, params) for p in prompts[start:start + size]], [collector(i) for i in range(len(done))])
+        for event in done:
+            wait(engine, event)
+    return outs
+
+
+def wait(engine, event):
+    """Until ``event`` is set; fails if the engine's loop dies first (no time limit: a slow machine is not a bug)."""
+    while not event.wait(1.0):
+        assert engine.alive, engine.error
+
+
+def count_calls(monkeypatch, engine, name):
+    calls = []
+    method = getattr(engine, name)
+    monkeypatch.setattr(engine, name, lambda *a: (calls.append(a), method(*a))[1])
+    return calls

@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from infer_helpers import count_calls, generate, wait
 from scalenlp.data.tokenizer import load_tokenizer
 from scalenlp.engine.decoder_engine import Engine, RequestError
 from scalenlp.engine.kv_blocks import BlockPool, block_keys
@@ -40,40 +41,6 @@ def make_engine(tok, config="llama", **kw):
     return Engine(model, tok, eos_id=None, block_size=BLOCK, **kw).start()
 
 
-def generate(engine, prompts, params=GREEDY, waves=1):
-    """Token ids generated for each prompt; the prompts go in ``waves`` batches, each after the one before has
-    finished (a later wave finds the earlier one's blocks in the prefix cache)."""
-    outs = [[] for _ in prompts]
-    size = -(-len(prompts) // waves)
-    for start in range(0, len(prompts), size):
-        done = [threading.Event() for _ in prompts[start:start + size]]
-
-        def collector(i):
-            def on_event(d):
-                outs[start + i].extend(d.token_ids)
-                if d.finish_reason:
-                    done[i].set()
-            return on_event
-
-        engine.submit_many([(p, params) for p in prompts[start:start + size]], [collector(i) for i in range(len(done))])
-        for event in done:
-            wait(engine, event)
-    return outs
-
-
-def wait(engine, event):
-    """Until ``event`` is set; fails if the engine's loop dies first (no time limit: a slow machine is not a bug)."""
-    while not event.wait(1.0):
-        assert engine.alive, engine.error
-
-
-def count_calls(monkeypatch, engine, name):
-    calls = []
-    method = getattr(engine, name)
-    monkeypatch.setattr(engine, name, lambda *a: (calls.append(a), method(*a))[1])
-    return calls
-
-
 @pytest.mark.parametrize("kernel", [True, False], ids=["decode-kernel", "gather"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_paged_logits_equal_a_forward_without_cache(tok, config, kernel, monkeypatch):
@@ -96,7 +63,7 @@ def test_paged_logits_equal_a_forward_without_cache(tok, config, kernel, monkeyp
     monkeypatch.setattr(engine, "_sample", recording)
     preempted = count_calls(monkeypatch, engine, "_preempt")
     try:
-        generate(engine, PROMPTS + PROMPTS, waves=2)
+        generate(engine, PROMPTS + PROMPTS, GREEDY, waves=2)
     finally:
         engine.stop()
     assert preempted and engine.blocks.hit_tokens > 0
@@ -111,7 +78,7 @@ def test_greedy_text_is_the_same_with_or_without_prefix_caching_chunking_and_roo
         engine = make_engine(tok, **kw)
         preempted = count_calls(monkeypatch, engine, "_preempt")
         try:
-            return generate(engine, PROMPTS + PROMPTS, waves=2), engine.blocks.hit_rate, len(preempted)
+            return generate(engine, PROMPTS + PROMPTS, GREEDY, waves=2), engine.blocks.hit_rate, len(preempted)
         finally:
             engine.stop()
 
@@ -187,12 +154,12 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(tok):
     other two wait for it and take them from the cache, with the text they would have had alone."""
     engine = make_engine(tok)
     try:
-        together = generate(engine, PROMPTS[:3])
+        together = generate(engine, PROMPTS[:3], GREEDY)
         assert engine.blocks.hit_tokens == 2 * 3 * BLOCK
     finally:
         engine.stop()
     alone = make_engine(tok, prefix_caching=False)
     try:
-        assert together == generate(alone, PROMPTS[:3])
+        assert together == generate(alone, PROMPTS[:3], GREEDY)
     finally:
         alone.stop()

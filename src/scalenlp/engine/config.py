@@ -114,6 +114,16 @@ class EngineConfig(BaseEngineConfig):
     token_budget: int = option(2048, type=int,
                                help="tokens one engine step computes: one per running request, the rest for prompts; "
                                     "a longer prompt is computed in chunks over several steps (default 2048)")
+    speculative_tokens: int = option(0, type=int,
+                                     help="speculative decoding: up to this many draft tokens per request and step, "
+                                          "proposed by prompt lookup (what followed the latest earlier occurrence of "
+                                          "its last tokens in its prompt and output) and verified in the decode "
+                                          "step's forward; greedy output is unchanged, sampled output keeps its "
+                                          "distribution (default 0: off; on a CPU it measured slower, see docs/serving.md)")
+    draft: str | None = option(None, metavar="CHECKPOINT",
+                               help="with --speculative-tokens: a smaller model with the same tokenizer (any "
+                                    "checkpoint the loader reads) proposes the draft tokens, greedily, instead of "
+                                    "prompt lookup")
     compile: bool = option(False, action="store_true", help="torch.compile the decode step")
     tp: int = option(1, type=int, help="tensor-parallel processes for one model (gloo on CPU, NCCL on GPUs)")
     # A list, not a tuple: argparse's "append" extends the default it is given.
@@ -130,8 +140,13 @@ class EngineConfig(BaseEngineConfig):
     def check(self) -> None:
         self.at_least(1, "max_batch", "kv_cache_tokens", "block_size", "token_budget")
         self.at_least(2, "max_seq_len")  # a prompt token and an output token
-        self.at_least(0, "max_loras")
+        self.at_least(0, "max_loras", "speculative_tokens")
         self.at_least(1, "max_lora_rank")
+        if self.draft and not self.speculative_tokens:
+            raise UserError("--draft proposes draft tokens for speculative decoding; give --speculative-tokens K "
+                            "(how many per step) too")
+        if self.draft and self.tp > 1:
+            raise UserError("--draft is not supported with --tp yet; drop one of them")
         if self.tp > 1 and self.compile:
             raise UserError("--compile is not supported with --tp yet; drop one of them")
         adapters = self.adapters()

@@ -9,7 +9,9 @@ requests run as the blocks allow (up to ``max_batch``). Each step of the loop
      prefix computed before, with the same adapter) takes those blocks and computes only the rest,
   3. runs one decode step over every request whose prompt is computed: a request that needs a new block
      when none is left preempts the newest running request, which gives its blocks back and waits at the
-     queue's front with its output kept, to be computed again (recompute) and continue,
+     queue's front with its output kept, to be computed again (recompute) and continue; with speculative
+     decoding, each request's draft tokens (engine.speculative) are computed in the same forward, and those the
+     model's own choice agrees with are kept, with the token after them,
   4. computes prompt tokens with what is left of the step's token budget: a prompt longer than that is
      computed in chunks over several steps, so a long prompt delays the running decodes by one chunk per step;
      a prompt's last chunk yields its first token,
@@ -36,6 +38,7 @@ from scalenlp.engine.grammar import Constraint, GrammarError, Grammars, constrai
 from scalenlp.engine.kv_blocks import NULL_BLOCK, BlockPool, block_keys
 from scalenlp.engine.packing import can_pack, pack_linears
 from scalenlp.engine.sampling import InvalidParam, SamplingBatch, SamplingParams, sample
+from scalenlp.engine.speculative import propose
 from scalenlp.errors import UserError
 from scalenlp.models.memory import DEFAULT_CACHED_SEQUENCES, check_kv_cache, kv_cache_blocks
 from scalenlp.parallel.mesh import device_type
@@ -100,6 +103,7 @@ class Request:
     token_counts: torch.Tensor | None = None
     blocks: list[int] = field(default_factory=list)  # its block table: the KV cache blocks of its positions
     computed: int = 0  # leading positions (prompt, then output) whose keys and values are in those blocks
+    draft_computed: int = 0  # those whose draft model's keys and values are there too (speculative decoding)
     keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks computed
     planned: list[bytes] = field(default_factory=list)  # those of the full blocks it had when admitted
 
@@ -134,13 +138,16 @@ class Engine:
                  max_seq_len: int | None = None, eos_id: int | None = None, stop_ids: Collection[int] = (),
                  compile: bool = False, cache_dtype: torch.dtype | None = None, pack_weights: bool = True,
                  tokenizer_config: dict | None = None, adapters=None, kv_cache_tokens: int | None = None,
-                 block_size: int = 16, prefix_caching: bool = True):
+                 block_size: int = 16, prefix_caching: bool = True, speculative_tokens: int = 0, draft_model=None):
         """model: a Transformer (or anything with its ``setup_kv_cache`` and forward signature, like a
         sharded one). tokenizer: a ``tokenizers.Tokenizer``. max_batch: most requests running at once.
         max_seq_len: positions per sequence (prompt + output), at most the model's. token_budget: tokens one
         step computes (one per decoding request, the rest for prompts, chunked to fit). kv_cache_tokens:
         positions the KV cache holds over all requests (default: DEFAULT_CACHED_SEQUENCES x max_seq_len),
         in blocks of ``block_size``; prefix_caching: reuse the blocks of a prompt prefix computed before.
+        speculative_tokens: draft tokens proposed per request and step by prompt lookup (engine.speculative) and
+        verified in the decode step's forward; 0: none. draft_model: a smaller model with the same vocabulary that
+        proposes them instead (greedily, with its own KV cache in the same blocks), or None.
         pack_weights: on CPU with bf16 weights, pre-pack the linear layers for oneDNN (the model
         is changed in place and is for inference only afterwards). tokenizer_config: the checkpoint's
         special tokens and chat template, for whoever renders conversations into prompts. adapters: the
@@ -170,6 +177,13 @@ class Engine:
         check_kv_cache(model.args, kv_cache_tokens, block_size, cache_dtype or ref.dtype, self.device,
                        sum(p.numel() * p.element_size() for p in model.parameters()))
         model.setup_kv_cache(num_blocks, block_size, cache_dtype or ref.dtype)
+        self.draft_model = draft_model
+        if draft_model is not None:
+            if draft_model.args.vocab_size < model.args.vocab_size:
+                raise UserError(f"the draft model's vocabulary ({draft_model.args.vocab_size} tokens) is smaller than "
+                                f"the model's ({model.args.vocab_size}); a draft model must share its tokenizer")
+            # The draft's keys and values live in blocks of the same numbers: one block table serves both models.
+            draft_model.setup_kv_cache(num_blocks, block_size, cache_dtype or ref.dtype)
         if compile:
             # Inductor's freezing folds the weights into constants and lays them out for the device's
             # kernels itself (on CPU, oneDNN's blocked bf16 layout); it cannot lower pre-packed weights.
@@ -194,6 +208,9 @@ class Engine:
         self._failure: BaseException | None = None  # set by ``fail``
         self._grammars: Grammars | None = None  # built by the first request with a grammar
         self.steps = 0  # completed loop steps; a health check watches it move
+        self.speculative_tokens = speculative_tokens
+        self.drafted = 0  # draft tokens verified so far, and those of them accepted
+        self.accepted = 0
         # Called with the error when the loop dies: a server exits then, so that its supervisor restarts it.
         self.on_death: Callable[[BaseException], None] | None = None
         _ENGINE_OF[model] = weakref.ref(self)
@@ -235,6 +252,11 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Draft tokens accepted over draft tokens verified (0 before any)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; RequestError if it is not Unicode text. Called off the event loop by
@@ -414,10 +436,9 @@ class Engine:
             self._score_batch()
         self._admit()
         decoding = [r for r in self._running.values() if r.computed == r.length - 1]
-        if decoding:
-            self._decode_step(decoding)
+        spent = self._decode_step(decoding) if decoding else 0
         if any(r.computed < r.length - 1 for r in self._running.values()):
-            self._prefill(self.token_budget - len(decoding))
+            self._prefill(self.token_budget - spent)
         if self.adapters is not None and self.adapters.retiring:  # after this step's requests have finished
             self._release_adapters()
         self.steps += 1
@@ -476,6 +497,8 @@ class Engine:
                     pool.hit_tokens += len(cached) * size
                 r.blocks = cached + [pool.allocate() for _ in range(needed)]
                 r.keys, r.planned, r.computed = keys[:len(cached)], keys, len(cached) * size
+                # A cached block holds the draft model's keys and values too, if a request's draft computed them.
+                r.draft_computed = r.computed
                 r.slot, self._admitted = self._admitted, self._admitted + 1
                 self._running[r.slot] = r
 
@@ -509,35 +532,57 @@ class Engine:
         with self._wake:
             self._waiting.appendleft(r)
 
-    def _forward(self, requests: list[Request], counts: list[int], model) -> torch.Tensor:
-        """One forward computing the next ``counts[i]`` positions of each request (right-padded; padding
-        writes to the null block and reads nothing a real position sees), its KV through the block tables.
-        Returns the logits at each request's last position computed, (B, vocab)."""
-        size, T = self.blocks.block_size, max(counts)
+    def _forward(self, requests: list[Request], counts: list[int], model,
+                 drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """One forward computing the next ``counts[i]`` positions of each request, its KV through the block tables.
+        drafts: tokens proposed to follow each request's, computed at the positions after its own; their KV is
+        written but not counted as computed (``_sample_and_emit`` counts those accepted; the others are overwritten).
+        Returns the logits at each request's last position computed, (B, vocab); with drafts, those at each of its
+        positions, (B, T, vocab)."""
+        inputs = [r.tokens[r.computed:r.computed + n] + (drafts[i] if drafts else [])
+                  for i, (r, n) in enumerate(zip(requests, counts))]
+        logits = self._run(model, requests, inputs, [r.computed for r in requests], every_position=bool(drafts))
+        for r, n in zip(requests, counts):
+            self._count_computed(r, n)
+        return logits
+
+    def _run(self, model, requests: list[Request], inputs: list[list[int]], starts: list[int],
+             every_position: bool = False) -> torch.Tensor:
+        """``model``'s forward over ``inputs[i]`` at positions ``starts[i]`` on of each request (right-padded;
+        padding writes to the null block and reads nothing a real position sees), its KV cache read and written
+        through the requests' block tables. Returns the logits at each row's last input, (B, vocab), or at
+        every position, (B, T, vocab)."""
+        size, T = self.blocks.block_size, max(map(len, inputs))
         tokens = torch.zeros(len(requests), T, dtype=torch.long)
         positions = torch.zeros(len(requests), T, dtype=torch.long)
         slot_mapping = torch.full((len(requests), T), NULL_BLOCK * size, dtype=torch.long)
         width = max(len(r.blocks) for r in requests)
         table = torch.full((len(requests), width), NULL_BLOCK, dtype=torch.long)
-        for i, (r, n) in enumerate(zip(requests, counts)):
-            tokens[i, :n] = torch.tensor(r.tokens[r.computed:r.computed + n])
-            pos = torch.arange(r.computed, r.computed + n)
+        for i, (r, row, start) in enumerate(zip(requests, inputs, starts)):
+            n = len(row)
+            tokens[i, :n] = torch.tensor(row)
+            pos = torch.arange(start, start + n)
             positions[i, :n], positions[i, n:] = pos, pos[-1]
             blocks = torch.tensor(r.blocks)
             table[i, :len(r.blocks)] = blocks
             slot_mapping[i, :n] = blocks[pos // size] * size + pos % size
         self._select_adapters([r.adapter for r in requests])
+        lasts = None if every_position else torch.tensor([len(row) - 1 for row in inputs]).to(self.device)
         logits = model(tokens.to(self.device), positions.to(self.device), table.to(self.device),
-                       slot_mapping.to(self.device), logits_at=torch.tensor(counts).to(self.device) - 1)
-        for r, n in zip(requests, counts):
-            r.computed += n
-            full = r.computed // size
-            if full > len(r.keys):  # blocks completed by this forward: reusable by key from now on
-                keys = block_keys(r.tokens, size, full, self._key_seed(r), len(r.keys), r.keys[-1] if r.keys else None)
-                for block, key in zip(r.blocks[len(r.keys):full], keys):
-                    self.blocks.register(block, key)
-                r.keys += keys
-        return logits[:, -1]
+                       slot_mapping.to(self.device), logits_at=lasts)
+        return logits if every_position else logits[:, -1]
+
+    def _count_computed(self, r: Request, n: int) -> None:
+        """The next ``n`` positions of ``r`` hold its tokens' keys and values; the blocks that completes become
+        reusable by key (prefix caching)."""
+        size = self.blocks.block_size
+        r.computed += n
+        full = r.computed // size
+        if full > len(r.keys):
+            keys = block_keys(r.tokens, size, full, self._key_seed(r), len(r.keys), r.keys[-1] if r.keys else None)
+            for block, key in zip(r.blocks[len(r.keys):full], keys):
+                self.blocks.register(block, key)
+            r.keys += keys
 
     def _prefill(self, budget: int) -> None:
         """Compute prompt tokens of the requests admitted, oldest first, ``budget`` of them in all (at least
@@ -556,9 +601,11 @@ class Engine:
         if done:
             self._sample_and_emit([requests[i] for i in done], logits[done])
 
-    def _decode_step(self, decoding: list[Request]) -> None:
+    def _decode_step(self, decoding: list[Request]) -> int:
         """One token for each request in ``decoding``, after finding a block for those whose blocks are full;
-        when none is left, the running request that arrived last is preempted (possibly one of these)."""
+        when none is left, the running request that arrived last is preempted (possibly one of these). With
+        speculative decoding, a request's draft tokens are verified in the same forward and it may get more.
+        Returns the positions computed."""
         size = self.blocks.block_size
         for r in decoding:
             while r.slot in self._running and (r.length - 1) // size >= len(r.blocks):
@@ -568,8 +615,63 @@ class Engine:
                     self._preempt(max(self._running.values(), key=lambda q: q.arrival))
         # Every one of them may have been preempted, for an older request still computing its prompt.
         decoding = [r for r in decoding if self._running.get(r.slot) is r]
-        if decoding:
+        if not decoding:
+            return 0
+        drafts = self._drafts(decoding) if self.speculative_tokens else []
+        if not any(drafts):
             self._sample_and_emit(decoding, self._forward(decoding, [1] * len(decoding), self._decode))
+            return len(decoding)
+        self.drafted += sum(map(len, drafts))
+        self._sample_and_emit(decoding, self._forward(decoding, [1] * len(decoding), self._decode, drafts), drafts)
+        return len(decoding) + sum(map(len, drafts))
+
+    def _drafts(self, decoding: list[Request]) -> list[list[int]]:
+        """Draft tokens for each request, from prompt lookup (engine.speculative) or the draft model."""
+        rooms = [self._room(r) for r in decoding]
+        if self.draft_model is None:
+            drafts = [propose(r.tokens, room) if room else [] for r, room in zip(decoding, rooms)]
+            return [d[:self._fits(r, len(d))] for r, d in zip(decoding, drafts)]
+        rooms = [self._fits(r, room) for r, room in zip(decoding, rooms)]
+        return self._draft_with_model(decoding, rooms)
+
+    def _room(self, r: Request) -> int:
+        """How many draft tokens ``r`` may take: as many as it may still generate less the one its forward yields
+        anyway. A request with a grammar takes none: its matcher would have to follow each draft token first."""
+        if r.constraint is not None:
+            return 0
+        return max(0, min(self.speculative_tokens, r.params.max_tokens - len(r.output_ids) - 1,
+                          self.max_seq_len - r.length - 1))
+
+    def _fits(self, r: Request, n: int) -> int:
+        """How many of ``n`` draft tokens ``r``'s blocks hold, after taking free blocks for them: speculation never
+        preempts a request."""
+        size = self.blocks.block_size
+        while n and (r.length - 1 + n) // size >= len(r.blocks):
+            if self.blocks.available:
+                r.blocks.append(self.blocks.allocate())
+            else:
+                n = len(r.blocks) * size - r.length
+        return n
+
+    def _draft_with_model(self, decoding: list[Request], rooms: list[int]) -> list[list[int]]:
+        """The draft model's greedy tokens after each request, ``rooms[i]`` of them: its first forward computes
+        the positions it has not computed yet (the prompt, or the last step's tokens), each later one the token
+        before. Its keys and values go into the request's own blocks (the draft model's cache), so a rejected
+        draft's are overwritten later, as the target's are."""
+        drafts: list[list[int]] = [[] for _ in decoding]
+        active = [i for i, room in enumerate(rooms) if room]
+        inputs = {i: decoding[i].tokens[decoding[i].draft_computed:] for i in active}
+        vocab = self.model.args.vocab_size
+        while active:
+            requests = [decoding[i] for i in active]
+            logits = self._run(self.draft_model, requests, [inputs[i] for i in active],
+                               [r.draft_computed for r in requests])
+            for i, r, token in zip(active, requests, logits[:, :vocab].argmax(-1).tolist()):
+                r.draft_computed += len(inputs[i])
+                drafts[i].append(token)
+                inputs[i] = [token]
+            active = [i for i in active if len(drafts[i]) < rooms[i]]
+        return drafts
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving the LoRA adapter ``name``: requests for it are refused from now on (UnknownAdapter),
@@ -603,49 +705,78 @@ class Engine:
         if self.adapters is not None:
             self.adapters.select(indices)
 
-    def _sample_and_emit(self, requests: list[Request], logits: torch.Tensor) -> None:
-        """Pick and hand out each request's next token. Whatever goes wrong here for one request (its
-        settings, its text, its callback) ends that request with finish_reason "error" and leaves the
+    def _sample_and_emit(self, requests: list[Request], logits: torch.Tensor,
+                         drafts: list[list[int]] | None = None) -> None:
+        """Pick and hand out each request's next token, or with ``drafts`` (logits at every position then, see
+        ``_forward``) its accepted draft tokens and the one after them. Whatever goes wrong here for one request
+        (its settings, its text, its callback) ends that request with finish_reason "error" and leaves the
         others running; the batch forward before it has no such owner, and an error there ends the loop."""
         try:
-            picks = self._sample(requests, logits)
+            runs = self._sample(requests, logits, drafts) if drafts else [[p] for p in self._sample(requests, logits)]
         except Exception:  # noqa: BLE001 - sample each request alone to find the one at fault
-            picks = []
+            runs = []
             for i, r in enumerate(requests):
                 try:
-                    picks += self._sample([r], logits[i:i + 1])
+                    runs += (self._sample([r], logits[i:i + 1], drafts[i:i + 1]) if drafts else
+                             [self._sample([r], logits[i:i + 1])])
                 except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                     self._fail(r, e)
-                    picks.append(None)
+                    runs.append(None)
         now = time.perf_counter()
-        for r, pick in zip(requests, picks):
-            if pick is None:
+        for r, run in zip(requests, runs):
+            if run is None:
                 continue
             try:
-                self._emit(r, *pick, now)
+                for pick in run:
+                    self._emit(r, *pick, now)
+                    if r.finish_reason is not None:
+                        break
+                else:  # the draft tokens accepted, before the last token emitted, are computed (see _forward)
+                    self._count_computed(r, len(run) - 1)
+                    r.draft_computed = min(r.draft_computed, r.computed)  # the draft model's, as far as they agree
             except Exception as e:  # noqa: BLE001 - as above
                 self._fail(r, e)
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[tuple]:
-        """(token, its logprob or None, top alternatives or None) for each request."""
+    def _sample(self, requests: list[Request], logits: torch.Tensor, drafts: list[list[int]] | None = None) -> list:
+        """(token, its logprob or None, top alternatives or None) for each request. With ``drafts``, logits holds
+        (B, T, vocab), each request's at its last token and its draft tokens: each position is sampled as if the
+        drafts before it had been generated (its step, its penalty counts), with its draft token proposed to
+        ``sample``, and a list of those picks is returned for each request, up to the first that is not its draft."""
         for r in requests:
             if r.token_counts is None and (r.params.presence_penalty or r.params.frequency_penalty):
                 r.token_counts = torch.zeros(logits.shape[-1], device=self.device)
-        batch = SamplingBatch.build([r.params for r in requests], [r.seed for r in requests],
-                                    [len(r.output_ids) for r in requests], self.device,
-                                    [r.token_counts for r in requests])
-        logits = constrain([r.constraint for r in requests], logits)  # grammars: only their rows pay
+        # One row per position sampled: (request index, how many of its drafts come before it).
+        rows = [(i, j) for i, d in enumerate(drafts) for j in range(len(d) + 1)] if drafts else [
+            (i, 0) for i in range(len(requests))]
+        counts = [requests[i].token_counts for i, _ in rows]
+        if drafts:
+            logits = logits[[i for i, _ in rows], [j for _, j in rows]]
+            counts = [c if c is None or not j else c.index_add(0, torch.tensor(drafts[i][:j], device=c.device),
+                                                              torch.ones(j, device=c.device))
+                      for c, (i, j) in zip(counts, rows)]
+        batch = SamplingBatch.build([requests[i].params for i, _ in rows], [requests[i].seed for i, _ in rows],
+                                    [len(requests[i].output_ids) + j for i, j in rows], self.device, counts,
+                                    [drafts[i][j] if j < len(drafts[i]) else -1 for i, j in rows] if drafts else None)
+        logits = constrain([requests[i].constraint for i, _ in rows], logits)  # grammars: only their rows pay
         tokens, chosen, top = sample(logits, batch)
         tokens = tokens.tolist()
         chosen = chosen.tolist() if chosen is not None else [None] * len(tokens)
         top = list(zip(top.values.tolist(), top.indices.tolist())) if top is not None else [None] * len(tokens)
-        for r, token in zip(requests, tokens):  # each request's own counts (the batch's stack is a copy, let go)
-            if r.token_counts is not None:
-                r.token_counts[token] += 1
-        return list(zip(tokens, chosen, top))
+        picks = list(zip(tokens, chosen, top))
+        if not drafts:
+            return picks
+        runs = [[] for _ in requests]
+        for (i, j), pick in zip(rows, picks):
+            # A request's picks after one that differs from its draft were sampled after a token it did not get.
+            if j == len(runs[i]) and (j == 0 or runs[i][-1][0] == drafts[i][j - 1]):
+                runs[i].append(pick)
+        self.accepted += sum(len(run) - 1 for run in runs)
+        return runs
 
     def _emit(self, r: Request, token: int, chosen: float | None, top: tuple | None, now: float) -> None:
         r.output_ids.append(token)
+        if r.token_counts is not None:  # counted as generated, for the penalties of the next position
+            r.token_counts[token] += 1
         logprob = top_lp = texts = None
         if r.params.logprobs is not None:
             logprob, texts = [chosen], [self.token_str(token)]

@@ -46,13 +46,21 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
     else:
         model = instantiate(pre, device=torch_device, dtype=dtype.dtype, quantize=spec)
     adapters = serve_adapters(model, config) if config.serves_adapters else None
+    draft = None
+    if config.draft:
+        draft_pre = read(config.draft)
+        if isinstance(draft_pre.args, EncoderArgs) or draft_pre.tokenizer.get_vocab() != pre.tokenizer.get_vocab():
+            raise UserError(f"the draft model {config.draft} has another tokenizer than {config.checkpoint}; a "
+                            f"draft model must share the model's tokenizer (a smaller model of the same family)")
+        draft = instantiate(draft_pre, device=torch_device, dtype=dtype.dtype)
     engine = Engine(model, pre.tokenizer, max_batch=config.max_batch, max_queue=config.max_queue,
                     max_seq_len=config.max_seq_len,
                     eos_id=end_of_text_id(pre.tokenizer, pre.tokenizer_config),  # none: runs to max_tokens
                     stop_ids=end_of_turn_ids(pre.tokenizer, pre.tokenizer_config),
                     tokenizer_config=pre.tokenizer_config, compile=config.compile, adapters=adapters,
                     kv_cache_tokens=config.kv_cache_tokens, block_size=config.block_size,
-                    prefix_caching=not config.no_prefix_caching, token_budget=config.token_budget)
+                    prefix_caching=not config.no_prefix_caching, token_budget=config.token_budget,
+                    speculative_tokens=config.speculative_tokens, draft_model=draft)
     if config.tp > 1:  # a rank that dies ends the engine: its requests are answered, a server exits 1
         model.followers.on_failure = engine.fail
     # Said by the caller once everything it checks has passed (``announce``): a refused model or tokenizer gets

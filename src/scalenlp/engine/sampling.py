@@ -82,6 +82,9 @@ def _to_signed(x: int) -> int:
 
 
 _GOLDEN, _MIX1, _MIX2 = (_to_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+# XORed into a seed for the uniform numbers that accept or reject draft tokens: a stream apart from the one that
+# draws tokens, so that the two decisions at one position are independent.
+_ACCEPT_STREAM = _to_signed(0xD1B54A32D192ED03)
 
 
 def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -116,12 +119,14 @@ class SamplingBatch:
     frequency: torch.Tensor | None = None
     counts: torch.Tensor | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, values), any row's
+    # Speculative decoding: (B,) int64, the token proposed for each row's position (-1: none), where some row has one.
+    draft: torch.Tensor | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int], device,
-              counts: list[torch.Tensor | None] | None = None) -> SamplingBatch:
+              counts: list[torch.Tensor | None] | None = None, drafts: list[int] | None = None) -> SamplingBatch:
         """counts: each row's (V,) counts of the tokens it has generated, where the row has penalties (the caller
-        keeps them up to date between steps)."""
+        keeps them up to date between steps). drafts: each row's proposed token (-1: none), see ``sample``."""
         want = [p.logprobs for p in params if p.logprobs is not None]
         penalties = {}
         if counts is not None and any(c is not None for c in counts):
@@ -147,6 +152,7 @@ class SamplingBatch:
             any_sampled=any(p.temperature > 0 for p in params),
             any_truncated=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params),
             bias=bias, **penalties,
+            draft=torch.tensor(drafts, dtype=torch.int64, device=device) if drafts and max(drafts) >= 0 else None,
         )
 
 
@@ -173,7 +179,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):
     The logits are first biased and penalized (``adjust``). Greedy rows take the argmax; the others draw one
     uniform number and invert the CDF of the temperature-scaled distribution, truncated to the top-k / top-p set
     when asked for. The sort that truncation needs is done only when some row truncates. Logprobs are the
-    model's own distribution, before bias, penalties and temperature (as vLLM's default)."""
+    model's own distribution, before bias, penalties and temperature (as vLLM's default).
+
+    A row with a draft token d (speculative decoding, whose drafts are point masses) keeps it with probability
+    p(d) under the row's final distribution p, drawn from a second uniform number, and otherwise draws from p
+    with d removed: the token is then distributed as p exactly (Leviathan et al. 2023, with q = one-hot(d)), and
+    it equals d if and only if the draft is accepted. A greedy row's p is a point mass: d is kept if it is the
+    argmax."""
     raw = logits.float()
     logits = adjust(raw, batch) if batch.bias is not None or batch.counts is not None else raw
     greedy = logits.argmax(dim=-1)
@@ -192,10 +204,19 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):
         else:
             order = None
             probs = scaled.softmax(dim=-1)
+        accept = None
+        if batch.draft is not None:
+            index = order if order is not None else torch.arange(probs.shape[-1], device=probs.device)[None, :]
+            drafted = index == batch.draft[:, None]  # no column where the row has no draft (-1)
+            p_draft = (probs * drafted).sum(-1) / probs.sum(-1)
+            accept = uniform_from(batch.seed ^ _ACCEPT_STREAM, batch.step).float() < p_draft
+            probs = probs.masked_fill(drafted, 0.0)
         cdf = probs.cumsum(-1)
         target = u[:, None] * cdf[:, -1:]
         index = torch.searchsorted(cdf, target).clamp_max(probs.shape[-1] - 1).squeeze(-1)
         drawn = order.gather(-1, index[:, None]).squeeze(-1) if order is not None else index
+        if accept is not None:
+            drawn = torch.where(accept, batch.draft, drawn)
         tokens = torch.where(batch.temperature > 0, drawn, greedy)
     if batch.logprobs < 0:
         return tokens, None, None

@@ -52,6 +52,8 @@ class LocalBackend:
               ).set_function(lambda: engine.num_waiting)
         Gauge("scalenlp_prefix_cache_hit_rate", "prompt tokens served from the prefix cache / prompt tokens",
               registry=self.registry).set_function(lambda: engine.blocks.hit_rate)
+        Gauge("scalenlp_spec_decode_acceptance_rate", "draft tokens accepted / draft tokens verified (speculative "
+              "decoding)", registry=self.registry).set_function(lambda: engine.acceptance_rate)
         self.prompt_tokens = Counter("scalenlp_prompt_tokens", "prompt tokens processed", registry=self.registry)
         self.generated_tokens = Counter("scalenlp_generation_tokens", "tokens generated", registry=self.registry)
         self.finished = Counter("scalenlp_requests_finished", "finished requests", ["finish_reason"],
