@@ -358,8 +358,8 @@ RANGES = {
 }
 
 
-def _items(cfg: Config):
-    """(section.key, value) of every key."""
+def config_items(cfg: Config):
+    """(section.key, value) of every key: what validate checks, and the params a tracker logs."""
     for section in dataclasses.fields(cfg):
         values = getattr(cfg, section.name)
         for f in dataclasses.fields(values):
@@ -382,7 +382,7 @@ def _check_value(name: str, value: Any) -> None:
 
 def validate(cfg: Config) -> None:
     """Checks that need no model, no data and no process group; the rest is checked where it is known."""
-    for name, value in _items(cfg):
+    for name, value in config_items(cfg):
         _check_value(name, value)
     t, p = cfg.training, cfg.parallel
     check_choice(t.on_nonfinite, ("stop", "skip", "rollback"), "training.on_nonfinite")

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from scalenlp.config import load_config
-from scalenlp.train.tracking import STATE_FILE, flat_config
+from scalenlp.config import config_items, load_config
+from scalenlp.train.tracking import STATE_FILE
 from train_helpers import HANG_GUARD_S, TINY, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
@@ -85,7 +85,7 @@ def test_mlflow_params_metrics_export_and_resume(tmp_path, mlflow_server):
     run_id = tracked_run_id(run, "mlflow")
     assert first.info.run_id == run_id and first.info.status == "FINISHED"
     config = load_config(run / "config.toml")
-    assert first.data.params == {k: str(v) for k, v in flat_config(config).items()}
+    assert first.data.params == {k: str(v) for k, v in config_items(config)}
     assert_metrics_match(client, run_id, read_metrics(run))
     exported = sorted(p.name for p in (run / "export").iterdir())
     assert sorted(Path(a.path).name for a in client.list_artifacts(run_id, "export")) == exported

@@ -10,7 +10,6 @@ torchrun) goes on logging to the same MLflow run and the same W&B run."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -21,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from scalenlp.config import Config
+from scalenlp.config import Config, config_items
 from scalenlp.errors import require
 
 STATE_FILE = "tracking.json"
@@ -34,12 +33,6 @@ def check_installed(cfg: Config) -> None:
     for wanted, module in ((cfg.tracking.mlflow_uri, "mlflow"), (cfg.tracking.wandb_project, "wandb")):
         if wanted and importlib.util.find_spec(module) is None:
             require(module, "tracking")
-
-
-def flat_config(cfg: Config) -> dict[str, object]:
-    """The resolved config as section.key -> value: MLflow's params, W&B's config."""
-    return {f"{section}.{key}": value for section, values in dataclasses.asdict(cfg).items()
-            for key, value in values.items()}
 
 
 class _Tracker:
@@ -135,7 +128,7 @@ class MlflowTracker(_Tracker):
         remember(self.run_dir, "mlflow", {"uri": self.cfg.tracking.mlflow_uri, "run_id": self.run_id})
         # Params are those the run started with: MLflow refuses a param's value changed later (a resumed run
         # with more training.steps), and the export's config.toml holds the config that finished it.
-        params = [self.entities.Param(k, str(v)) for k, v in flat_config(self.cfg).items()]
+        params = [self.entities.Param(k, str(v)) for k, v in config_items(self.cfg)]
         for i in range(0, len(params), self.PARAMS_PER_CALL):
             self.client.log_batch(self.run_id, params=params[i:i + self.PARAMS_PER_CALL])
 
@@ -165,7 +158,7 @@ class WandbTracker(_Tracker):
         t = self.cfg.tracking
         self.run = self.wandb.init(project=t.wandb_project, id=self.run_id, resume="allow", mode=t.wandb_mode,
                               name=self.run_dir.name, dir=os.environ.get("WANDB_DIR", str(self.run_dir)),
-                              config=flat_config(self.cfg),
+                              config=dict(config_items(self.cfg)),
                               settings=self.wandb.Settings(silent=True, console="off", init_timeout=self.timeout_s))
 
     def send(self, step: int, scalars: dict[str, float]) -> None:
