@@ -202,6 +202,23 @@ class ProfileConfig:
 
 
 @dataclass
+class TrackingConfig:
+    mlflow_uri: str = opt("", "MLflow tracking URI (http(s)://HOST:PORT of a tracking server, file:///PATH, or a "
+                              "database URI such as sqlite:///PATH): rank 0 logs the resolved config as params, "
+                              "every metrics.jsonl record as metrics and <run_dir>/export as an artifact; the run id "
+                              "is kept in <run_dir>/tracking.json, so a resumed run continues the same MLflow run. "
+                              "Empty logs nothing (needs the tracking extra)")
+    mlflow_experiment: str = opt("scalenlp", "MLflow experiment the run is logged under (created if missing)")
+    wandb_project: str = opt("", "Weights & Biases project rank 0 logs the same config, records and export to; "
+                                 "empty logs nothing (needs the tracking extra)")
+    wandb_mode: str = opt("online", "online | offline: offline writes the W&B run under WANDB_DIR (else <run_dir>) "
+                                    "with no network, for `wandb sync` later")
+    timeout_s: int = opt(10, "seconds one call to a tracker may take; a tracker that fails or does not answer "
+                             "within it is dropped for the rest of the run with one warning (metrics.jsonl keeps "
+                             "every record), and nothing is retried")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -212,6 +229,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -336,11 +354,12 @@ RANGES = {
     "parallel.ddp_bucket_mb": Range(1, 2**20),
     "lora.rank": COUNT, "lora.alpha": Range(0, math.inf, low_open=True), "lora.dropout": FRACTION,
     "monitor.metrics_port": Range(0, 65535), "monitor.interval_s": Range(0, 86400, low_open=True),
+    "tracking.timeout_s": Range(1, 3600),
 }
 
 
-def _items(cfg: Config):
-    """(section.key, value) of every key."""
+def config_items(cfg: Config):
+    """(section.key, value) of every key: what validate checks, and the params a tracker logs."""
     for section in dataclasses.fields(cfg):
         values = getattr(cfg, section.name)
         for f in dataclasses.fields(values):
@@ -363,7 +382,7 @@ def _check_value(name: str, value: Any) -> None:
 
 def validate(cfg: Config) -> None:
     """Checks that need no model, no data and no process group; the rest is checked where it is known."""
-    for name, value in _items(cfg):
+    for name, value in config_items(cfg):
         _check_value(name, value)
     t, p = cfg.training, cfg.parallel
     check_choice(t.on_nonfinite, ("stop", "skip", "rollback"), "training.on_nonfinite")
@@ -394,6 +413,7 @@ def validate(cfg: Config) -> None:
                           "machine only) or 0.0.0.0 (every interface)")
     profile_steps(cfg)
     check_lora(cfg)
+    check_tracking(cfg)
 
 
 def check_lora(cfg: Config) -> None:
@@ -409,6 +429,25 @@ def check_lora(cfg: Config) -> None:
     if not cfg.model.init:
         raise ConfigError("LoRA fine-tunes a pretrained model: set model.init (a checkpoint, Hugging Face folder or "
                           ".gguf file) as the frozen base")
+
+
+# What MLflow's client opens: a tracking server, a local folder, a database (SQLAlchemy's dialects), Databricks.
+MLFLOW_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks")
+
+
+def check_tracking(cfg: Config) -> None:
+    """[tracking]'s own rules: a URI MLflow can open, W&B's options only with a project."""
+    tracking = cfg.tracking
+    check_choice(tracking.wandb_mode, ("online", "offline"), "tracking.wandb_mode")
+    uri = tracking.mlflow_uri.strip()
+    scheme = uri.partition(":")[0].partition("+")[0].lower()  # postgresql+psycopg2:// names its driver after a +
+    if uri and ("://" not in uri and scheme != "databricks" or scheme not in MLFLOW_SCHEMES):
+        raise ConfigError(f"tracking.mlflow_uri={tracking.mlflow_uri!r} is not an MLflow tracking URI; give "
+                          f"http(s)://HOST:PORT for a tracking server, file:///PATH for a local folder or a database "
+                          f"URI (scheme one of {', '.join(MLFLOW_SCHEMES)})")
+    if not tracking.wandb_project and tracking.wandb_mode != "online":
+        raise ConfigError("tracking.wandb_mode is set but W&B is off; set tracking.wandb_project, or remove "
+                          "tracking.wandb_mode")
 
 
 def profile_steps(cfg: Config) -> tuple[int, int] | None:

@@ -47,13 +47,28 @@ def drop_torn_line(path: Path) -> None:
         f.truncate(0)
 
 
-class MetricsWriter:
-    """One JSON object per line in <run_dir>/metrics.jsonl, and TensorBoard when it is installed."""
+class _TensorBoard:
+    """The records' numbers as TensorBoard scalars in <run_dir>/tensorboard."""
 
-    def __init__(self, run_dir: Path, enabled: bool):
+    def __init__(self, writer):
+        self.writer = writer
+
+    def log_record(self, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self, export: Path | None) -> None:
+        self.writer.close()
+
+
+class MetricsWriter:
+    """One JSON object per line in <run_dir>/metrics.jsonl, written first, and each record's numbers to more
+    sinks: TensorBoard when it is installed, and ``sinks`` ([tracking]'s trackers, scalenlp.train.tracking)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, sinks: list | None = None):
         self.enabled = enabled
         self.file = None
-        self.tb = None
+        self.sinks = []
         if not enabled:
             return
         path = run_dir / "metrics.jsonl"
@@ -61,22 +76,24 @@ class MetricsWriter:
         self.file = open(path, "a")
         try:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self.sinks.append(_TensorBoard(SummaryWriter(str(run_dir / "tensorboard"))))
         except ImportError:  # TensorBoard is optional
-            self.tb = None
+            pass
+        self.sinks += sinks or []
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(key, value, record["step"])
+        scalars = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for sink in self.sinks:
+            sink.log_record(record["step"], scalars)
 
-    def close(self) -> None:
+    def close(self, export: Path | None = None) -> None:
+        """Close the file and every sink; ``export``, the folder this run exported, goes to the trackers."""
         if self.file:
             self.file.close()
-        if self.tb:
-            self.tb.close()
+        for sink in self.sinks:
+            sink.close(export)

@@ -45,6 +45,7 @@ from scalenlp.train.optim import build_optimizer, build_scheduler, lr_factor
 from scalenlp.train.peak import peak_flops
 from scalenlp.train.profile import StepProfiler
 from scalenlp.train.tasks import task_for
+from scalenlp.train.tracking import check_installed, open_trackers
 
 
 def batch_shape(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
@@ -60,6 +61,7 @@ def validate_run(cfg: Config, world_size: int, pretrained: Pretrained | None = N
     """Every check that needs no process group and no data, so a launcher can fail before starting N processes.
     With model.init the checkpoint is read here unless given (``pretrained``)."""
     task = task_for(cfg)
+    check_installed(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     if cfg.model.init and pretrained is None:
         pretrained = read(cfg.model.init)
@@ -202,7 +204,8 @@ class Trainer:
 
         dtype = torch.bfloat16 if t.mixed_precision == "bf16" or t.param_dtype == "bfloat16" else torch.float32
         self.peak = peak_flops(self.device, dtype, t.peak_tflops)
-        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main)
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main,
+                                     sinks=open_trackers(self.cfg, self.run_dir, self.log) if self.is_main else None)
         self.monitor = Monitor(self.cfg.monitor, self.device, self.rank)
 
     # -- helpers --------------------------------------------------------------------------------
@@ -473,7 +476,8 @@ class Trainer:
 
     def _finish(self, last_saved: Path | None, stopped: bool) -> None:
         """Export the final checkpoint (checkpoint.export), or say how a stopped run continues; close the
-        metrics."""
+        metrics and the trackers, which receive the export."""
+        exported = None
         if stopped:
             got = self.stop.signal if self.stop is not None and self.stop.signal else "a signal to another rank"
             self.log(f"stopped by {got} after step {self.step} of {self.cfg.training.steps}: checkpoint saved to "
@@ -483,7 +487,8 @@ class Trainer:
                 last_saved = self.checkpointer.latest()
             if self.cfg.checkpoint.export and last_saved is not None:
                 self.export(last_saved)
-        self.metrics.close()
+                exported = self.run_dir / "export"
+        self.metrics.close(exported)
         self.monitor.close()
 
 
