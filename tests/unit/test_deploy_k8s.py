@@ -15,7 +15,7 @@ import yaml
 from referencing import Registry, Resource
 
 from scalenlp.cli import build_parser, main
-from scalenlp.cli.deploy import RDZV_PORT
+from scalenlp.cli.deploy import IMAGE_USER, RDZV_PORT
 from scalenlp.config import load_config
 
 K8S_VERSION = "1.35"  # the Kubernetes release the JobSet schema's references name (v1.35.3)
@@ -128,6 +128,23 @@ def test_one_node_needs_no_rendezvous_endpoint(jobset_schema, tmp_path):
     assert got["jobset.yaml"]["metadata"]["name"] == "debug"  # from the config's file name
     assert deploy(tmp_path / "s", "--serve", "/runs/My_Run/export")["service.yaml"]["metadata"]["name"] == "my-run"
     assert got["pvc.yaml"]["spec"]["accessModes"] == ["ReadWriteOnce"]
+
+
+@pytest.mark.parametrize("what, gpus, image", [("--train", "0", "scalenlp:cpu"), ("--train", "2", "scalenlp:cuda"),
+                                               ("--serve", "0", "scalenlp:cpu"), ("--serve", "1", "scalenlp:cuda")])
+def test_without_image_the_projects_own_and_its_user_writes_the_checkpoints(jobset_schema, tmp_path, capsys, what,
+                                                                               gpus, image):
+    """docker/Dockerfile's tag, or docker/Dockerfile.cuda's on GPUs (test_container_image checks the user id)."""
+    target = str(CONFIGS / "debug.toml") if what == "--train" else "/models/m"
+    assert main(["deploy", "k8s", "--out", str(tmp_path), what, target, "--gpus-per-node", gpus]) == 0
+    assert f"(image {image})" in capsys.readouterr().out
+    got = {p.name: yaml.safe_load(p.read_text()) for p in tmp_path.iterdir()}
+    pod = pod_spec(got["jobset.yaml" if what == "--train" else "deployment.yaml"])
+    assert pod["spec"]["containers"][0]["image"] == image
+    if what == "--train":  # the image's user is not root: the checkpoint volume is its group's
+        assert pod["spec"]["securityContext"]["fsGroup"] == IMAGE_USER
+    for obj in got.values():
+        validate(obj, jobset_schema)
 
 
 def test_server_replicas_with_probes_and_prometheus(jobset_schema, tmp_path):

@@ -10,6 +10,11 @@ every pod, up to --max-restarts times. Either way training continues from the ne
 config carries checkpoint.resume=true. SIGTERM (preemption, `kubectl delete`) saves a checkpoint before
 the workers exit; --grace-period is the time Kubernetes leaves them for it.
 
+The image (--image) is by default the project's own, docker/Dockerfile's (``scalenlp:cpu``) or, with GPUs,
+docker/Dockerfile.cuda's (``scalenlp:cuda``), under the tags the README builds them as: a cluster pulls them once
+they are pushed to its registry and named with --image. Their user is not root (uid and gid ``IMAGE_USER``): the
+training pods give that group the checkpoint volume (fsGroup) so that it can write there.
+
 Serving (--serve CHECKPOINT): a Deployment of --replicas pods, each running `scalenlp serve`, with startup,
 readiness and liveness probes on /health and Prometheus' scrape annotations on /metrics, behind a Service
 that spreads requests over the ready replicas.
@@ -26,6 +31,9 @@ from scalenlp.errors import UserError, require
 
 RDZV_PORT = 29400  # torchrun's default c10d rendezvous port
 SERVE_PORT = 8000  # `scalenlp serve`'s default port
+# What `docker build` tags docker/Dockerfile and docker/Dockerfile.cuda as (README, "A container image").
+DEFAULT_IMAGES = {"cpu": "scalenlp:cpu", "cuda": "scalenlp:cuda"}
+IMAGE_USER = 10001  # the images' user id and group id (docker/Dockerfile's useradd)
 CONFIG_DIR = "/etc/scalenlp"
 RUNS_DIR = "/checkpoints"  # where the checkpoint volume is mounted
 # The server loads the model before it answers /health: up to STARTUP_CHECKS * PROBE_PERIOD_S seconds.
@@ -57,7 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--train", metavar="CONFIG", help="training job of this TOML config (checked here)")
     what.add_argument("--serve", metavar="CHECKPOINT", help="server of this checkpoint: its path inside the "
                                                             "container (in the image, or on --volume-claim)")
-    k.add_argument("--image", required=True, help="container image with scalenlp installed")
+    k.add_argument("--image", help=f"container image with scalenlp installed (default: {DEFAULT_IMAGES['cpu']}, "
+                                   f"docker/Dockerfile's, or with --gpus-per-node {DEFAULT_IMAGES['cuda']}, "
+                                   f"docker/Dockerfile.cuda's: push it to the cluster's registry and name it here)")
     k.add_argument("--out", required=True, metavar="DIR", help="folder for the YAML files")
     k.add_argument("--name", help="name of the job or server, prefix of its objects (default: from the config's "
                                   "or the checkpoint's file name)")
@@ -193,6 +203,10 @@ def training_manifests(args: argparse.Namespace) -> dict[str, dict]:
         "metadata": {"labels": labels, "annotations": _scrape(args.metrics_port)},
         "spec": {
             "restartPolicy": "Never",  # a failed pod fails its Job, and the JobSet recreates them all
+            # The volume's files belong to the image's group, which its user (not root) writes checkpoints as;
+            # their ownership is changed only when the volume's top folder has another group (a large volume's
+            # recursive change would slow every start).
+            "securityContext": {"fsGroup": IMAGE_USER, "fsGroupChangePolicy": "OnRootMismatch"},
             "terminationGracePeriodSeconds": args.grace_period,
             "containers": [container],
             "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": claim}},
@@ -265,6 +279,8 @@ def serving_manifests(args: argparse.Namespace) -> dict[str, dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.image is None:
+        args.image = DEFAULT_IMAGES["cuda" if args.gpus_per_node else "cpu"]
     _check(args)
     manifests = training_manifests(args) if args.train else serving_manifests(args)
     out = Path(args.out)
@@ -283,5 +299,5 @@ def run(args: argparse.Namespace) -> int:
     for file, obj in manifests.items():
         (out / file).write_text(yaml.dump(obj, Dumper=Dumper, sort_keys=False))
     kinds = ", ".join(f"{obj['kind']} {obj['metadata']['name']}" for obj in manifests.values())
-    print(f"wrote {kinds} to {out}; run them with: kubectl apply -f {out}")
+    print(f"wrote {kinds} to {out} (image {args.image}); run them with: kubectl apply -f {out}")
     return 0

@@ -166,7 +166,6 @@ def multiple_choice(args) -> int:
 
 
 def run(args) -> int:
-    import torch
 
     from scalenlp.compress.quantized import quantization_of
     from scalenlp.engine.decoder_engine import pick_device
@@ -187,7 +186,7 @@ def run(args) -> int:
         text = data.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"--data {args.data} is not UTF-8 text (byte {e.start}); convert it first") from None
-    device = torch.device(args.device) if args.device else pick_device()
+    device = pick_device(args.device)
     pre = read(args.checkpoint)
     model = instantiate(pre, device=device, dtype=choose_dtype(device, args.dtype, LayerShapes.of(pre.args)).dtype,
                         quantize=quantization_of(args.quantize, args.group_size))

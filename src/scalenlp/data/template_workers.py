@@ -26,7 +26,6 @@ import asyncio
 import math
 import multiprocessing
 import os
-import resource
 import signal
 import string
 
@@ -35,6 +34,11 @@ from tokenizers import Tokenizer
 from scalenlp.data.chat import ChatError, TemplateLimit, chat_template, check_messages, render_chat, template_variables
 from scalenlp.data.text import json_problem
 from scalenlp.errors import UserError
+
+try:
+    import resource
+except ImportError:  # Windows: no POSIX limits, so a worker there is bounded by the time limit alone
+    resource = None
 
 DEFAULT_TIMEOUT = 2.0  # seconds; templates and tokenizers of real models take milliseconds
 DEFAULT_MAX_BYTES = 1 << 20
@@ -50,8 +54,11 @@ _RENDERING, _TOKENIZING = 1, 2  # what a worker is doing, for the message when i
 
 def _cap_memory(headroom: int) -> None:
     """Cap the address space at what the process maps now plus ``headroom``: past it, allocations fail."""
-    with open("/proc/self/status") as f:
-        mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    try:
+        with open("/proc/self/status") as f:
+            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except OSError:  # no /proc (macOS): what the process maps is unknown, so no cap; the time limit still holds
+        return
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     soft = mapped + headroom
     resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
@@ -74,15 +81,17 @@ def _work(conn, phase, tokenizer_json: str, template: str | None, variables: dic
     # of one, takes CPU from requests only where the server leaves some (a real template renders in a millisecond).
     os.nice(WORKER_NICENESS)
     tokenizer = Tokenizer.from_str(tokenizer_json)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would dump a core
-    _cap_memory(memory)
+    if resource is not None:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would dump a core
+        _cap_memory(memory)
     conn.send(("loaded",))
     while True:
         try:
             kind, payload = conn.recv()
         except EOFError:
             return
-        _cap_cpu(timeout)
+        if resource is not None:
+            _cap_cpu(timeout)
         try:
             if kind == "probe":
                 phase.value = _TOKENIZING

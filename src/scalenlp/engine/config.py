@@ -76,7 +76,8 @@ class BaseEngineConfig(Options):
     dtype: str = option("auto", choices=DTYPES,
                         help="weight dtype; auto (default) = bf16 on CUDA, on a CPU float32 or bf16, whichever runs this "
                              "model faster here (timed once, cached)")
-    device: str | None = option(None, help="cpu | cuda | cuda:N (default: cuda when present)")
+    device: str | None = option(None, help="cpu | cuda | cuda:N | mps (default: cuda when present, else cpu; mps, "
+                                               "Apple silicon's GPU, only when asked for, without --compile)")
     quantize: str | None = option(None, choices=METHOD_CHOICES,
                                   help="quantize the linear layers at load (" + METHOD_HELP + ")")
     group_size: int = option(64, type=int, help="with --quantize int4: inputs per scale (default 64; 32 takes a GGUF "

@@ -129,8 +129,28 @@ class _Scoring:
     scored: int = 0  # entries of ``order`` done
 
 
-def pick_device() -> torch.device:
-    return torch.device(device_type())
+def pick_device(requested: str | None = None) -> torch.device:
+    """The device an engine runs on: ``requested`` (--device) once this machine is seen to have it, else CUDA where
+    present, else the CPU. Apple's GPUs (mps) run only when asked for: their kernels cover fewer operators than
+    CUDA's and the CPU's, and the engine runs eagerly there (``engine_from_checkpoint`` refuses --compile)."""
+    if requested is None:
+        return torch.device(device_type())
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise UserError(f"--device {requested!r} is not a device; use cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise UserError(f"--device {requested}: this machine has {count} CUDA devices visible to PyTorch; use "
+                            f"--device cpu{f' or cuda:0 to cuda:{count - 1}' if count else ''}")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise UserError(f"--device {requested} is Apple silicon's GPU, which this machine or its PyTorch build "
+                            f"does not have (torch.backends.mps.is_available() is False); use --device cpu or cuda")
+    elif device.type != "cpu":
+        raise UserError(f"--device {requested}: the engine runs on cpu, cuda, cuda:N or mps, not {device.type}")
+    return device
 
 
 class Engine:

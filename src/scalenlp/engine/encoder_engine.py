@@ -459,11 +459,11 @@ def encoder_from_checkpoint(config: EncoderEngineConfig) -> EncoderEngine:
     position table."""
     config.check()
     spec = quantization_of(config.quantize, config.group_size)
+    torch_device = pick_device(config.device)
     pre = read(config.checkpoint)
     if not isinstance(pre.args, EncoderArgs):
         raise UserError(f"{config.checkpoint} is a decoder (it generates text); embed, classify and tag need an "
                         f"encoder")
-    torch_device = torch.device(config.device) if config.device else pick_device()
     dtype = choose_dtype(torch_device, config.dtype, LayerShapes.of(pre.args))
     model = instantiate(pre, device=torch_device, dtype=dtype.dtype, quantize=spec)
     engine = EncoderEngine(model, pre.tokenizer, max_seq_len=config.max_seq_len or sentence_max_len(pre.path),

@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import torch
-
 from scalenlp.compress.quantized import quantization_of
 from scalenlp.data.chat import encode_chat, end_of_text_id, end_of_turn_ids
 from scalenlp.engine.config import EngineConfig
@@ -33,10 +31,15 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
     the end-of-text token and, for a chat model, at its template's end-of-turn tokens."""
     config.check()
     spec = quantization_of(config.quantize, config.group_size)
+    torch_device = pick_device(config.device)
+    # On Apple's GPUs the engine runs eagerly (Inductor's Metal kernels are few) in one process (the sharded
+    # engine's ranks are CUDA's or the CPU's). config.check has refused --compile with --tp.
+    if torch_device.type == "mps" and (config.compile or config.tp > 1):
+        raise UserError(f"--device {config.device} runs the engine eagerly in one process; drop "
+                        f"{'--compile' if config.compile else '--tp'}")
     pre = read(config.checkpoint)
     if isinstance(pre.args, EncoderArgs):
         raise UserError(f"{config.checkpoint} is an encoder; it embeds and classifies text but does not generate it")
-    torch_device = torch.device(config.device) if config.device else pick_device()
     # Chosen once here, for every rank under --tp: ranks that each measured could disagree.
     dtype = choose_dtype(torch_device, config.dtype, LayerShapes.of(pre.args, config.tp))
     if config.tp > 1:

@@ -28,7 +28,8 @@ CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/
 
 
 def device_memory(device: str | torch.device) -> int:
-    """Bytes of memory ``device`` has in all: a CUDA device's, else this machine's RAM (within a cgroup limit)."""
+    """Bytes of memory ``device`` has in all: a CUDA device's, else this machine's RAM (within a cgroup limit),
+    which an Apple GPU (mps) shares."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
