@@ -15,6 +15,7 @@ import dataclasses
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -321,7 +322,9 @@ class Trainer:
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
             if check.finite and not overflow:
                 optimizer.step()
-            scheduler.step()  # a skipped step still counts: the schedule stays a function of the step
+            with warnings.catch_warnings():  # after a skipped first update (an fp16 overflow, say), torch warns
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`", UserWarning)
+                scheduler.step()  # a skipped step still counts: the schedule stays a function of the step
             optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
             self.scaler.update()  # backs off after an overflow, grows after loss_scale_interval steps without
