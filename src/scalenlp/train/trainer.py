@@ -317,13 +317,13 @@ class Trainer:
         check = check_step(loss_sum, grad_norm, self.stop, overflow_expected=self.scaler is not None)
         # fp16: a gradient that overflowed on any rank makes the norm, the same on every rank, not finite. The
         # update is skipped here rather than by scaler.step, whose way of skipping (found_inf handed to the
-        # fused AdamW) still updated tensor-parallel weights.
+        # fused AdamW) left tensor-parallel weights NaN after an overflow (tp=2, torch 2.13).
         overflow = self.scaler is not None and not torch.isfinite(grad_norm)
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
             if check.finite and not overflow:
                 optimizer.step()
             with warnings.catch_warnings():  # after a skipped first update (an fp16 overflow, say), torch warns
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`", UserWarning)
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
                 scheduler.step()  # a skipped step still counts: the schedule stays a function of the step
             optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
