@@ -100,7 +100,15 @@ class TrainingConfig:
     beta2: float = opt(0.95, "AdamW beta2")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables")
     seed: int = opt(1234, "seed for weights, data order and dropout")
-    mixed_precision: str = opt("fp32", "fp32 | bf16 (bf16 autocast; master weights stay fp32)")
+    mixed_precision: str = opt("fp32", "fp32 | bf16 (bf16 autocast; master weights stay fp32) | fp16 (fp16 autocast "
+                                       "with dynamic loss scaling, for GPUs without bf16 such as V100 and T4: a "
+                                       "step whose gradient overflows is skipped and the scale backs off)")
+    loss_scale_init: float = opt(65536.0, "fp16: the first loss scale (torch.amp.GradScaler's init_scale)")
+    loss_scale_growth: float = opt(2.0, "fp16: the factor the scale grows by after loss_scale_interval steps "
+                                        "without an overflow")
+    loss_scale_interval: int = opt(2000, "fp16: overflow-free steps before the scale grows")
+    loss_scale_backoff: float = opt(0.5, "fp16: the factor the scale shrinks by at a step whose gradient overflows "
+                                         "(that step is skipped)")
     param_dtype: str = opt("float32", "float32 | bfloat16: FSDP keeps fp32 master weights and gathers them in bf16, "
                                       "so every op computes in bf16 (torchtitan's bf16); FSDP then wraps one process "
                                       "too. The alternative to mixed_precision=bf16 (autocast)")
@@ -347,6 +355,9 @@ RANGES = {
     # The process group holds the timeout in milliseconds as a 64-bit integer; 2**31 s is 68 years.
     "training.timeout_s": Range(1, 2**31 - 1),
     "training.hang_timeout": Range(0, math.inf),
+    "training.loss_scale_init": Range(0, math.inf, low_open=True),
+    "training.loss_scale_growth": Range(1, math.inf, low_open=True),
+    "training.loss_scale_interval": POSITIVE, "training.loss_scale_backoff": Range(0, 1, low_open=True, high_open=True),
     "checkpoint.every": COUNT, "checkpoint.keep": POSITIVE,
     "parallel.dp_replicate": POSITIVE, "parallel.dp_shard": Range(-1), "parallel.tp": POSITIVE,
     "parallel.pp": POSITIVE, "parallel.pp_microbatches": COUNT, "parallel.pp_stages_per_rank": POSITIVE,
@@ -386,7 +397,8 @@ def validate(cfg: Config) -> None:
         _check_value(name, value)
     t, p = cfg.training, cfg.parallel
     check_choice(t.on_nonfinite, ("stop", "skip", "rollback"), "training.on_nonfinite")
-    check_choice(t.mixed_precision, ("fp32", "bf16"), "training.mixed_precision")
+    check_choice(t.mixed_precision, ("fp32", "bf16", "fp16"), "training.mixed_precision")
+    check_loss_scaling(t)
     check_choice(t.lr_decay, ("cosine", "linear"), "training.lr_decay")
     check_choice(t.param_dtype, ("float32", "bfloat16"), "training.param_dtype")
     check_choice(t.device, ("auto", "cpu", "cuda"), "training.device")
@@ -414,6 +426,19 @@ def validate(cfg: Config) -> None:
     profile_steps(cfg)
     check_lora(cfg)
     check_tracking(cfg)
+
+
+def check_loss_scaling(t: TrainingConfig) -> None:
+    """training.loss_scale_* belong to fp16, whose gradients they scale; fp16 and bf16 weights exclude each other."""
+    if t.mixed_precision != "fp16":
+        changed = [f"training.{f.name}" for f in dataclasses.fields(t)
+                   if f.name.startswith("loss_scale_") and getattr(t, f.name) != f.default]
+        if changed:
+            raise ConfigError(f"{changed[0]} is set but only fp16 scales its loss; set training.mixed_precision=fp16 "
+                              f"or remove {changed[0]}")
+    elif t.param_dtype == "bfloat16":
+        raise ConfigError("training.mixed_precision=fp16 contradicts training.param_dtype=bfloat16 (bf16 weights); "
+                          "keep one: param_dtype=float32 with fp16, or mixed_precision=fp32 with bf16 weights")
 
 
 def check_lora(cfg: Config) -> None:

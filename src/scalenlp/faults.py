@@ -11,16 +11,22 @@ the first attempt of a torchrun job only (TORCHELASTIC_RESTART_COUNT=0), so the 
   a checkpoint that looks complete but is not whole.
 - ``raise``: the rank raises RuntimeError, as a failing kernel would. Tensor-parallel inference counts a step
   per forward (``raise@1:0``: rank 1's first forward fails).
+- ``overflow``: once the gradients of that step (counted from 1) are reduced, one element of the rank's own
+  becomes infinite, as an fp16 overflow within one shard of a gradient would make it; the run goes on.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
 
+import torch
+from torch.distributed.tensor import DTensor
+
 ENV = "SCALENLP_FAULT"
-KINDS = ("kill", "hang", "sigterm", "damage", "raise")
+KINDS = ("kill", "hang", "sigterm", "damage", "raise", "overflow")
 
 
 def planned(rank: int) -> tuple[str, int] | None:
@@ -35,9 +41,19 @@ def planned(rank: int) -> tuple[str, int] | None:
     return (kind, int(step)) if int(at_rank) == rank else None
 
 
+def overflow(fault: tuple[str, int] | None, step: int, params: list[torch.Tensor]) -> None:
+    """Called by the trainer once step ``step``'s gradients are whole (reduced): where an ``overflow`` is
+    planned for it, one element of this rank's gradients becomes infinite."""
+    if fault != ("overflow", step):
+        return
+    grads = (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None)
+    grad = next(g for g in grads if g.numel())  # an uneven shard can be empty
+    grad[(0,) * grad.dim()] = math.inf
+
+
 def inject(fault: tuple[str, int] | None, step: int, checkpointer) -> None:
     """Called by the trainer after each step, and by each tensor-parallel inference rank before its forwards."""
-    if fault is None or fault[1] != step:
+    if fault is None or fault[1] != step or fault[0] == "overflow":  # that one is the gradient's (overflow)
         return
     kind = fault[0]
     if kind == "raise":

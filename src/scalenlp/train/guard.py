@@ -51,14 +51,16 @@ class StepCheck:
         return f"step {step}: {' and '.join(parts)}"
 
 
-def check_step(loss: torch.Tensor, grad_norm: torch.Tensor, stop: StopRequest | None) -> StepCheck:
+def check_step(loss: torch.Tensor, grad_norm: torch.Tensor, stop: StopRequest | None,
+               overflow_expected: bool = False) -> StepCheck:
     """Agree over all ranks on this step's finiteness and on stopping. One all-reduce of 2 x world + 1
     numbers; the .tolist() is a host sync the optimizer step would otherwise not need, the price of never
-    applying a NaN update."""
+    applying a NaN update. ``overflow_expected`` (fp16's loss scaling): a gradient that is not finite is the
+    loss scaler's to handle, which skips that update and lowers the scale; only the loss is checked here."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     flags = torch.zeros(2 * world + 1, device=loss.device)
     flags[2 * rank] = (~torch.isfinite(loss)).float()
-    flags[2 * rank + 1] = (~torch.isfinite(grad_norm)).float()
+    flags[2 * rank + 1] = 0.0 if overflow_expected else (~torch.isfinite(grad_norm)).float()
     flags[-1] = float(stop is not None and stop.signal is not None)
     if dist.is_initialized():
         dist.all_reduce(flags)

@@ -72,14 +72,15 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int, re
 
 def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0) -> Peak:
     """This process's peak FLOP/s and where it comes from (see the module docstring)."""
-    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     if override_tflops:
         return Peak(override_tflops * 1e12, "training.peak_tflops")
     name = processor_name(device)
     if device.type == "cuda":
         for marker, key in GPU_NAMES.items():
-            if marker in name:
-                return Peak(DEVICES[key].peak_flops(precision), f"datasheet {key} dense {precision}")
+            if marker in name:  # the table's GPUs run fp16 and bf16 matmuls at the same dense rate
+                return Peak(DEVICES[key].peak_flops("fp32" if precision == "fp32" else "bf16"),
+                            f"datasheet {key} dense {precision}")
     threads = torch.get_num_threads() if device.type == "cpu" else 1
     path = cache_dir() / f"peak-{slug(name)}-{threads}t-{precision}.json"
     try:

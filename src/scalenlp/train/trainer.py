@@ -15,6 +15,7 @@ import dataclasses
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ from scalenlp.parallel.pipeline import build_pipeline
 from scalenlp.train import recovery, watchdog
 from scalenlp.train.checkpoint import STATE_FILE, Checkpointer, load_full_model, read_train_state
 from scalenlp.train.guard import StepCheck, StopRequest, check_step, weights_finite
-from scalenlp.train.loss import autocast, cross_entropy, sum_over
+from scalenlp.train.loss import AUTOCAST, autocast, cross_entropy, loss_scaler, sum_over
 from scalenlp.train.metrics import MetricsWriter, peak_memory_bytes
 from scalenlp.train.monitor import Monitor
 from scalenlp.train.optim import build_optimizer, build_scheduler, lr_factor
@@ -187,6 +188,8 @@ class Trainer:
                            for part in self.model_parts]
         self.schedulers = [build_scheduler(opt, t) for opt in self.optimizers]
         self.scheduler = self.schedulers[0]  # all parts follow the same schedule
+        self.scaler = loss_scaler(t, self.device)
+        self.skipped_steps = 0  # fp16 steps whose gradient overflowed, since the run began
 
     def _open_run(self, agents: list, restarted: bool) -> None:
         """Write the config and the launch to the run folder; start the watchdog, the metrics and the monitor."""
@@ -202,7 +205,7 @@ class Trainer:
         barrier()
         self.fault = faults.planned(self.rank)
 
-        dtype = torch.bfloat16 if t.mixed_precision == "bf16" or t.param_dtype == "bfloat16" else torch.float32
+        dtype = AUTOCAST.get(t.mixed_precision, torch.bfloat16 if t.param_dtype == "bfloat16" else torch.float32)
         self.peak = peak_flops(self.device, dtype, t.peak_tflops)
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main,
                                      sinks=open_trackers(self.cfg, self.run_dir, self.log) if self.is_main else None)
@@ -217,7 +220,8 @@ class Trainer:
         t = self.cfg.training
         return {"data": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "global_batch_size": t.global_batch_size, "seq_len": t.seq_len, "world_size": self.world,
-                "layout": self.dims.names_and_sizes(), "best": self.best}
+                "layout": self.dims.names_and_sizes(), "best": self.best,
+                **({"loss_scale": self.scaler.state_dict(), "skipped_steps": self.skipped_steps} if self.scaler else {})}
 
     def _check_resumable(self, path: Path, state: dict) -> None:
         t = self.cfg.training
@@ -233,6 +237,12 @@ class Trainer:
         self.loader.load_state_dict(state["data"])
         self.step = state["step"]
         self.best = state.get("best")
+        if self.scaler is not None and "loss_scale" in state:  # an fp32 or bf16 checkpoint starts the scale afresh
+            # The scale and its progress towards growing carry over; the factors are this run's config's.
+            saved = state["loss_scale"]
+            self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": saved["scale"],
+                                         "_growth_tracker": saved["_growth_tracker"]})
+            self.skipped_steps = state["skipped_steps"]
 
     def _roll_back(self, check: StepCheck) -> None:
         """training.on_nonfinite=rollback: the newest checkpoint's weights, optimizer and schedule, with the
@@ -272,7 +282,8 @@ class Trainer:
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # The schedule divides gradients by the number of micro-batches (it expects mean losses), and the
-        # runner reports the mean of these values: multiplying by that number undoes both.
+        # runner reports the mean of these values: multiplying by that number undoes both. The schedule runs
+        # the backward pass itself, so fp16's loss scale is in loss_weight during a training step.
         microbatches = self.cfg.parallel.pp_microbatches or self.dims.pp
         return cross_entropy(logits, targets, reduction="sum") * self.loss_weight * microbatches
 
@@ -283,9 +294,12 @@ class Trainer:
         self.tokens_seen += batch[0].numel()
         self._weigh_loss(batch)
         loss_sum = torch.zeros((), device=self.device)
+        scaled = self.scaler.scale if self.scaler is not None else lambda x: x  # fp16: keep small gradients
         if self.pipeline is not None:  # the schedule runs the micro-batches (pp_microbatches) itself
+            scale = scaled(torch.ones((), device=self.device))
+            self.loss_weight = self.loss_weight * scale
             with autocast(self.device, self.cfg.training.mixed_precision):
-                loss_sum += self.pipeline.step(*batch, self.task.positions(batch[0]))
+                loss_sum += self.pipeline.step(*batch, self.task.positions(batch[0])) / scale
         else:
             for i, micro in enumerate(zip(*(x.split(self.micro_batch) for x in batch))):
                 # Gradients are reduced across data-parallel ranks only after the last micro-batch.
@@ -293,18 +307,31 @@ class Trainer:
                     with loss_context(self.dims, self.cfg):
                         with autocast(self.device, self.cfg.training.mixed_precision):
                             loss = self.task.micro_batch_loss(self.model_parts[0], micro, self.dims) * self.loss_weight
-                        loss.backward()
+                        scaled(loss).backward()
                 loss_sum += loss.detach()
         params = [p for part in self.model_parts for p in part.parameters()]
+        faults.overflow(self.fault, self.step + 1, params)
+        if self.scaler is not None:  # the norm and its clipping are of the true gradients
+            for optimizer in self.optimizers:
+                self.scaler.unscale_(optimizer)
         pp_mesh, second_copies = (self.mesh["pp"], self.pipeline.second_copies()) if self.pipeline else (None, [])
         # A tied embedding's two pipeline copies hold the same gradient: the norm counts it once.
         grad_norm = clip_grad_norm_(params, self.cfg.training.grad_clip, pp_mesh, counted_elsewhere=second_copies)
-        check = check_step(loss_sum, grad_norm, self.stop)
+        check = check_step(loss_sum, grad_norm, self.stop, overflow_expected=self.scaler is not None)
+        # fp16: a gradient that overflowed on any rank makes the norm, the same on every rank, not finite. The
+        # update is skipped here rather than by scaler.step, whose way of skipping (found_inf handed to the
+        # fused AdamW) left tensor-parallel weights NaN after an overflow (tp=2, torch 2.13).
+        overflow = self.scaler is not None and not torch.isfinite(grad_norm)
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
-            if check.finite:
+            if check.finite and not overflow:
                 optimizer.step()
-            scheduler.step()  # a skipped step still counts: the schedule stays a function of the step
+            with warnings.catch_warnings():  # after a skipped first update (an fp16 overflow, say), torch warns
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+                scheduler.step()  # a skipped step still counts: the schedule stays a function of the step
             optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.update()  # backs off after an overflow, grows after loss_scale_interval steps without
+            self.skipped_steps += overflow
         return loss_sum, grad_norm, check
 
     def save(self, wait: bool = True) -> Path:
@@ -451,6 +478,8 @@ class Trainer:
             "step_time_s": window.time / window.steps,
             "samples_per_sec": window.steps * t.global_batch_size / window.time,
             **self.task.record(self.targets_seen, window.time),
+            # fp16: the scale the next step starts from, and the steps skipped for an overflow so far.
+            **({"loss_scale": self.scaler.get_scale(), "skipped_steps": self.skipped_steps} if self.scaler else {}),
         }
         record.update(self.monitor.gather())  # every rank's CPU and memory (a collective)
         self.monitor.publish(record)
