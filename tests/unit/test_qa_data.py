@@ -141,6 +141,22 @@ def test_squad_json_v1_and_v2(tmp_path):
     assert any(f"{f}:{line}:" in x and "'c'" in x for x in log), log
 
 
+def test_squad_questions_of_the_wrong_shape_are_skipped_with_their_line(tmp_path):
+    """A SQuAD question whose answer has no start, whose question is not text, or that is not an object is one
+    skipped line each, the rest read (a null answer_start raised TypeError out of the reader, found by
+    test_text_checks' Hypothesis run)."""
+    f = tmp_path / "squad.json"
+    doc = {"data": [{"paragraphs": [{"context": "Ada wrote it.", "qas": [
+        {"id": "a", "question": "who?", "answers": [{"text": "Ada", "answer_start": None}]},
+        {"id": "b", "question": 7, "answers": [{"text": "Ada", "answer_start": 0}]},
+        "c",
+        {"id": "d", "question": "who?", "answers": [{"text": "Ada", "answer_start": 0}]}]}]}]}
+    f.write_text(json.dumps(doc, indent=1))
+    log = []
+    assert [e.id for e in read_qa(f, log=log.append)] == ["d"]
+    assert "skipped 3 question(s)" in log[0] and "answer_start" in log[1] and "strings" in log[2], log
+
+
 def test_shared_squad_file_reads_whole():
     from pathlib import Path
     f = Path(__file__).resolve().parents[3] / "shared" / "data" / "squad" / "dev.json"

@@ -72,7 +72,7 @@ def read_qa(path: str | Path, log: Callable[[str], None] = print) -> list[QAExam
         raise UserError(f"{f}: unsupported file type {f.suffix or '(no extension)'!r} for question answering; use "
                         f"SQuAD's .json or a .jsonl file of question, context and answers")
     skipped: list[tuple[int, str]] = []
-    rows = _squad_rows(f) if f.suffix.lower() == ".json" else _jsonl_rows(f, skipped)
+    rows = _squad_rows(f, skipped) if f.suffix.lower() == ".json" else _jsonl_rows(f, skipped)
     examples = []
     for example in rows:
         problem = answer_problem(example)
@@ -122,7 +122,10 @@ def _read(f: Path) -> str:
         raise _decode_error(f, e) from None
 
 
-def _squad_rows(f: Path) -> Iterator[QAExample]:
+ANSWERS_LAYOUT = 'answers must be {"text": [...], "answer_start": [...]} or a list of {"text", "answer_start"} objects'
+
+
+def _squad_rows(f: Path, skipped: list[tuple[int, str]]) -> Iterator[QAExample]:
     raw = _read(f)
     try:
         doc = parse_json(raw)
@@ -137,13 +140,24 @@ def _squad_rows(f: Path) -> Iterator[QAExample]:
     # JSON parsing keeps no positions: a question's line is where its id is next written after the last one's.
     cursor, line = 0, 1
     for n, (context, qa) in enumerate(qas):
+        if not isinstance(qa, dict):
+            skipped.append((line, f"question {n} is not an object"))
+            continue
         qid = str(qa.get("id", n))
         at = raw.find(json.dumps(qid), cursor)
         if at >= 0:
             line += raw.count("\n", cursor, at)
             cursor = at
-        answers = [] if qa.get("is_impossible") else qa.get("answers", [])
-        yield QAExample(qid, qa.get("question", ""), context, _answer_pairs(answers), line)
+        try:
+            answers = _answer_pairs([] if qa.get("is_impossible") else qa.get("answers", []))
+        except (KeyError, TypeError, ValueError):
+            skipped.append((line, f"question {qid!r}: {ANSWERS_LAYOUT}"))
+            continue
+        question = qa.get("question", "")
+        if not isinstance(question, str) or not isinstance(context, str):
+            skipped.append((line, f"question {qid!r}: question and context must be strings"))
+            continue
+        yield QAExample(qid, question, context, answers, line)
 
 
 def _jsonl_rows(f: Path, skipped: list[tuple[int, str]]) -> Iterator[QAExample]:
@@ -159,8 +173,7 @@ def _jsonl_rows(f: Path, skipped: list[tuple[int, str]]) -> Iterator[QAExample]:
         try:
             answers = _answer_pairs(record["answers"])
         except (KeyError, TypeError, ValueError):
-            skipped.append((line, 'answers must be {"text": [...], "answer_start": [...]} or a list of '
-                                  '{"text", "answer_start"} objects'))
+            skipped.append((line, ANSWERS_LAYOUT))
             continue
         if not isinstance(record["question"], str) or not isinstance(record["context"], str):
             skipped.append((line, "question and context must be strings"))
