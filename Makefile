@@ -43,12 +43,16 @@ demo: setup
 lint: setup-test
 	$(VENV)/bin/ruff check src tests benchmarks
 
+# Unit tests run inside pytest's own process, one thread each: two pytest-xdist workers (a file each at a time,
+# so that module fixtures are built once) keep both cores busy. The integration tier's tests start
+# several processes of their own, so they run one at a time.
 test: setup-test
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q --durations=25 tests
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=25 tests/unit
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q --durations=25 tests --ignore=tests/unit
 
 # Every tier without the tests marked slow, each test held to 10 s: the loop a developer runs often (under 4 minutes).
 test-fast: setup-test
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not slow" --max-test-seconds 10 tests
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2 --dist loadfile -m "not slow" --max-test-seconds 10 tests
 
 bench: setup-test
 	OMP_NUM_THREADS=1 $(PY) benchmarks/train_throughput.py
