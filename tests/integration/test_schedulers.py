@@ -16,7 +16,7 @@ import pytest
 
 from scalenlp.cli import main
 from scalenlp.testing import slurm
-from train_helpers import HANG_GUARD_S, TINY, cli_env, error_lines, last_step, read_metrics, run_train
+from train_helpers import HANG_GUARD_S, TINY, cli_env, last_step, read_metrics, run_train
 
 STEPS = 20  # long enough that the signal sent after step 3 lands well before the end
 SETS = [*TINY, f"training.steps={STEPS}", "checkpoint.export=false"]
@@ -71,6 +71,8 @@ def test_sbatch_script_trains_stops_on_signal_and_resumes_when_requeued(tmp_path
         assert (run_dir / "checkpoints" / f"step-{stopped}").is_dir()
 
         subprocess.run(["scontrol", "requeue", job], env=cluster.env, check=True)
+        # Slurm holds a requeued job for about two minutes before it may start again; not what is tested here.
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env, check=True)
         assert cluster.wait(job) == "COMPLETED"
     log = (out / f"job-{job}.log").read_text()
     assert f"resumed from {run_dir / 'checkpoints' / f'step-{stopped}'} at step {stopped}" in log, log[-3000:]
@@ -82,7 +84,7 @@ def test_sbatch_script_trains_stops_on_signal_and_resumes_when_requeued(tmp_path
 @pytest.mark.slow
 def test_mpirun_ranks_train_as_nproc(tmp_path, reference):
     """mpirun -np 2 scalenlp train: Open MPI's variables become the ranks, gloo the process group; the same
-    losses as --nproc 2. A layout the two ranks cannot hold: one error line, from rank 0 only."""
+    losses as --nproc 2."""
     if shutil.which("mpirun") is None:
         pytest.skip("needs Open MPI's mpirun: apt-get install openmpi-bin")
     env = _job_env()
@@ -94,10 +96,3 @@ def test_mpirun_ranks_train_as_nproc(tmp_path, reference):
                           capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr[-4000:]
     assert [r["loss"] for r in read_metrics(run_dir)] == reference
-
-    bad = subprocess.run([*mpirun, "--run-dir", str(tmp_path / "bad"), "--set", "parallel.tp=3"],
-                         capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
-    assert bad.returncode != 0
-    errors = error_lines(bad.stderr)
-    assert len(errors) == 1 and errors[0].startswith("error: 2 processes started by Open MPI: ") and \
-        "world size 2" in errors[0], bad.stderr[-3000:]

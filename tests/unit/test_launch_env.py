@@ -108,6 +108,23 @@ def test_allocation_that_does_not_fit_the_layout_is_one_line(monkeypatch, capsys
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_mpirun_ranks_say_a_layout_does_not_fit_once(monkeypatch, capsys, tmp_path, rank):
+    """Every rank checks the layout before joining the others; only rank 0 says what is wrong."""
+    for name, value in {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+                        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    sets = [*TINY, "parallel.tp=3"]
+    assert main(["train", "--run-dir", str(tmp_path / "run"), *[a for s in sets for a in ("--set", s)]]) == 2
+    err = capsys.readouterr().err
+    assert err == ("" if rank else "error: 2 processes started by Open MPI: parallel.dp_replicate*tp*pp = 1*3*1 = 3 "
+                   "does not divide the world size 2; choose degrees whose product divides the number of processes\n")
+    assert not (tmp_path / "run").exists()
+    assert main(["train", "--nproc", "2", *[a for s in TINY for a in ("--set", s)]]) == 2
+    assert "started this process as rank" in capsys.readouterr().err
+
+
 def test_deploy_slurm_writes_a_script_of_one_task_per_node(tmp_path, capsys):
     out = tmp_path / "job out"
     assert main(["deploy", "slurm", "--train", "configs/debug.toml", "--out", str(out), "--nodes", "4",
