@@ -116,7 +116,7 @@ def gpus_per_task(env: dict[str, str]) -> int | None:
 class SlurmNodes:
     """A Slurm step of one task per node, as torchrun's launch flags."""
     nnodes: int
-    nproc: int | None  # processes per node: the GPUs per task, None where the allocation does not say
+    nproc: int | None  # processes per node: the task's GPUs, None where the allocation does not say
     endpoint: str  # HOST:PORT, the allocation's first node
     job_id: str
 
@@ -128,8 +128,11 @@ def slurm_nodes(env: dict[str, str]) -> SlurmNodes | None:
     tasks, nodes = _slurm_tasks(env)
     if tasks != nodes:
         return None
+    gpus = gpus_per_task(env)
+    if gpus is None and env.get("SLURM_GPUS_ON_NODE", "0").isdigit() and int(env.get("SLURM_GPUS_ON_NODE", "0")):
+        gpus = int(env["SLURM_GPUS_ON_NODE"])  # --gres=gpu:N: the node's one task holds all its GPUs
     job = env["SLURM_JOB_ID"]
-    return SlurmNodes(nodes, gpus_per_task(env), f"{slurm_hosts(_nodelist(env))[0]}:{job_port(env, job)}", job)
+    return SlurmNodes(nodes, gpus, f"{slurm_hosts(_nodelist(env))[0]}:{job_port(env, job)}", job)
 
 
 def rank_env(env: dict[str, str]) -> tuple[str, dict[str, str]] | None:

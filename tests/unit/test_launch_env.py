@@ -52,7 +52,8 @@ def test_slurm_task_per_node_is_torchrun_on_the_first_node():
     job = slurm_nodes(slurm_step(SLURM_GPUS_PER_TASK="a100:4"))
     assert (job.nnodes, job.nproc, job.endpoint, job.job_id) == (2, 4, f"gpu07:{PORT_BASE + 4321}", "4321")
     assert slurm_nodes(slurm_step(MASTER_PORT="7000")).endpoint == "gpu07:7000"
-    assert slurm_nodes(slurm_step()).nproc is None  # no GPUs per task: --nproc says
+    assert slurm_nodes(slurm_step(SLURM_GPUS_ON_NODE="2")).nproc == 2  # --gres=gpu:2, the node's one task
+    assert slurm_nodes(slurm_step()).nproc is None  # no GPUs: --nproc says
     assert rank_env(slurm_step()) is None
     batch_shell = {k: v for k, v in slurm_step().items() if not k.startswith("SLURM_STEP")}
     assert slurm_nodes(batch_shell) is None and rank_env(batch_shell) is None  # not under srun: a plain run

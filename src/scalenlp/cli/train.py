@@ -158,7 +158,7 @@ def node_counts(args: argparse.Namespace) -> range:
 
 def _slurm_launch(args: argparse.Namespace):
     """In a Slurm step of one task per node, and without launch flags of the user's: the allocation's job as
-    --nnodes, --rdzv-endpoint (its first node), --rdzv-id and --nproc (its GPUs per task); else None."""
+    --nnodes, --rdzv-endpoint (its first node), --rdzv-id and --nproc (the GPUs of each node's task); else None."""
     from scalenlp.launch_env import slurm_nodes
 
     job = slurm_nodes(dict(os.environ))
@@ -167,7 +167,8 @@ def _slurm_launch(args: argparse.Namespace):
     if job.nproc is not None:
         if args.nproc not in (1, job.nproc):
             raise UserError(f"--nproc {args.nproc}, but the Slurm job gives each node's task {job.nproc} GPU(s) "
-                            f"(SLURM_GPUS_PER_TASK); drop --nproc, or submit with --gpus-per-task={args.nproc}")
+                            f"(SLURM_GPUS_PER_TASK, or SLURM_GPUS_ON_NODE); drop --nproc, or submit with "
+                            f"--gpus-per-task={args.nproc}")
         args.nproc = job.nproc
     args.nnodes, args.rdzv_endpoint, args.rdzv_id = str(job.nnodes), job.endpoint, f"slurm-{job.job_id}"
     return job
