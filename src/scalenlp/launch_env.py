@@ -82,7 +82,10 @@ def job_port(env: dict[str, str], job_id: str | None) -> int:
 
 
 def _whole(env: dict[str, str], name: str, low: int = 0, high: int | None = None) -> int:
-    value = env[name]
+    value = env.get(name)
+    if value is None:
+        raise UserError(f"{name} is not set, though the launcher set others of its variables; check how the job "
+                        f"was started")
     if not value.isdigit() or int(value) < low or high is not None and int(value) > high:
         raise UserError(f"{name}={value!r} is not a whole number from {low}{f' to {high}' if high else ''}; "
                         f"check how the job was started")

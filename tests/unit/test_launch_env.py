@@ -83,6 +83,7 @@ def test_one_task_per_rank_from_each_launcher():
     ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
       "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, "out of range"),
     ({"OMPI_COMM_WORLD_RANK": "x", "OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_RANK='x' is not a whole number"),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0"}, "MPI_LOCALNRANKS is not set"),
     (slurm_step(SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="2(x2)", SLURM_GPUS_PER_TASK="2"),
      "a task is one training process on one GPU"),
     (slurm_step(SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="2(x)"), "not a list such as 2(x3),1"),
