@@ -231,8 +231,9 @@ def run(args: argparse.Namespace) -> int:
             except UserError as e:
                 if job is None:
                     raise
-                raise UserError(f"Slurm job {job.job_id} runs {n} node(s) x {args.nproc} process(es) (one per GPU "
-                                f"of its task): {e}") from None
+                per_gpu = " (one per GPU of its task)" if job.nproc else ""
+                raise UserError(f"Slurm job {job.job_id} runs {n} node(s) x {args.nproc} process(es){per_gpu}: "
+                                f"{e}") from None
         return _launch(args, run_dir)
     train(cfg, run_dir)
     return 0
