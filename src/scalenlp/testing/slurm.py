@@ -1,7 +1,7 @@
 """Test harness: a real one-node Slurm cluster (Debian's slurm-wlm: munged, slurmctld, slurmd) in a folder.
 
 ``cluster(folder, cpus)`` writes a slurm.conf there, starts the three daemons in the foreground as children of
-this process and stops them on exit; commands given ``Cluster.env`` (SLURM_CONF) talk to this cluster only.
+this process and stops them, and whatever they left running, on exit; commands given ``Cluster.env`` (SLURM_CONF) talk to this cluster only.
 The node is ``localhost``, so the name a job's tasks meet at resolves on any machine. Needs root (slurmd
 starts tasks as their user) and the packages; ``unavailable()`` says why not, for a test to skip with.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -122,4 +123,19 @@ def cluster(folder: Path, cpus: int = 2) -> Iterator[Cluster]:
             except subprocess.TimeoutExpired:
                 daemon.kill()
                 daemon.wait()
+        _kill_left_over(conf)
         log.close()
+
+
+def _kill_left_over(conf: Path) -> None:
+    """SIGKILL what this cluster started and slurmd left behind: a job's slurmstepd stays on, retrying to report
+    to the stopped daemons, and so may its tasks. They are known by this cluster's SLURM_CONF in their environment."""
+    mark = f"SLURM_CONF={conf}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if mark in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):  # ended meanwhile, or not ours to read
+            pass
