@@ -5,7 +5,8 @@ src/scalenlp/faults.py, or a real full disk: a tmpfs mounted for the run, which 
 compares the job's end with an uninterrupted run of the same config, measured in the same invocation:
 
 - time to recover: the faulty job's wall time (every launch it needed) minus the uninterrupted one's (for
-  the node kill, an uninterrupted run on the same two test hosts; see benchmarks/node_kill.py);
+  the node kill, an uninterrupted run on the same two test hosts, see benchmarks/node_kill.py; for the Slurm
+  requeue, an uninterrupted job on the same Slurm, see benchmarks/slurm_requeue.py);
 - steps recomputed: steps trained before the fault and trained again after it, and how many of those lie
   before the newest checkpoint that was whole at the fault (the goal is none);
 - data lost: whether the final weights and every step's loss equal the uninterrupted run's.
@@ -30,6 +31,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import node_kill  # noqa: E402  (benchmarks/node_kill.py, beside this script: two test hosts, one killed)
+import slurm_requeue  # noqa: E402  (benchmarks/slurm_requeue.py: a real Slurm job killed and requeued)
 from scalenlp import faults  # noqa: E402
 from train_helpers import TINY, read_metrics, write_corpus  # noqa: E402  (the tests' tiny run and corpus)
 
@@ -133,6 +135,7 @@ def main() -> None:
     else:
         rows.append(("full disk (tmpfs)", None, None, None, "skipped: mounting a tmpfs needs root"))
     rows.append(node_kill.measure(work, sets, args.steps, args.every, f))
+    rows.append(slurm_requeue.measure(work, sets, args.steps, args.every, f))
 
     load = os.getloadavg()
     print(f"uninterrupted: {args.steps} steps, 2 gloo processes, checkpoint every {args.every} steps, {base_s:.1f} s "

@@ -96,11 +96,30 @@ def measure(work: Path, sets: list[str], steps: int, every: int, kill_after: int
     resumed = [int(s) for s in RESUMED.findall(out)]
     if not resumed:
         return name, wall - base, None, None, "did not resume"
-    newest = killed_at // every * every
-    lost = data_lost(work / "node-kill", work / "two-hosts", steps)
+    row = kill_row(name, wall - base, killed_at, resumed[-1], every,
+                   data_lost(work / "node-kill", work / "two-hosts", steps), recover_s)
     shutil.rmtree(work / "two-hosts")
-    return (name, wall - base, killed_at - resumed[-1], max(0, newest - resumed[-1]),
+    return row
+
+
+def kill_row(name: str, extra_s: float, killed_at: int, resumed: int, every: int, lost: str, recover_s: float) -> tuple:
+    """A table row of a job killed after step ``killed_at`` that resumed from step ``resumed``."""
+    newest = killed_at // every * every  # the newest checkpoint at the kill
+    return (name, extra_s, killed_at - resumed, max(0, newest - resumed),
             f"{lost}; {recover_s:.1f} s from the kill to the next step")
+
+
+def parse_kill_run(p: argparse.ArgumentParser, prefix: str) -> tuple[argparse.Namespace, Path, list[str]]:
+    """``p`` given --steps, --every and --kill-after and parsed; a new work folder; the tiny run's sets on its
+    corpus."""
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--every", type=int, default=5, help="checkpoint.every")
+    p.add_argument("--kill-after", type=int, default=8, help="the kill comes once this step is logged")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    sets = [*TINY, f"data.path={write_corpus(work / 'corpus.txt')}", f"training.steps={args.steps}",
+            f"checkpoint.every={args.every}", "checkpoint.keep=2"]
+    return args, work, sets
 
 
 def print_table(rows: list[tuple]) -> None:
@@ -114,14 +133,8 @@ def print_table(rows: list[tuple]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--every", type=int, default=5, help="checkpoint.every")
-    p.add_argument("--kill-after", type=int, default=8, help="the host is killed once this step is logged")
     p.add_argument("--rdzv-last-call", type=int, default=5, help="the second row's rendezvous wait (seconds)")
-    args = p.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="scalenlp-node-kill-"))
-    sets = [*TINY, f"data.path={write_corpus(work / 'corpus.txt')}", f"training.steps={args.steps}",
-            f"checkpoint.every={args.every}", "checkpoint.keep=2"]
+    args, work, sets = parse_kill_run(p, "scalenlp-node-kill-")
     rows = [measure(work, sets, args.steps, args.every, args.kill_after, last_call)
             for last_call in (None, args.rdzv_last_call)]
     load = os.getloadavg()

@@ -2,7 +2,8 @@
 it; tests and benchmarks/faults.py set it); does nothing unless SCALENLP_FAULT is set.
 
 SCALENLP_FAULT=<kind>@<rank>:<step> makes that rank fail on purpose once it has finished that step, on
-the first attempt of a torchrun job only (TORCHELASTIC_RESTART_COUNT=0), so the restart runs clean:
+the first attempt of a torchrun job only (TORCHELASTIC_RESTART_COUNT=0) and of a Slurm job (SLURM_RESTART_COUNT=0:
+not requeued), so the restart runs clean:
 
 - ``kill``: the rank SIGKILLs itself, as the kernel's OOM killer or a lost machine would end it.
 - ``hang``: the rank sleeps for an hour before its next collective; the other ranks wait in it.
@@ -32,7 +33,8 @@ KINDS = ("kill", "hang", "sigterm", "damage", "raise", "overflow")
 def planned(rank: int) -> tuple[str, int] | None:
     """(kind, step) of the fault this rank is to inject in this attempt, if any."""
     spec = os.environ.get(ENV, "")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or \
+            os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
         return None
     kind, _, where = spec.partition("@")
     at_rank, _, step = where.partition(":")

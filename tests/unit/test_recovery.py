@@ -35,6 +35,22 @@ def test_a_relaunch_is_not_a_restart(tmp_path, monkeypatch):
     assert recovery.continues_launch(tmp_path) == (False, [])  # one process outside torchrun never restarts
 
 
+def test_a_requeued_slurm_job_is_a_restart(tmp_path, monkeypatch):
+    """A requeued Slurm job (new agents, the same job, SLURM_RESTART_COUNT 1) continues its run; its first attempt,
+    another job, or a job outside the record does not; and a requeued attempt injects no fault."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "slurm-7")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv(faults.ENV, "kill@0:3")
+    assert not recovery.continues_launch(tmp_path)[0]
+    recovery.record_launch(tmp_path, [recovery._agent()], restarted=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "slurm-7-attempt-2")  # new agents: what a requeue starts
+    assert not recovery.continues_launch(tmp_path)[0] and faults.planned(0) == ("kill", 3)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert recovery.continues_launch(tmp_path)[0] and faults.planned(0) is None
+    monkeypatch.setenv("SLURM_JOB_ID", "8")
+    assert not recovery.continues_launch(tmp_path)[0]
+
+
 def test_fewer_ranks_keep_the_micro_batch_and_the_global_batch(corpus):
     cfg = load_config(None, [*TINY, f"data.path={corpus}", "training.global_batch_size=8"])
     saved = {"layout": [["pp", 1], ["dp_replicate", 1], ["dp_shard", 4], ["tp", 1]]}

@@ -27,7 +27,7 @@ COMMANDS = {
     "quantize": ("scalenlp.cli.quantize", "write a checkpoint with int8 or int4 weights that every command loads"),
     "prune": ("scalenlp.cli.prune", "prune a checkpoint (magnitude, wanda, 2:4 or structured) to an export"),
     "plan": ("scalenlp.cli.plan", "which parallel layout fits a model on a cluster, and how fast it runs"),
-    "deploy": ("scalenlp.cli.deploy", "write Kubernetes manifests for a training job or a server (deploy k8s)"),
+    "deploy": ("scalenlp.cli.deploy", "write Kubernetes manifests (deploy k8s) or a Slurm sbatch script (deploy slurm)"),
 }
 
 

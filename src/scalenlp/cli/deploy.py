@@ -1,4 +1,5 @@
-"""`scalenlp deploy k8s`: Kubernetes manifests for a training job or a server, one YAML file per object.
+"""`scalenlp deploy k8s`: Kubernetes manifests for a training job or a server, one YAML file per object;
+`scalenlp deploy slurm`: an sbatch script for a training job.
 
 Training (--train CONFIG): a JobSet (jobset.x-k8s.io/v1alpha2, the Kubernetes SIG's API for jobs of
 several pods) of one Indexed Job with a pod per node, each pod running `scalenlp train` (torchrun inside),
@@ -18,12 +19,19 @@ training pods give that group the checkpoint volume (fsGroup) so that it can wri
 Serving (--serve CHECKPOINT): a Deployment of --replicas pods, each running `scalenlp serve`, with startup,
 readiness and liveness probes on /health and Prometheus' scrape annotations on /metrics, behind a Service
 that spreads requests over the ready replicas.
+
+Slurm (--train CONFIG): an sbatch script of one srun task per node, each running `scalenlp train` with no
+launch flags: the allocation gives them (scalenlp.launch_env), torchrun's c10d rendezvous meeting on the
+first node. The config, resolved and checked here, is written beside the script with checkpoint.resume=true,
+so that a requeued job (--requeue: a node failed) resumes from the newest checkpoint; --signal sends SIGTERM
+--grace-period seconds before the time limit, and every rank saves a checkpoint and exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shlex
 from pathlib import Path
 
 from scalenlp.config import config_toml
@@ -57,8 +65,14 @@ TRAIN_ONLY = {"overrides": [], "nodes": 1, "nproc_per_node": None, "checkpoint_v
 SERVE_ONLY = {"replicas": 1, "volume_claim": None, "api_key_secret": None}
 
 
+SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}", re.ASCII)  # sbatch --time: MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]
+SLURM_WORD = re.compile(r"[A-Za-z0-9_.-]+", re.ASCII)  # a partition, account or job name: nothing the shell reads
+SLURM_MEMORY = re.compile(r"\d+[KMGT]?", re.ASCII)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     targets = p.add_subparsers(dest="target", metavar="TARGET", required=True)
+    _add_slurm(targets)
     k = targets.add_parser("k8s", help="Kubernetes: a JobSet for training, a Deployment for serving",
                            description="Write Kubernetes manifests to --out; `kubectl apply -f DIR` runs them.")
     what = k.add_mutually_exclusive_group(required=True)
@@ -99,6 +113,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     serve.add_argument("--api-key-secret", metavar="SECRET",
                        help="Secret whose key `api-key` the servers require as bearer token (/health stays open; "
                             "Prometheus then needs the key for /metrics)")
+
+
+def _add_slurm(targets) -> None:
+    s = targets.add_parser("slurm", help="Slurm: an sbatch script for training",
+                           description="Write an sbatch script and its config to --out; `sbatch OUT/train.sbatch` "
+                                       "runs it. --out and --run-dir must be on storage every node mounts.")
+    s.add_argument("--train", metavar="CONFIG", required=True, help="TOML config of the job (checked here)")
+    s.add_argument("--out", required=True, metavar="DIR", help="folder for the script, its config and the job's log")
+    s.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
+                   help="override one config key, as for scalenlp train; repeatable")
+    s.add_argument("--run-dir", metavar="DIR", help="the job's run folder (default: runs/NAME from here)")
+    s.add_argument("--name", help="job name (default: from the config's file name)")
+    s.add_argument("--nodes", type=int, default=1, help="machines, one srun task each (default 1)")
+    s.add_argument("--gpus-per-node", type=int, default=0, help="GPUs of each node's task, one process each")
+    s.add_argument("--nproc-per-node", type=int, help="training processes per node (default: --gpus-per-node, "
+                                                      "or 1 without GPUs)")
+    s.add_argument("--cpus-per-node", type=int, help="CPUs of each node's task")
+    s.add_argument("--memory-per-node", metavar="SIZE", help="memory of each node, as sbatch --mem takes it: 64G")
+    s.add_argument("--time", metavar="LIMIT", help="time limit, as sbatch --time takes it: 2-00:00:00, 90")
+    s.add_argument("--partition", help="partition to run in (default: the cluster's default)")
+    s.add_argument("--account", help="account to charge (default: yours)")
+    s.add_argument("--max-restarts", type=int, default=3,
+                   help="torchrun's restarts of a node's workers when one fails (default %(default)s)")
+    s.add_argument("--grace-period", type=int, default=300, metavar="SECONDS",
+                   help="SIGTERM this long before the time limit: time to save a checkpoint (default %(default)s)")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -168,19 +207,25 @@ def _scrape(port: int) -> dict[str, str]:
     return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
 
 
-def training_manifests(args: argparse.Namespace) -> dict[str, dict]:
-    """{file name: object} of a training job."""
+def training_config(args: argparse.Namespace):
+    """(the job's config, checked for its world size, with checkpoint.resume=true: a restarted job continues
+    the run; its processes per node)."""
     from scalenlp.train.tasks import load_config  # torch: only for a training job
 
     cfg = load_config(args.train, args.overrides)
-    cfg.checkpoint.resume = True  # a recreated pod continues the run
-    name = args.name or default_name(args.train)
+    cfg.checkpoint.resume = True
     nproc = args.nproc_per_node or args.gpus_per_node or 1
-    world = args.nodes * nproc
-    if not cfg.model.init or Path(cfg.model.init).exists():  # else the checkpoint is only in the container
+    if not cfg.model.init or Path(cfg.model.init).exists():  # else the checkpoint is only on the cluster
         from scalenlp.train.trainer import validate_run
 
-        validate_run(cfg, world)
+        validate_run(cfg, args.nodes * nproc)
+    return cfg, nproc
+
+
+def training_manifests(args: argparse.Namespace) -> dict[str, dict]:
+    """{file name: object} of a training job."""
+    cfg, nproc = training_config(args)
+    name = args.name or default_name(args.train)
     labels = {"app.kubernetes.io/name": "scalenlp", "app.kubernetes.io/instance": name,
               "app.kubernetes.io/component": "train"}
     command = ["scalenlp", "train", "--config", f"{CONFIG_DIR}/train.toml", "--run-dir", f"{RUNS_DIR}/{name}",
@@ -278,15 +323,79 @@ def serving_manifests(args: argparse.Namespace) -> dict[str, dict]:
     return {"deployment.yaml": deployment, "service.yaml": service}
 
 
+def _check_slurm(args: argparse.Namespace) -> None:
+    for option in ("nodes", "nproc_per_node", "cpus_per_node"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            raise UserError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
+    for option in ("gpus_per_node", "max_restarts", "grace_period"):
+        if getattr(args, option) < 0:
+            raise UserError(f"--{option.replace('_', '-')} must be at least 0, got {getattr(args, option)}")
+    if args.gpus_per_node and args.nproc_per_node not in (None, args.gpus_per_node):
+        raise UserError(f"--nproc-per-node {args.nproc_per_node} with --gpus-per-node {args.gpus_per_node}: each "
+                        f"process takes one GPU; drop --nproc-per-node")
+    for option, pattern, example in (("name", SLURM_WORD, "llm-pretrain"), ("partition", SLURM_WORD, "gpu"),
+                                     ("account", SLURM_WORD, "nlp-lab"), ("time", SLURM_TIME, "2-00:00:00 or 90"),
+                                     ("memory_per_node", SLURM_MEMORY, "64G")):
+        value = getattr(args, option)
+        if value is not None and not pattern.fullmatch(value):
+            raise UserError(f"--{option.replace('_', '-')} {value!r} is not what sbatch takes, such as {example}")
+
+
+def slurm_script(args: argparse.Namespace) -> dict[str, str]:
+    """{file name: text} of a Slurm training job: the sbatch script and its config."""
+    cfg, nproc = training_config(args)
+    name = args.name or default_name(args.train)
+    out = Path(args.out).resolve()
+    run_dir = Path(args.run_dir or Path("runs") / name).resolve()
+    options = [("job-name", name, None), ("nodes", args.nodes, None),
+               ("ntasks-per-node", 1, "one task per node: torchrun's launcher of its processes"),
+               ("gpus-per-task", args.gpus_per_node or None, None), ("cpus-per-task", args.cpus_per_node, None),
+               ("mem", args.memory_per_node, None), ("time", args.time, None), ("partition", args.partition, None),
+               ("account", args.account, None), ("output", shlex.quote(str(out / f"{name}-%j.log")), None),
+               ("open-mode", "append", "a requeued job's log goes on after its earlier attempt's"),
+               ("requeue", "", "a failed node requeues the job: it resumes from the newest checkpoint"),
+               ("signal", f"TERM@{args.grace_period}", f"SIGTERM {args.grace_period} s before the time limit: every "
+                                                       f"rank saves a checkpoint and exits")]
+    lines = ["#!/bin/bash",
+             f"# scalenlp deploy slurm: {args.nodes} node(s) x {nproc} training process(es); run with: "
+             f"sbatch {out / 'train.sbatch'}"]
+    for option, value, why in options:
+        if value is None:
+            continue
+        lines += [f"# {why}"] * bool(why) + [f"#SBATCH --{option}" + (f"={value}" if value != "" else "")]
+    # The tasks read the allocation (nodes, the first node as rendezvous, GPUs per task) from Slurm's variables.
+    command = ["srun", "--kill-on-bad-exit=1", "scalenlp", "train", "--config", shlex.quote(str(out / "train.toml")),
+               "--run-dir", shlex.quote(str(run_dir)), "--max-restarts", str(args.max_restarts)]
+    if not args.gpus_per_node and nproc > 1:  # without GPUs per task, the processes per node are not implied
+        command += ["--nproc", str(nproc)]
+    lines += ["export PYTHONUNBUFFERED=1  # log lines reach the job's log as they happen", " ".join(command), ""]
+    return {"train.sbatch": "\n".join(lines), "train.toml": config_toml(cfg)}
+
+
+def _refuse_taken(out: Path, files: dict) -> None:
+    taken = [file for file in files if (out / file).exists()]
+    if taken:
+        raise UserError(f"{out} already has {', '.join(taken)}; choose another --out or remove them")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.target == "slurm":
+        _check_slurm(args)
+        files = slurm_script(args)
+        out = Path(args.out)
+        _refuse_taken(out, files)
+        out.mkdir(parents=True, exist_ok=True)
+        for file, text in files.items():
+            (out / file).write_text(text)
+        print(f"wrote {out / 'train.sbatch'} and its config; run it with: sbatch {out / 'train.sbatch'}")
+        return 0
     if args.image is None:
         args.image = DEFAULT_IMAGES["cuda" if args.gpus_per_node else "cpu"]
     _check(args)
     manifests = training_manifests(args) if args.train else serving_manifests(args)
     out = Path(args.out)
-    taken = [file for file in manifests if (out / file).exists()]
-    if taken:
-        raise UserError(f"{out} already has {', '.join(taken)}; choose another --out or remove them")
+    _refuse_taken(out, manifests)
     yaml = require("yaml", "deploy")
 
     class Dumper(yaml.SafeDumper):

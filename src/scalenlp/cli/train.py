@@ -4,6 +4,10 @@ With --nproc N (or --nnodes), this process validates the config first (so a bad 
 before any worker starts), then hands over to torch.distributed.run, which starts the workers as
 `python -m scalenlp train ...` and brings restarts and multi-node rendezvous with it. Under plain
 `torchrun ... -m scalenlp train`, each worker lands directly in the single-process path.
+
+Schedulers (scalenlp.launch_env): inside a Slurm step of one task per node, the allocation gives the launch
+flags (nodes, rendezvous on its first node, GPUs per task); under mpirun, or srun with a task per process,
+each task is one worker, given torchrun's variables from the launcher's.
 """
 
 from __future__ import annotations
@@ -152,6 +156,44 @@ def node_counts(args: argparse.Namespace) -> range:
     return range(low, high + 1)
 
 
+def _slurm_launch(args: argparse.Namespace):
+    """In a Slurm step of one task per node, and without launch flags of the user's: the allocation's job as
+    --nnodes, --rdzv-endpoint (its first node), --rdzv-id and --nproc (the GPUs of each node's task); else None."""
+    from scalenlp.launch_env import slurm_nodes
+
+    job = slurm_nodes(dict(os.environ))
+    if job is None or args.nnodes != "1" or args.rdzv_endpoint:
+        return None
+    if job.nproc is not None:
+        if args.nproc not in (1, job.nproc):
+            raise UserError(f"--nproc {args.nproc}, but the Slurm job gives each node's task {job.nproc} GPU(s) "
+                            f"(SLURM_GPUS_PER_TASK, or SLURM_GPUS_ON_NODE); drop --nproc, or submit with "
+                            f"--gpus-per-task={args.nproc}")
+        args.nproc = job.nproc
+    args.nnodes, args.rdzv_endpoint, args.rdzv_id = str(job.nnodes), job.endpoint, f"slurm-{job.job_id}"
+    return job
+
+
+def _train_as_rank(args: argparse.Namespace, cfg, run_dir: Path, launcher: str, variables: dict[str, str]) -> int:
+    """mpirun, or srun with a task per process, started this process as one rank: train here, as a torchrun
+    worker would, after checking the layout fits the world size. Only rank 0 says what does not fit."""
+    from scalenlp.train.trainer import train, validate_run
+
+    rank, world = int(variables["RANK"]), int(variables["WORLD_SIZE"])
+    if args.nproc != 1 or args.nnodes != "1" or args.rdzv_endpoint:
+        raise UserError(f"{launcher} started this process as rank {rank} of {world}: each task is one training "
+                        f"process, so drop --nproc, --nnodes and --rdzv-endpoint")
+    try:
+        validate_run(cfg, world)
+    except UserError as e:
+        if rank:
+            return 2
+        raise UserError(f"{world} processes started by {launcher}: {e}") from None
+    os.environ.update(variables)
+    train(cfg, run_dir)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from scalenlp.config import describe
 
@@ -172,14 +214,26 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir or Path("runs") / (cfg.model.flavor or "custom"))
+    from scalenlp.launch_env import rank_env
     from scalenlp.loader import read
     from scalenlp.train.trainer import train, validate_run
 
+    ranks = rank_env(dict(os.environ))
+    if ranks is not None:
+        return _train_as_rank(args, cfg, run_dir, *ranks)
+    job = _slurm_launch(args)
     nodes = node_counts(args)
     if args.nproc > 1 or max(nodes) > 1 or args.rdzv_endpoint:
         pretrained = read(cfg.model.init) if cfg.model.init else None
         for n in nodes:  # an elastic job must fit every world size it may shrink or grow to
-            validate_run(cfg, args.nproc * n, pretrained)
+            try:
+                validate_run(cfg, args.nproc * n, pretrained)
+            except UserError as e:
+                if job is None:
+                    raise
+                per_gpu = " (one per GPU of its task)" if job.nproc else ""
+                raise UserError(f"Slurm job {job.job_id} runs {n} node(s) x {args.nproc} process(es){per_gpu}: "
+                                f"{e}") from None
         return _launch(args, run_dir)
     train(cfg, run_dir)
     return 0

@@ -13,6 +13,11 @@ for a restart; a node that joins an elastic job is, because its peers' agents ar
 TORCHELASTIC_RESTART_COUNT cannot decide it alone: it stays 0 when a node joins, and it is 1 after a
 first attempt that stopped on a user error and never trained (whose checkpoints, if any, are an older
 run's). The record is written only once every check has passed, so that attempt leaves none.
+
+A Slurm job requeued (its node failed, or `scontrol requeue`) runs its script again with new agents; it
+continues too: the record names the job (cluster and id, which a requeue keeps), and a requeued attempt
+(SLURM_RESTART_COUNT above 0) of the job named there resumes as a restart does. A first attempt never
+matches, so a cluster that reuses job ids after a reinstall is not mistaken for a requeue.
 """
 
 from __future__ import annotations
@@ -49,27 +54,37 @@ def _agents() -> list[str]:
     return sorted({a for a in every if a})
 
 
+def _slurm_job() -> str | None:
+    """This worker's Slurm job as cluster/id, or None outside Slurm."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"{os.environ.get('SLURM_CLUSTER_NAME', '')}/{job}" if job else None
+
+
 def continues_launch(run_dir: Path) -> tuple[bool, list[str]]:
-    """(whether this attempt is a restart of the launch that last trained in ``run_dir``, this attempt's
-    agents). Every rank gets the same answer: all read the same record after the same all-gather."""
+    """(whether this attempt is a restart of the launch that last trained in ``run_dir``, or a requeue of its
+    Slurm job; this attempt's agents). Every rank gets the same answer: all read the same record after the
+    same all-gather, and every task of a job sees the same SLURM_RESTART_COUNT."""
     agents = _agents()
     try:
-        recorded = set(json.loads((Path(run_dir) / LAUNCH_FILE).read_text())["agents"])
+        record = json.loads((Path(run_dir) / LAUNCH_FILE).read_text())
+        recorded = set(record["agents"])
     except (OSError, ValueError, KeyError, TypeError):  # no record, or one from before: a new launch
-        recorded = set()
-    return bool(recorded & set(agents)), agents
+        record, recorded = {}, set()
+    requeued = os.environ.get("SLURM_RESTART_COUNT", "0") != "0" and record.get("slurm_job") == _slurm_job()
+    return bool(recorded & set(agents)) or requeued and _slurm_job() is not None, agents
 
 
 def record_launch(run_dir: Path, agents: list[str], restarted: bool) -> None:
-    """Rank 0, once the attempt's checks have passed: list its agents for the attempts after it. A restart
-    keeps the agents listed before (a node lost now may be the one that rejoins later)."""
-    if not agents:
+    """Rank 0, once the attempt's checks have passed: list its agents and its Slurm job for the attempts after
+    it. A restart keeps the agents listed before (a node lost now may be the one that rejoins later)."""
+    job = _slurm_job()
+    if not agents and job is None:
         return
     path = Path(run_dir) / LAUNCH_FILE
     if restarted:
         agents = sorted(set(agents) | set(json.loads(path.read_text())["agents"]))
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"agents": agents}, indent=1))
+    tmp.write_text(json.dumps({"agents": agents, "slurm_job": job}, indent=1))
     os.replace(tmp, path)
 
 
