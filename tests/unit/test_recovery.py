@@ -120,7 +120,7 @@ def test_faults_are_injected_only_where_and_when_asked(monkeypatch):
     assert faults.planned(1) is None
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     monkeypatch.setenv(faults.ENV, "explode@1:5")
-    with pytest.raises(ValueError, match=re.escape("expected <kill|hang|sigterm|damage|raise>@<rank>:<step>")):
+    with pytest.raises(ValueError, match=re.escape("expected <kill|hang|sigterm|damage|raise|overflow>@<rank>:<step>")):
         faults.planned(1)
     faults.inject(("raise", 3), 2, None)  # not yet
     with pytest.raises(RuntimeError, match="injected failure at step 3"):
