@@ -22,7 +22,7 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from infer_helpers import CHATML, ServerThread
-from scalenlp.data.chat import ChatError, TemplateLimit, render_chat
+from scalenlp.data.chat import ChatError, TemplateLimit, render_chat, render_with_assistant_mask
 from scalenlp.data.template_workers import TemplateWorkers, WorkersStopped
 from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.llm import engine_from_checkpoint
@@ -74,13 +74,18 @@ def test_output_stops_at_the_size_limit():
 
 def test_a_normal_conversation_gives_the_in_process_ids():
     tok = word_tokenizer()
+    answered = [*HELLO, {"role": "assistant", "content": "hello"}]
     workers = TemplateWorkers(tok, {"chat_template": CHATML}, workers=1)
     try:
         ids = workers.chat_ids_blocking(HELLO)
         assert asyncio.run(workers.chat_ids(HELLO)) == ids
+        text = workers.chat_text_blocking(answered, add_generation_prompt=False)
+        masked = workers.masked_ids_blocking(answered, [0])
     finally:
         workers.close()
     assert ids == tok.encode(render_chat(HELLO, CHATML, add_generation_prompt=True), add_special_tokens=False).ids
+    assert text == render_chat(answered, CHATML, add_generation_prompt=False)
+    assert masked == render_with_assistant_mask(tok, answered, CHATML, end_of_turn=[0])
 
 
 def test_tokenizer_whose_normalizers_never_finish_is_refused_at_load():
@@ -164,6 +169,58 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped; init reaps it
     except FileNotFoundError:
         return False
+
+
+# ---- the other places a template renders: LLM.chat, lm-eval's chat template, fine-tuning data ----
+
+def spinning_model(hf_chat_model, folder, template: str):
+    """A copy of the tiny chat model whose tokenizer_config.json carries ``template``."""
+    shutil.copytree(hf_chat_model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return folder
+
+
+def assert_time_limit(e: pytest.ExceptionInfo) -> None:
+    assert e.value.code == "template_timeout" and "\n" not in str(e.value), str(e.value)
+
+
+def test_llm_chat_and_lm_eval_stop_a_template_that_never_ends(hf_chat_model, tmp_path):
+    from scalenlp.evaluation.lm_eval import ScaleNLPLM
+
+    lm = ScaleNLPLM(checkpoint=str(spinning_model(hf_chat_model, tmp_path / "model", NESTED_LOOPS)))
+    try:
+        with pytest.raises(TemplateLimit, match="did not finish with this conversation within 2 s") as e:
+            lm.llm.chat(HELLO)
+        assert_time_limit(e)
+        with pytest.raises(TemplateLimit, match="did not finish") as e:
+            lm.apply_chat_template(HELLO)
+        assert_time_limit(e)
+    finally:
+        lm.close()
+
+
+def test_sft_data_skips_a_row_whose_template_never_ends(hf_chat_model, tmp_path):
+    from scalenlp.config import load_config
+    from scalenlp.data import prepare_data
+    from scalenlp.data.sft import CHAT_ROWS
+    from scalenlp.loader import read
+    from train_helpers import SFT
+
+    # Endless for one conversation only, ChatML for the others.
+    template = "{% if messages[1]['content'] == 'spin' %}" + NESTED_LOOPS + "{% endif %}" + CHATML
+    folder = spinning_model(hf_chat_model, tmp_path / "model", template)
+    chats = tmp_path / "chats.jsonl"
+    rows = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": q},
+             {"role": "assistant", "content": "hello there"}]
+            for q in ("hello", "spin", "there")]
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    logs = []
+    cfg = load_config(None, [*SFT, f"data.path={chats}", f"model.init={folder}"])
+    prepare_data(cfg, tmp_path / "run", log=logs.append, pretrained=read(folder), rows=CHAT_ROWS)
+    (skipped,) = [line for line in logs if "skipped" in line]
+    assert "skipped 1 line(s): " in skipped and f"{chats}:2: the chat template did not finish" in skipped, logs
+    assert any("2 conversations" in line for line in logs), logs
 
 
 # ---- through the server: 400s in OpenAI's shape, and other requests served meanwhile ----
