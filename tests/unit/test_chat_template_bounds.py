@@ -171,6 +171,32 @@ def alive(pid: int) -> bool:
         return False
 
 
+def test_a_render_whose_caller_left_before_it_had_a_worker_never_runs():
+    """Four callers of a template that spins for the whole time limit leave while the first renders: the three
+    still queued take no worker, so the next caller waits for one render, not four (a backlog of abandoned
+    renders held both workers for minutes under abuse.py's slow-template load)."""
+    spin = [{"role": "user", "content": "spin"}]
+    template = "{% if messages[0]['content'] == 'spin' %}" + NESTED_LOOPS + "{% endif %}" + CHATML
+    workers = TemplateWorkers(word_tokenizer(), {"chat_template": template}, timeout=1, workers=1)
+    sent = []
+    send = workers._send
+    workers._send = lambda worker, kind, payload: sent.append(payload[0][0]["content"]) or send(worker, kind, payload)
+
+    async def callers():
+        leaving = [asyncio.ensure_future(workers.chat_ids(spin)) for _ in range(4)]
+        while not sent:
+            await asyncio.sleep(0.01)
+        for caller in leaving:
+            caller.cancel()
+        return await workers.chat_ids(HELLO)
+
+    try:
+        assert asyncio.run(callers())
+    finally:
+        workers.close()
+    assert sent == ["spin", "hello there"]
+
+
 # ---- the other places a template renders: LLM.chat, lm-eval's chat template, fine-tuning data ----
 
 def spinning_model(hf_chat_model, folder, template: str):

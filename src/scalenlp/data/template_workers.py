@@ -14,8 +14,10 @@ Workers come from multiprocessing's fork server: a clean process (no server thre
 replacement in milliseconds. The first worker encodes a test text before the model is accepted, under the same
 time limit: a tokenizer that cannot do that is refused at load with one line, before any request meets it.
 
-A caller that leaves (a client gone) lets its job finish or time out without it and the worker return to the pool:
-killing it would make every abandoned request cost a new process. As with every multiprocessing start method but
+A caller that leaves (a client gone) lets a job already in a worker finish or time out without it and the worker
+return to the pool: killing it would make every abandoned request cost a new process. A job still waiting for a
+worker when its caller leaves never takes one: seven clients that give up on a template that spins for the whole
+time limit would otherwise leave a backlog of renders that holds every worker long after they have gone. As with every multiprocessing start method but
 fork, a worker imports the main script first: a script that starts these needs the ``if __name__ == "__main__":``
 guard.
 """
@@ -284,16 +286,24 @@ class TemplateWorkers:
         """The conversation's prompt ids (``tools``: the tool definitions the template renders, when it is to);
         ChatError (TemplateLimit for a limit) when they cannot be made."""
         self._check(messages, tools)
-        job = asyncio.ensure_future(self._job(messages, tools))
+        left = asyncio.Event()
+        job = asyncio.ensure_future(self._job(messages, tools, left))
         self._tasks.add(job)
         job.add_done_callback(self._tasks.discard)
-        return await asyncio.shield(job)  # a caller that leaves does not stop the job: see the module's note
+        try:
+            return await asyncio.shield(job)  # a caller that leaves does not stop a render: see the module's note
+        except asyncio.CancelledError:
+            left.set()
+            raise
 
-    async def _job(self, messages: list, tools: list | None) -> list[int]:
+    async def _job(self, messages: list, tools: list | None, left: asyncio.Event) -> list[int]:
         worker = await self._free.get()
         if worker is None:  # a replacement could not be started
             self._free.put_nowait(None)
             raise WorkersStopped(f"the chat template workers have stopped: {self._broken}")
+        if left.is_set():  # nobody waits for this render any more: the worker goes to the next caller
+            self._free.put_nowait(worker)
+            raise asyncio.CancelledError
         self._send(worker, "chat", (messages, tools))
         try:
             await _readable(worker.conn, self.timeout)
