@@ -13,9 +13,10 @@ whole row, so a conversation packed after another would see it, and its position
 as they do when the model is asked a question at inference. Padding costs compute on short rows instead,
 little for chat sets whose conversations have similar lengths.
 
-Lines that cannot be used (not UTF-8 or a lone surrogate, not JSON, a number too long to read, no ``messages`` list, an unknown role, a template that
-fails on them, no assistant token within the row) are skipped and reported with their line numbers. The
-last ``data.val_fraction`` of the conversations is the held-out split.
+Lines that cannot be used (not UTF-8 or a lone surrogate, not JSON, a number too long to read, no ``messages``
+list, an unknown role, a template that fails on them or passes the template worker's time or output limit, no
+assistant token within the row) are skipped and reported with their line numbers. The last
+``data.val_fraction`` of the conversations is the held-out split.
 """
 
 from __future__ import annotations
