@@ -197,6 +197,33 @@ def test_a_render_whose_caller_left_before_it_had_a_worker_never_runs():
     assert sent == ["spin", "hello there"]
 
 
+def test_a_chat_request_whose_client_left_while_it_waited_for_a_worker_never_renders(served):
+    """Four clients give up on a template that spins for its whole time limit: only the render that had the
+    worker runs, and the next request waits for that one alone (under abuse.py's slow-template load the renders
+    of gone clients piled up and held both workers for a minute after the load ended)."""
+    server, backend = served
+    spin = [{"role": "user", "content": "spin"}]
+    use_template(backend, "{% if messages[0]['content'] == 'spin' %}" + NESTED_LOOPS + "{% endif %}" + CHATML,
+                 timeout=1.5, workers=1)
+    sent = []
+    send = backend.templates._send
+    backend.templates._send = lambda worker, kind, payload: (sent.append(payload[0][0]["content"])
+                                                             or send(worker, kind, payload))
+
+    def gives_up():
+        with contextlib.suppress(httpx.TimeoutException):
+            chat(server, spin, timeout=0.5)
+
+    clients = [threading.Thread(target=gives_up) for _ in range(4)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    assert chat(server).status_code == 200
+    # The first render may have had its worker before its client left (on a busy machine, it may not have).
+    assert sent[-1] == "hello there" and sent.count("spin") <= 1, sent
+
+
 # ---- the other places a template renders: LLM.chat, lm-eval's chat template, fine-tuning data ----
 
 def spinning_model(hf_chat_model, folder, template: str):

@@ -193,7 +193,11 @@ def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAUL
     @app.post("/v1/chat/completions", responses=completion_responses)
     async def chat_completions(req: ChatRequest, request: Request):
         check_model(req)
-        completion, tools = await completion_for_chat(req, backend)
+        # The wait for a template worker too ends when the client leaves: its render then never starts.
+        rendered = await unless_disconnected(request, completion_for_chat(req, backend))
+        if not isinstance(rendered, tuple):  # the client left (a 499 nobody reads)
+            return rendered
+        completion, tools = rendered
         return await answer(request, req.stream, lambda: complete_chat(backend, completion, tools),
                             lambda: stream_chat(backend, completion, tools))
 
