@@ -294,6 +294,8 @@ class TemplateWorkers:
             return await asyncio.shield(job)  # a caller that leaves does not stop a render: see the module's note
         except asyncio.CancelledError:
             left.set()
+            # A render already running ends without its caller: its error (a time limit) is nobody's to log.
+            job.add_done_callback(lambda done: done.cancelled() or done.exception())
             raise
 
     async def _job(self, messages: list, tools: list | None, left: asyncio.Event) -> list[int]:
