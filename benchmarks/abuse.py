@@ -1,18 +1,22 @@
 """Abusive loads against a `scalenlp serve` process, with a normal client beside them (issue 32's proof).
 
-  python benchmarks/abuse.py [--checkpoint PATH] [--loads big-prompt,disconnect] [--seconds 20]
+  python benchmarks/abuse.py [--checkpoint PATH] [--loads big-prompt,disconnect,slow-template] [--seconds 20]
                              [--serve-args "--max-seq-len 2048 --max-batch 4"]
                              [--loads big-embeddings --encoder PATH --encoder-serve-args "--pass-tokens 256"]
 
 One server process runs throughout. The normal client sends one 2-token completion after another; its latency
 is measured first against the idle server, then during each load in turn. The server's RSS (from /proc) is read
 before each load, at its peak during it, and after it (once the load's last request has ended and two seconds
-have passed). Loads:
+have passed). Each load's window starts once its clients are running. Loads:
 
   big-prompt    8 clients, each posting a ~4 MB prompt (refused: too long), then pausing --pause seconds, and
                 again (the issue's eight concurrent 4 MB prompts, repeated; --pause 0 floods)
   disconnect    8 clients, each starting a streamed completion to the end of the context and leaving after its
                 first chunk, pausing, and again
+  slow-template 8 clients, each sending a chat request to a model whose chat template never finishes (two nested
+                range(100000) loops, the issue's template) and giving up after a second (status 499 in the load's
+                statuses), pausing, and again; with this load the decoder is served from a Hugging Face copy
+                of --checkpoint that carries that template (exported first: a minute or so)
   big-embeddings  (an encoder checkpoint, --encoder PATH, served by a second process) 8 clients, each posting
                 2,048 texts of 330 words (3.9 MB: priced and refused) and 64 texts of 200 words (served), then
                 pausing; the normal client there embeds one word
@@ -31,6 +35,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -39,6 +44,10 @@ import httpx
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SETTLE_S = 2.0
+NEVER_ENDING = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+# A slow-template client leaves after GIVE_UP_S, before the server's template time limit (2 s by default) ends
+# the render, and counts that as status GAVE_UP (nginx's "client closed request").
+GIVE_UP_S, GAVE_UP = 1.0, 499
 
 
 def vm_rss_mb(pid: int) -> float:
@@ -74,6 +83,21 @@ def started(command: list[str], port: int, env: dict, log=None):
     finally:
         proc.terminate()
         proc.wait()
+
+
+@contextlib.contextmanager
+def never_ending_template(checkpoint: str):
+    """A Hugging Face folder of ``checkpoint`` (any kind `scalenlp export` reads) whose chat template never
+    finishes, in a temporary folder removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="abuse-") as tmp:
+        folder = Path(tmp) / "model"
+        done = subprocess.run([sys.executable, "-m", "scalenlp", "export", "--checkpoint", checkpoint, "--format",
+                               "hf", "--out", str(folder)], capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"exporting {checkpoint} for slow-template failed: {done.stderr.strip()}")
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": NEVER_ENDING}))
+        yield str(folder)
 
 
 def model_of(url: str) -> str:
@@ -131,6 +155,17 @@ def disconnect(url: str, model: str, stop: threading.Event, statuses: list, paus
         stop.wait(pause)
 
 
+def slow_template(url: str, model: str, stop: threading.Event, statuses: list, pause: float) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+    with httpx.Client(timeout=GIVE_UP_S) as client:
+        while not stop.is_set():
+            try:
+                statuses.append(client.post(url + "/v1/chat/completions", json=body).status_code)
+            except httpx.TimeoutException:
+                statuses.append(GAVE_UP)
+            stop.wait(pause)
+
+
 def big_embeddings(url: str, model: str, stop: threading.Event, statuses: list, pause: float) -> None:
     words = (DATA / "wikitext2" / "valid.txt").read_text(encoding="utf-8").split()
     words *= 1 + 2048 * 330 // len(words)  # the file holds fewer: repeat it rather than send empty texts
@@ -144,13 +179,15 @@ def big_embeddings(url: str, model: str, stop: threading.Event, statuses: list, 
             stop.wait(pause)
 
 
-LOADS = {"big-prompt": big_prompt, "disconnect": disconnect, "big-embeddings": big_embeddings}
+LOADS = {"big-prompt": big_prompt, "disconnect": disconnect, "slow-template": slow_template,
+         "big-embeddings": big_embeddings}
 CLIENTS = 8
 
 
-def load_process(name: str, url: str, model: str, stop, pause: float, results) -> None:
-    """CLIENTS threads of load ``name`` until ``stop`` is set, then their statuses into ``results``. A process of
-    its own: in the normal client's, their Python work would hold the GIL and show up as server latency."""
+def load_process(name: str, url: str, model: str, started, stop, pause: float, results) -> None:
+    """CLIENTS threads of load ``name``, ``started`` set once they run, until ``stop`` is set, then their statuses
+    into ``results``. A process of its own: in the normal client's, their Python work would hold the GIL and show
+    up as server latency."""
     import threading
 
     statuses, local_stop = [], threading.Event()
@@ -158,6 +195,7 @@ def load_process(name: str, url: str, model: str, stop, pause: float, results) -
                for _ in range(CLIENTS)]
     for t in threads:
         t.start()
+    started.set()
     stop.wait()
     local_stop.set()
     for t in threads:
@@ -183,9 +221,11 @@ def run_loads(url: str, pid: int, loads: list[str], normal: Normal, seconds: flo
     spawn = multiprocessing.get_context("spawn")
     for name in loads:
         before = vm_rss_mb(pid)
-        stop, results, peak, sampling = spawn.Event(), spawn.Queue(), [before], threading.Event()
-        worker = spawn.Process(target=load_process, args=(name, url, model, stop, pause, results))
+        started, stop, results = spawn.Event(), spawn.Event(), spawn.Queue()
+        peak, sampling = [before], threading.Event()
+        worker = spawn.Process(target=load_process, args=(name, url, model, started, stop, pause, results))
         worker.start()
+        started.wait()  # a spawned process takes seconds to import httpx here: not part of the load's window
         threading.Thread(target=sample_peak, args=(pid, sampling, peak), daemon=True).start()
         latencies = normal.measure(seconds)
         stop.set()
@@ -232,7 +272,10 @@ def main() -> int:
         from scalenlp.models.packaged import packaged_model
 
         checkpoint = args.checkpoint or str(packaged_model("smollm2"))
-        with served(checkpoint, args.serve_args) as (url, pid):
+        with contextlib.ExitStack() as stack:
+            if "slow-template" in decoder_loads:
+                checkpoint = stack.enter_context(never_ending_template(checkpoint))
+            url, pid = stack.enter_context(served(checkpoint, args.serve_args))
             normal = Normal(url, "/v1/completions", {"model": model_of(url), "prompt": "Hello", "max_tokens": 2,
                                                      "temperature": 0})
             print(f"{checkpoint} ({args.serve_args}): normal client = 2-token completions")

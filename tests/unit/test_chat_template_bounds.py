@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from infer_helpers import CHATML, ServerThread
-from scalenlp.data.chat import ChatError, TemplateLimit, render_chat
+from scalenlp.data.chat import ChatError, TemplateLimit, render_chat, render_with_assistant_mask
 from scalenlp.data.template_workers import TemplateWorkers, WorkersStopped
 from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.llm import engine_from_checkpoint
@@ -74,13 +75,18 @@ def test_output_stops_at_the_size_limit():
 
 def test_a_normal_conversation_gives_the_in_process_ids():
     tok = word_tokenizer()
+    answered = [*HELLO, {"role": "assistant", "content": "hello"}]
     workers = TemplateWorkers(tok, {"chat_template": CHATML}, workers=1)
     try:
         ids = workers.chat_ids_blocking(HELLO)
         assert asyncio.run(workers.chat_ids(HELLO)) == ids
+        text = workers.chat_text_blocking(answered, add_generation_prompt=False)
+        masked = workers.masked_ids_blocking(answered, [0])
     finally:
         workers.close()
     assert ids == tok.encode(render_chat(HELLO, CHATML, add_generation_prompt=True), add_special_tokens=False).ids
+    assert text == render_chat(answered, CHATML, add_generation_prompt=False)
+    assert masked == render_with_assistant_mask(tok, answered, CHATML, end_of_turn=[0])
 
 
 def test_tokenizer_whose_normalizers_never_finish_is_refused_at_load():
@@ -164,6 +170,117 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped; init reaps it
     except FileNotFoundError:
         return False
+
+
+def test_a_render_whose_caller_left_before_it_had_a_worker_never_runs():
+    """Four callers of a template that spins for the whole time limit leave while the first renders: the three
+    still queued take no worker, so the next caller waits for one render, not four (a backlog of abandoned
+    renders held both workers for minutes under abuse.py's slow-template load)."""
+    spin = [{"role": "user", "content": "spin"}]
+    template = "{% if messages[0]['content'] == 'spin' %}" + NESTED_LOOPS + "{% endif %}" + CHATML
+    workers = TemplateWorkers(word_tokenizer(), {"chat_template": template}, timeout=1, workers=1)
+    sent = []
+    send = workers._send
+    workers._send = lambda worker, kind, payload: sent.append(payload[0][0]["content"]) or send(worker, kind, payload)
+
+    unhandled = []
+
+    async def callers():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unhandled.append(context))
+        leaving = [asyncio.ensure_future(workers.chat_ids(spin)) for _ in range(4)]
+        while not sent:
+            await asyncio.sleep(0.01)
+        for caller in leaving:
+            caller.cancel()
+        ids = await workers.chat_ids(HELLO)
+        gc.collect()  # the first render's job, ended by the time limit, is gone: its error was not left unread
+        return ids
+
+    try:
+        assert asyncio.run(callers())
+    finally:
+        workers.close()
+    assert sent == ["spin", "hello there"]
+    assert unhandled == []
+
+
+def test_a_chat_request_whose_client_left_while_it_waited_for_a_worker_never_renders(served):
+    """Four clients give up on a template that spins for its whole time limit: only the render that had the
+    worker runs, and the next request waits for that one alone (under abuse.py's slow-template load the renders
+    of gone clients piled up and held both workers for a minute after the load ended)."""
+    server, backend = served
+    spin = [{"role": "user", "content": "spin"}]
+    use_template(backend, "{% if messages[0]['content'] == 'spin' %}" + NESTED_LOOPS + "{% endif %}" + CHATML,
+                 timeout=1.5, workers=1)
+    sent = []
+    send = backend.templates._send
+    backend.templates._send = lambda worker, kind, payload: (sent.append(payload[0][0]["content"])
+                                                             or send(worker, kind, payload))
+
+    def gives_up():
+        with contextlib.suppress(httpx.TimeoutException):
+            chat(server, spin, timeout=0.5)
+
+    clients = [threading.Thread(target=gives_up) for _ in range(4)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    assert chat(server).status_code == 200
+    # The first render may have had its worker before its client left (on a busy machine, it may not have).
+    assert sent[-1] == "hello there" and sent.count("spin") <= 1, sent
+
+
+# ---- the other places a template renders: LLM.chat, lm-eval's chat template, fine-tuning data ----
+
+def spinning_model(hf_chat_model, folder, template: str):
+    """A copy of the tiny chat model whose tokenizer_config.json carries ``template``."""
+    shutil.copytree(hf_chat_model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return folder
+
+
+def assert_time_limit(e: pytest.ExceptionInfo) -> None:
+    assert e.value.code == "template_timeout" and "\n" not in str(e.value), str(e.value)
+
+
+def test_llm_chat_and_lm_eval_stop_a_template_that_never_ends(hf_chat_model, tmp_path):
+    from scalenlp.evaluation.lm_eval import ScaleNLPLM
+
+    lm = ScaleNLPLM(checkpoint=str(spinning_model(hf_chat_model, tmp_path / "model", NESTED_LOOPS)))
+    try:
+        with pytest.raises(TemplateLimit, match="did not finish with this conversation within 2 s") as e:
+            lm.llm.chat(HELLO)
+        assert_time_limit(e)
+        with pytest.raises(TemplateLimit, match="did not finish") as e:
+            lm.apply_chat_template(HELLO)
+        assert_time_limit(e)
+    finally:
+        lm.close()
+
+
+def test_sft_data_skips_a_row_whose_template_never_ends(hf_chat_model, tmp_path):
+    from scalenlp.config import load_config
+    from scalenlp.data import prepare_data
+    from scalenlp.data.sft import CHAT_ROWS
+    from scalenlp.loader import read
+    from train_helpers import SFT
+
+    # Endless for one conversation only, ChatML for the others.
+    template = "{% if messages[1]['content'] == 'spin' %}" + NESTED_LOOPS + "{% endif %}" + CHATML
+    folder = spinning_model(hf_chat_model, tmp_path / "model", template)
+    chats = tmp_path / "chats.jsonl"
+    rows = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": q},
+             {"role": "assistant", "content": "hello there"}]
+            for q in ("hello", "spin", "there")]
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    logs = []
+    cfg = load_config(None, [*SFT, f"data.path={chats}", f"model.init={folder}"])
+    prepare_data(cfg, tmp_path / "run", log=logs.append, pretrained=read(folder), rows=CHAT_ROWS)
+    (skipped,) = [line for line in logs if "skipped" in line]
+    assert "skipped 1 line(s): " in skipped and f"{chats}:2: the chat template did not finish" in skipped, logs
+    assert any("2 conversations" in line for line in logs), logs
 
 
 # ---- through the server: 400s in OpenAI's shape, and other requests served meanwhile ----

@@ -174,21 +174,23 @@ def end_of_turn_ids(tokenizer: Tokenizer, tokenizer_config: dict) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def assistant_spans(messages: list[dict], template: str, **variables) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(messages: list[dict], template: str, max_bytes: int | None = None,
+                    **variables) -> tuple[str, list[tuple[int, int]]]:
     """The whole conversation's text and the character span of each assistant turn in it.
 
     Rendered incrementally: the turn of assistant message i starts where the render of messages[:i] with
     the generation prompt ends (after "<|im_start|>assistant\\n"), and ends where the render of
     messages[:i + 1] ends (its content and the template's end-of-turn text). This needs a template whose
-    renders of a conversation's prefixes are prefixes of the whole render, which is checked."""
+    renders of a conversation's prefixes are prefixes of the whole render, which is checked. Each render is
+    held to ``max_bytes`` as ``render_chat``'s."""
     check_messages(messages)
-    full = _render(messages, template, False, variables)
+    full = _render(messages, template, False, variables, max_bytes)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = _render(messages[:i], template, True, variables) if i else ""
-        through = _render(messages[:i + 1], template, False, variables)
+        start = _render(messages[:i], template, True, variables, max_bytes) if i else ""
+        through = _render(messages[:i + 1], template, False, variables, max_bytes)
         if not (through.startswith(start) and full.startswith(through)):
             raise ChatError(f"the chat template renders the turns before messages[{i}] differently once later "
                             f"turns follow, so the assistant's tokens cannot be told apart; use a template whose "
@@ -206,7 +208,12 @@ def render_with_assistant_mask(tokenizer: Tokenizer, messages: list[dict], templ
     last ``end_of_turn`` token when it has one, so that what the template writes after it (ChatML's newline)
     is not trained on: the model is taught to write its answer and then end its turn."""
     text, spans = assistant_spans(messages, template, **variables)
-    encoding = tokenizer.encode(text, add_special_tokens=False)
+    return assistant_mask(tokenizer.encode(text, add_special_tokens=False), spans, end_of_turn)
+
+
+def assistant_mask(encoding, spans: list[tuple[int, int]], end_of_turn: Collection[int]) -> tuple[list[int], list[bool]]:
+    """``render_with_assistant_mask``'s ids and mask from the tokenizer's encoding of the text and its
+    assistant spans (``assistant_spans``)."""
     ids, starts = encoding.ids, [start for start, _ in encoding.offsets]
     mask = [False] * len(ids)
     k = 0

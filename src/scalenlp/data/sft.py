@@ -13,9 +13,10 @@ whole row, so a conversation packed after another would see it, and its position
 as they do when the model is asked a question at inference. Padding costs compute on short rows instead,
 little for chat sets whose conversations have similar lengths.
 
-Lines that cannot be used (not UTF-8 or a lone surrogate, not JSON, a number too long to read, no ``messages`` list, an unknown role, a template that
-fails on them, no assistant token within the row) are skipped and reported with their line numbers. The
-last ``data.val_fraction`` of the conversations is the held-out split.
+Lines that cannot be used (not UTF-8 or a lone surrogate, not JSON, a number too long to read, no ``messages``
+list, an unknown role, a template that fails on them or passes the template worker's time or output limit, no
+assistant token within the row) are skipped and reported with their line numbers. The last
+``data.val_fraction`` of the conversations is the held-out split.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import numpy as np
 import torch
 
 from scalenlp.config import Config
-from scalenlp.data.chat import ChatError, chat_template, end_of_turn_ids, render_with_assistant_mask, template_variables
+from scalenlp.data.chat import ChatError, chat_template, end_of_turn_ids, template_variables
 from scalenlp.data.dataset import open_tokens
 from scalenlp.data.prepare import Plan, build_entry
 from scalenlp.data.sources import Corpus
+from scalenlp.data.template_workers import TemplateWorkers
 from scalenlp.data.text import jsonl_rows
 from scalenlp.errors import UserError
 
@@ -59,38 +61,47 @@ def read_conversations(files: list[Path]) -> Iterator[tuple[str, list | str]]:
             yield where, record["messages"]
 
 
+def _masked_rows(templates, conversations, end_of_turn: list[int], problems: list[str]):
+    """(file:line, ids, assistant mask) of each usable conversation; why the others are not, into ``problems``."""
+    for where, messages in conversations:
+        if isinstance(messages, str):
+            problems.append(f"{where}: {messages}")
+            continue
+        try:
+            yield where, *templates.masked_ids_blocking(messages, end_of_turn)
+        except ChatError as e:
+            problems.append(f"{where}: {e}")
+
+
 def write_chat_rows(corpus: Corpus, pretrained: Any, cfg: Config, out_dir: Path,
                     log: Callable[[str], None]) -> None:
     """Render, tokenize and label every conversation into ``train.npy`` / ``val.npy`` (int32, shape
     (conversations, 2, seq_len + 1): tokens, labels) and ``meta.json`` in ``out_dir``."""
     tokenizer, config = pretrained.tokenizer, pretrained.tokenizer_config
-    template, variables = chat_template(config), template_variables(config)
+    chat_template(config)  # a model without a template is refused before any row is read
     end_of_turn = end_of_turn_ids(tokenizer, config)
     width = cfg.training.seq_len + 1
     # Padding is never attended to by real tokens (causal attention, padding comes last) and never a
     # target, so any id serves; the end-of-turn token keeps the rows readable.
     pad = end_of_turn[0] if end_of_turn else 0
     rows, problems, truncated = [], [], 0
-    for where, messages in read_conversations(corpus.files):
-        if isinstance(messages, str):
-            problems.append(f"{where}: {messages}")
-            continue
-        try:
-            ids, mask = render_with_assistant_mask(tokenizer, messages, template, end_of_turn=end_of_turn,
-                                                   **variables)
-        except ChatError as e:
-            problems.append(f"{where}: {e}")
-            continue
-        ids, mask = ids[:width], mask[:width]
-        if not any(mask[1:]):  # the first token is never a target
-            problems.append(f"{where}: no assistant token within the first training.seq_len+1={width} tokens")
-            continue
-        truncated += len(ids) == width
-        row = np.full((2, width), IGNORE_INDEX, dtype=np.int32)
-        row[0] = pad
-        row[0, :len(ids)] = ids
-        row[1, :len(ids)] = np.where(mask, ids, IGNORE_INDEX)
-        rows.append(row)
+    # The template is the model file's code: rendered in a worker process under the server's time and output
+    # limits, so that a row it never finishes is skipped like any other bad row.
+    templates = TemplateWorkers(tokenizer, config, workers=1)
+    try:
+        for where, ids, mask in _masked_rows(templates, read_conversations(corpus.files), end_of_turn, problems):
+            ids, mask = ids[:width], mask[:width]
+            if not any(mask[1:]):  # the first token is never a target
+                problems.append(f"{where}: no assistant token within the first training.seq_len+1={width} tokens")
+                continue
+            truncated += len(ids) == width
+            row = np.full((2, width), IGNORE_INDEX, dtype=np.int32)
+            row[0] = pad
+            row[0, :len(ids)] = ids
+            row[1, :len(ids)] = np.where(mask, ids, IGNORE_INDEX)
+            rows.append(row)
+    finally:
+        templates.close()
     if problems:
         more = f" (and {len(problems) - REPORTED_PROBLEMS} more)" if len(problems) > REPORTED_PROBLEMS else ""
         log(f"data: skipped {len(problems)} line(s): " + "; ".join(problems[:REPORTED_PROBLEMS]) + more)

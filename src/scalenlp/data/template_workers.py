@@ -14,8 +14,10 @@ Workers come from multiprocessing's fork server: a clean process (no server thre
 replacement in milliseconds. The first worker encodes a test text before the model is accepted, under the same
 time limit: a tokenizer that cannot do that is refused at load with one line, before any request meets it.
 
-A caller that leaves (a client gone) lets its job finish or time out without it and the worker return to the pool:
-killing it would make every abandoned request cost a new process. As with every multiprocessing start method but
+A caller that leaves (a client gone) lets a job already in a worker finish or time out without it and the worker
+return to the pool: killing it would make every abandoned request cost a new process. A job still waiting for a
+worker when its caller leaves never takes one: seven clients that give up on a template that spins for the whole
+time limit would otherwise leave a backlog of renders that holds every worker long after they have gone. As with every multiprocessing start method but
 fork, a worker imports the main script first: a script that starts these needs the ``if __name__ == "__main__":``
 guard.
 """
@@ -31,7 +33,16 @@ import string
 
 from tokenizers import Tokenizer
 
-from scalenlp.data.chat import ChatError, TemplateLimit, chat_template, check_messages, render_chat, template_variables
+from scalenlp.data.chat import (
+    ChatError,
+    TemplateLimit,
+    assistant_mask,
+    assistant_spans,
+    chat_template,
+    check_messages,
+    render_chat,
+    template_variables,
+)
 from scalenlp.data.text import json_problem
 from scalenlp.errors import UserError
 
@@ -75,8 +86,10 @@ def _cap_cpu(seconds: float) -> None:
 
 def _work(conn, phase, tokenizer_json: str, template: str | None, variables: dict, timeout: float,
           max_bytes: int, memory: int) -> None:
-    """A worker's loop: ("chat", (messages, tools or None)) -> ("ok", ids) | ("error", message, code); ("probe",
-    text) -> ("ok", number of ids). Ends when the server closes its end of the pipe."""
+    """A worker's loop: ("chat", (messages, tools or None)) -> ("ok", ids) | ("error", message, code); ("text",
+    (messages, add_generation_prompt)) -> ("ok", the rendered text); ("masked", (messages, end_of_turn ids)) ->
+    ("ok", (ids, assistant mask)) for fine-tuning rows; ("probe", text) -> ("ok", number of ids). Ends when the
+    server closes its end of the pipe."""
     # Below the server's priority: a template that spins for its whole time limit, or a worker starting in place
     # of one, takes CPU from requests only where the server leaves some (a real template renders in a millisecond).
     os.nice(WORKER_NICENESS)
@@ -96,6 +109,17 @@ def _work(conn, phase, tokenizer_json: str, template: str | None, variables: dic
             if kind == "probe":
                 phase.value = _TOKENIZING
                 reply = ("ok", len(tokenizer.encode(payload).ids))
+            elif kind == "text":
+                phase.value = _RENDERING
+                messages, add_generation_prompt = payload
+                reply = ("ok", render_chat(messages, template, add_generation_prompt=add_generation_prompt,
+                                           max_bytes=max_bytes, **variables))
+            elif kind == "masked":
+                phase.value = _RENDERING
+                messages, end_of_turn = payload
+                text, spans = assistant_spans(messages, template, max_bytes=max_bytes, **variables)
+                phase.value = _TOKENIZING
+                reply = ("ok", assistant_mask(tokenizer.encode(text, add_special_tokens=False), spans, end_of_turn))
             else:
                 phase.value = _RENDERING
                 messages, tools = payload
@@ -156,8 +180,8 @@ class _Worker:
 class TemplateWorkers:
     """Chat prompts (token ids) of one model, made by ``workers`` processes under ``timeout`` seconds and
     ``max_bytes`` of template output per conversation, each process allowed ``memory`` bytes more than it holds
-    once loaded. ``chat_ids`` is for an event loop (the server), many
-    callers at once; ``chat_ids_blocking`` for one caller at a time without a loop (the chat command)."""
+    once loaded. ``chat_ids`` is for an event loop (the server), many callers at once; the ``*_blocking`` methods
+    for one caller at a time without a loop (the chat command, ``LLM.chat``, lm-eval, fine-tuning data)."""
 
     def __init__(self, tokenizer: Tokenizer, tokenizer_config: dict, *, timeout: float = DEFAULT_TIMEOUT,
                  max_bytes: int = DEFAULT_MAX_BYTES, workers: int = DEFAULT_WORKERS, memory: int = MEMORY_HEADROOM):
@@ -227,9 +251,9 @@ class TemplateWorkers:
         if (problem := json_problem(tools, "tools")) is not None:
             raise ChatError(problem)
 
-    def _send(self, worker: _Worker, messages: list, tools: list | None) -> None:
+    def _send(self, worker: _Worker, kind: str, payload: tuple) -> None:
         try:
-            worker.conn.send(("chat", (messages, tools)))
+            worker.conn.send((kind, payload))
         except Exception as e:  # pickling fails before anything is written: the worker is still idle
             self._free.put_nowait(worker)
             raise ChatError(f"the messages cannot be passed to the chat template ({type(e).__name__})") from None
@@ -271,17 +295,27 @@ class TemplateWorkers:
         """The conversation's prompt ids (``tools``: the tool definitions the template renders, when it is to);
         ChatError (TemplateLimit for a limit) when they cannot be made."""
         self._check(messages, tools)
-        job = asyncio.ensure_future(self._job(messages, tools))
+        left = asyncio.Event()
+        job = asyncio.ensure_future(self._job(messages, tools, left))
         self._tasks.add(job)
         job.add_done_callback(self._tasks.discard)
-        return await asyncio.shield(job)  # a caller that leaves does not stop the job: see the module's note
+        try:
+            return await asyncio.shield(job)  # a caller that leaves does not stop a render: see the module's note
+        except asyncio.CancelledError:
+            left.set()
+            # A render already running ends without its caller: its error (a time limit) is nobody's to log.
+            job.add_done_callback(lambda done: done.cancelled() or done.exception())
+            raise
 
-    async def _job(self, messages: list, tools: list | None) -> list[int]:
+    async def _job(self, messages: list, tools: list | None, left: asyncio.Event) -> list[int]:
         worker = await self._free.get()
         if worker is None:  # a replacement could not be started
             self._free.put_nowait(None)
             raise WorkersStopped(f"the chat template workers have stopped: {self._broken}")
-        self._send(worker, messages, tools)
+        if left.is_set():  # nobody waits for this render any more: the worker goes to the next caller
+            self._free.put_nowait(worker)
+            raise asyncio.CancelledError
+        self._send(worker, "chat", (messages, tools))
         try:
             await _readable(worker.conn, self.timeout)
             ready = True
@@ -314,10 +348,23 @@ class TemplateWorkers:
         self._free.put_nowait(worker)
 
     def chat_ids_blocking(self, messages: list) -> list[int]:
-        """``chat_ids`` for one caller at a time, without an event loop: there is always a free worker."""
+        """``chat_ids`` for one caller at a time, without an event loop."""
+        return self._blocking(messages, "chat", (messages, None))
+
+    def chat_text_blocking(self, messages: list, add_generation_prompt: bool = True) -> str:
+        """The conversation's text as the template writes it (``render_chat``), under the same limits."""
+        return self._blocking(messages, "text", (messages, add_generation_prompt))
+
+    def masked_ids_blocking(self, messages: list, end_of_turn: list[int]) -> tuple[list[int], list[bool]]:
+        """A whole conversation's ids and its assistant mask (``render_with_assistant_mask``), its renders
+        together under one time limit and each under the output limit."""
+        return self._blocking(messages, "masked", (messages, list(end_of_turn)))
+
+    def _blocking(self, messages: list, kind: str, payload: tuple):
+        """One job without an event loop: there is always a free worker, since callers come one at a time."""
         self._check(messages, None)
         worker = self._free.get_nowait()
-        self._send(worker, messages, None)
+        self._send(worker, kind, payload)
         try:
             return self._answer(worker, worker.conn.poll(self.timeout))
         finally:

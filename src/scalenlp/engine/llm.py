@@ -5,6 +5,9 @@
         print(llm.generate(["Return the"], SamplingParams(max_tokens=20, temperature=0)))
         print(llm.chat([{"role": "user", "content": "Hi!"}]))  # a checkpoint with a chat template
 
+``chat`` renders with the checkpoint's template in a worker process, under the server's time and output limits
+(``data/template_workers.py``): a script that calls it needs the ``if __name__ == "__main__":`` guard.
+
 ``engine_from_checkpoint`` is the one place where an engine is built from its options (``EngineConfig``,
 whose fields hold the defaults) and gets the checkpoint's end-of-text and end-of-turn tokens; the CLI's
 ``generate``/``serve``/``chat`` call it too.
@@ -16,7 +19,7 @@ import dataclasses
 from pathlib import Path
 
 from scalenlp.compress.quantized import quantization_of
-from scalenlp.data.chat import encode_chat, end_of_text_id, end_of_turn_ids
+from scalenlp.data.chat import end_of_text_id, end_of_turn_ids
 from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.decoder_engine import Engine, pick_device
 from scalenlp.engine.dtype import LayerShapes, announce, choose_dtype
@@ -100,6 +103,7 @@ class LLM:
         else:
             config = EngineConfig(checkpoint, **options)
         self.engine = engine_from_checkpoint(config)
+        self._templates = None
         announce(self.engine)
 
     def generate(self, prompts: str | list[str], params: SamplingParams | None = None,
@@ -111,13 +115,26 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None) -> list[str]:
         """The assistant's answer to each conversation (one conversation: a list of role/content messages),
-        rendered with the checkpoint's chat template."""
+        rendered with the checkpoint's chat template (ChatError, one line, when it cannot be: within the
+        template's time and output limits)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [encode_chat(self.engine.tokenizer, c, self.engine.tokenizer_config) for c in conversations]
+        prompts = [self.templates.chat_ids_blocking(c) for c in conversations]
         return self.engine.generate(prompts, params or SamplingParams())
 
+    @property
+    def templates(self):
+        """The worker that renders this checkpoint's chat template (``TemplateWorkers``), started on first use:
+        generation alone needs no process beside the engine."""
+        if self._templates is None:
+            from scalenlp.data.template_workers import TemplateWorkers
+
+            self._templates = TemplateWorkers(self.engine.tokenizer, self.engine.tokenizer_config, workers=1)
+        return self._templates
+
     def close(self) -> None:
+        if self._templates is not None:
+            self._templates.close()
         self.engine.stop()
 
     def __enter__(self) -> LLM:

@@ -30,7 +30,7 @@ import weakref
 import torch
 
 from scalenlp.data.chat import chat_template as template_of
-from scalenlp.data.chat import end_of_text_id, render_chat, special_token, template_variables
+from scalenlp.data.chat import end_of_text_id, special_token
 from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.decoder_engine import EngineDead
 from scalenlp.engine.llm import LLM
@@ -189,9 +189,8 @@ class ScaleNLPLM(TemplateLM):
         return template_of(self.engine.tokenizer_config) if chat_template else None
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return render_chat(chat_history, template_of(self.engine.tokenizer_config),
-                           add_generation_prompt=add_generation_prompt,
-                           **template_variables(self.engine.tokenizer_config))
+        # In the engine's template worker, under its time and output limits: the template is the model file's code.
+        return self.llm.templates.chat_text_blocking(chat_history, add_generation_prompt)
 
 
 def main() -> None:

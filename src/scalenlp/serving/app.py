@@ -6,12 +6,11 @@ command, and so this module.
 """
 
 import asyncio
-import ctypes
-import functools
 import json
 from collections.abc import AsyncIterator, Callable
 
 from scalenlp.auth import authorized
+from scalenlp.engine.heap import trim_heap
 from scalenlp.serving.encoder import add_encoder_routes
 from scalenlp.serving.limits import DEFAULT_MAX_BODY_BYTES
 from scalenlp.serving.protocol import (
@@ -31,15 +30,6 @@ from scalenlp.serving.protocol import (
 # From this body size up a request may leave the heap holding what it freed: tokenizing the 2,048 texts of a
 # refused /v1/embeddings request (3.9 MB) left 160 MB resident in glibc's arenas until malloc_trim gave it back.
 LARGE_BODY_BYTES = 1 << 20
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
 
 
 class BodyLimit:
@@ -84,9 +74,8 @@ class BodyLimit:
         finally:
             if large:
                 self.large_in_flight -= 1
-                if not self.large_in_flight and (trim := _malloc_trim()) is not None:
-                    # In a worker thread: on a heap of many freed pages it took up to 0.7 s here.
-                    asyncio.get_running_loop().run_in_executor(None, trim, 0)
+                if not self.large_in_flight:
+                    asyncio.get_running_loop().run_in_executor(None, trim_heap)
 
 
 def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
@@ -204,7 +193,11 @@ def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAUL
     @app.post("/v1/chat/completions", responses=completion_responses)
     async def chat_completions(req: ChatRequest, request: Request):
         check_model(req)
-        completion, tools = await completion_for_chat(req, backend)
+        # The wait for a template worker too ends when the client leaves: its render then never starts.
+        rendered = await unless_disconnected(request, completion_for_chat(req, backend))
+        if not isinstance(rendered, tuple):  # the client left (a 499 nobody reads)
+            return rendered
+        completion, tools = rendered
         return await answer(request, req.stream, lambda: complete_chat(backend, completion, tools),
                             lambda: stream_chat(backend, completion, tools))
 
