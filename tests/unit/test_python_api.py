@@ -34,10 +34,10 @@ def test_an_encoder_is_refused_by_llm():
 
 def test_a_trainer_from_a_python_config_is_validated_as_the_cli_validates(tmp_path):
     cfg = scalenlp.Config()
-    cfg.training.mixed_precision = "fp16"
+    cfg.training.mixed_precision = "fp8"
     with pytest.raises(scalenlp.ConfigError) as from_python:
         scalenlp.Trainer(cfg, tmp_path / "run")
     with pytest.raises(scalenlp.ConfigError) as from_cli:
-        scalenlp.load_config(None, ["training.mixed_precision=fp16"])
+        scalenlp.load_config(None, ["training.mixed_precision=fp8"])
     assert str(from_python.value) == str(from_cli.value)
     assert not (tmp_path / "run").exists()
