@@ -66,16 +66,19 @@ def test_fp16_follows_fp32_and_resumes_with_its_scale(tmp_path, corpus):
 
 @pytest.mark.slow
 def test_fp16_ranks_agree_on_an_overflow_of_one_rank(tmp_path, corpus, monkeypatch):
-    """One element of rank 1's gradient overflows at step 2: under DDP and ZeRO-3 every rank skips that step
-    and halves its scale, and the losses are those of one process whose step 2 overflowed."""
+    """One element of rank 1's gradient overflows at step 2: under DDP, ZeRO-3, tensor and pipeline parallelism
+    every rank skips that step and halves its scale, and the losses are those of one process whose step 2
+    overflowed (under TP and PP rank 1 holds other parameters than rank 0: its overflow must still stop rank 0)."""
     sets = [*FP16, f"data.path={corpus}", "training.steps=4", "checkpoint.every=0"]
     monkeypatch.setenv("SCALENLP_FAULT", "overflow@0:2")
     train_here(tmp_path / "single", *sets)
     single = read_metrics(tmp_path / "single")
     assert scales(single) == [(2.0**16, 0), (2.0**15, 1), (2.0**15, 1), (2.0**15, 1)]
     monkeypatch.setenv("SCALENLP_FAULT", "overflow@1:2")
-    for layout in ("ddp", "zero3"):
-        run_train(tmp_path / layout, *sets, f"parallel.data_parallel={layout}", nproc=2)
+    layouts = {"ddp": ["parallel.data_parallel=ddp"], "zero3": ["parallel.data_parallel=zero3"],
+               "tp": ["parallel.tp=2"], "pp": ["parallel.pp=2", "parallel.pp_microbatches=2"]}
+    for layout, options in layouts.items():
+        run_train(tmp_path / layout, *sets, *options, nproc=2)
         got = read_metrics(tmp_path / layout)
         assert scales(got) == scales(single), layout
         assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in single], rel=1e-5), layout
