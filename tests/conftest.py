@@ -21,6 +21,18 @@ def pytest_addoption(parser):
                      help="fail a test not marked slow whose call phase takes longer than this")
 
 
+def pytest_configure(config):
+    """Build (or load the cached builds of) scalenlp's C++ kernels once, before any test and before pytest-xdist
+    starts its workers: on a fresh machine a build takes 20-40 s, which the first test to attend would pay (two
+    workers at once, one waiting on the other's build lock) and the fast tier's --max-test-seconds would fail."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller has built them
+        return
+    from scalenlp.models import cpu_attention, paged_attention
+
+    cpu_attention.available()
+    paged_attention.available()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

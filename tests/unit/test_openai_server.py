@@ -186,14 +186,19 @@ def test_client_disconnect_frees_slot(served, monkeypatch):
     fast = engine._decode
     seen = []  # every request the engine decoded for
     left = threading.Event()  # set once the streaming client has gone
+    timed_out = threading.Event()  # set once the second client's timeout has fired
 
     def held_decode(*args, **kwargs):
         # Once the stream has text out, hold the engine until the client leaves: a loaded machine cannot
-        # let the request run to its end first. Afterwards each step is slow, so that only a cancel frees
-        # the slot before the request's 120 tokens are done.
+        # let the request run to its end first. The second request is held from its first decode until its
+        # client's timeout has fired, so that it is running when its client leaves (on a loaded machine it
+        # could otherwise be admitted after the timeout). Afterwards each step is slow, so that only a cancel
+        # frees the slot before the request's 120 tokens are done.
         seen.extend(r for r in engine._running.values() if r not in seen)
         if not left.is_set() and any(r.sent for r in engine._running.values()):
             left.wait(30)
+        if len(seen) == 2 and not timed_out.is_set():
+            timed_out.wait(30)
         time.sleep(0.02)
         return fast(*args, **kwargs)
 
@@ -215,6 +220,11 @@ def test_client_disconnect_frees_slot(served, monkeypatch):
     freed(seen[0])
     body["stream"] = False
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3)
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=2)
+    for _ in range(200):  # admitted and decoding, held there until now (2 s: admitted long before, even loaded)
+        if len(seen) == 2:
+            break
+        time.sleep(0.05)
+    timed_out.set()
     freed(seen[-1])
     assert len(seen) == 2
