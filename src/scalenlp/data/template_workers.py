@@ -17,9 +17,9 @@ time limit: a tokenizer that cannot do that is refused at load with one line, be
 A caller that leaves (a client gone) lets a job already in a worker finish or time out without it and the worker
 return to the pool: killing it would make every abandoned request cost a new process. A job still waiting for a
 worker when its caller leaves never takes one: seven clients that give up on a template that spins for the whole
-time limit would otherwise leave a backlog of renders that holds every worker long after they have gone. As with every multiprocessing start method but
-fork, a worker imports the main script first: a script that starts these needs the ``if __name__ == "__main__":``
-guard.
+time limit would otherwise leave a backlog of renders that holds every worker long after they have gone. As with
+every multiprocessing start method but fork, a worker imports the main script first: a script that starts these
+needs the ``if __name__ == "__main__":`` guard.
 """
 
 from __future__ import annotations
