@@ -26,6 +26,8 @@ import time
 import torch
 from torch.distributed.tensor import DTensor
 
+from scalenlp.launch_env import slurm_requeued
+
 ENV = "SCALENLP_FAULT"
 KINDS = ("kill", "hang", "sigterm", "damage", "raise", "overflow")
 
@@ -33,8 +35,7 @@ KINDS = ("kill", "hang", "sigterm", "damage", "raise", "overflow")
 def planned(rank: int) -> tuple[str, int] | None:
     """(kind, step) of the fault this rank is to inject in this attempt, if any."""
     spec = os.environ.get(ENV, "")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or \
-            os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or slurm_requeued(os.environ):
         return None
     kind, _, where = spec.partition("@")
     at_rank, _, step = where.partition(":")

@@ -97,6 +97,12 @@ def in_slurm_step(env: dict[str, str]) -> bool:
     return "SLURM_STEP_ID" in env and "SLURM_JOB_ID" in env and "WORLD_SIZE" not in env
 
 
+def slurm_requeued(env: dict[str, str]) -> bool:
+    """A second or later attempt of a Slurm job (requeued after a node failure, a preemption or `scontrol
+    requeue`): the job runs its script again from the top."""
+    return env.get("SLURM_RESTART_COUNT", "0") != "0"
+
+
 def _slurm_tasks(env: dict[str, str]) -> tuple[int, int]:
     """(tasks, nodes) of this job step."""
     tasks = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from scalenlp.config import Config
 from scalenlp.errors import UserError
+from scalenlp.launch_env import slurm_requeued
 from scalenlp.parallel.mesh import ParallelDims
 from scalenlp.train.checkpoint import Checkpointer, read_train_state
 
@@ -70,7 +71,7 @@ def continues_launch(run_dir: Path) -> tuple[bool, list[str]]:
         recorded = set(record["agents"])
     except (OSError, ValueError, KeyError, TypeError):  # no record, or one from before: a new launch
         record, recorded = {}, set()
-    requeued = os.environ.get("SLURM_RESTART_COUNT", "0") != "0" and record.get("slurm_job") == _slurm_job()
+    requeued = slurm_requeued(os.environ) and record.get("slurm_job") == _slurm_job()
     return bool(recorded & set(agents)) or requeued and _slurm_job() is not None, agents
 
 
