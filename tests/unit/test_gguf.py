@@ -14,12 +14,13 @@ from scalenlp.data.tokenizer import EOS, train_bpe
 from scalenlp.errors import UserError
 from scalenlp.loader import instantiate, load
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
-from scalenlp.models.gguf import read_gguf, write_gguf
+from scalenlp.models.gguf import _open, _rope_rows, _stored, dequantize, read_gguf, write_gguf
 from scalenlp.models.packaged import packaged_model
 
 torch.set_num_threads(1)
 
 SMOLLM2 = packaged_model("smollm2")
+Q, V = gguf.GGMLQuantizationType, gguf.GGUFValueType
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "1 + 1 = 2, 12 * 12 = 144, and 3.14159"]
 TEXTS = PROMPTS + ["  leading spaces,\ttabs\n\n\nand   runs  ", "héllo wörld, naïve café — 日本語 🤖 ok",
                    "<|im_start|>user\nHi there!<|im_end|>\n<|im_start|>assistant\n", "don't I'M we'll 007 x2 2024-05-01",
@@ -338,3 +339,73 @@ def test_export_command_writes_a_gguf_that_reads_back(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens), ours(tokens), atol=1e-5, rtol=1e-5)
     assert main(["export", "--checkpoint", str(export), "--format", "gguf", "--out", str(tmp_path / "m.bin")]) == 2
+
+
+
+def _random_tensor(kind: Q, rows: int, cols: int, rng: np.random.Generator) -> gguf.ReaderTensor:
+    """A tensor as the gguf package's reader gives it (F16 typed, the others uint8 rows), of random bytes: every
+    bit pattern of the scales and codes, infinities and NaNs among them."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+    data = raw.view(np.float16) if kind == Q.F16 else raw
+    return gguf.ReaderTensor(name="blk.0.attn_q.weight", tensor_type=kind, shape=np.array([cols, rows]),
+                             n_elements=rows * cols, n_bytes=raw.size, data_offset=0, data=data, field=None)
+
+
+def _same_bits(ours: torch.Tensor, theirs: np.ndarray | torch.Tensor) -> bool:
+    """Bit for bit but for NaNs' payloads, which only have to be NaNs in the same places: torch's float16
+    conversion quiets a signalling NaN, numpy's keeps its bits."""
+    theirs = torch.as_tensor(theirs)
+    nan = theirs.isnan()
+    return ours.dtype == theirs.dtype == torch.float32 and torch.equal(ours.isnan(), nan) and \
+        torch.equal(ours.view(torch.int32)[~nan], theirs.view(torch.int32)[~nan])
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # gguf's numpy on NaN scales
+@pytest.mark.parametrize("kind", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q6_K])
+def test_dequantize_equals_gguf_bit_for_bit(kind, tmp_path):
+    """Our dequantization (torch over the whole tensor; Q6_K stays on gguf's path) gives gguf.quants.dequantize's
+    values bit for bit; rows reordered for RoPE before it give its rows reordered; a cut tensor is the UserError the
+    gguf path gave, with gguf's own words for what is wrong."""
+    t = _random_tensor(kind, 16, 512, np.random.default_rng(int(kind)))
+    theirs = gguf.quants.dequantize(t.data, kind)
+    assert _same_bits(dequantize(_stored(t, tmp_path), kind), theirs)
+    reordered = _rope_rows(torch.from_numpy(theirs), 4, to_gguf=False)
+    assert _same_bits(dequantize(_stored(t, tmp_path, heads=4), kind), reordered)
+
+    expected = "(16, 512)"
+    for cut in (t.data[:-1], t.data[:, :-1]):  # a row short; each row a byte (F16: a value) short
+        try:
+            reason = f"its data holds {gguf.quants.dequantize(cut, kind).shape} values, not {expected}"
+        except ValueError as e:  # gguf refuses rows that are no whole number of blocks
+            reason = str(e)
+        with pytest.raises(UserError) as e:
+            _stored(t._replace(data=cut), tmp_path)
+        assert str(e.value) == f"{tmp_path}: cannot read tensor {t.name} ({reason}); the file is damaged or truncated"
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_metadata_arrays_read_as_ggufs_own_reader_reads_them(tmp_path, endian):
+    """Arrays read whole (strings in one pass over their bytes) give what gguf's own item-by-item reader gives:
+    contents, single items and slices, the number of items and the types; empty arrays and strings included."""
+    path = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(path, "llama", endianess=endian)
+    strings = ["", "a", "héllo wörld", "日本語 🤖", "Ġthe Ġcat", "\x00 nul", ""] * 50
+    writer.add_array("strings", strings)
+    writer.add_array("empty", [])
+    writer.add_string("one string", "plain")
+    for sub, values in ((V.INT32, [-3, 0, 7]), (V.FLOAT32, [0.5, -1e-5, 3.0]), (V.BOOL, [True, False]),
+                        (V.UINT8, [0, 255]), (V.UINT64, [2**63, 1]), (V.FLOAT64, [1 / 3])):
+        writer.add_key_value(f"array.{sub.name}", values, V.ARRAY, sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    ours, theirs = _open(path).fields, gguf.GGUFReader(path).fields
+    assert ours.keys() == theirs.keys()
+    for key, field in theirs.items():
+        assert ours[key].contents() == field.contents(), key
+        assert len(ours[key].data) == len(field.data) and ours[key].types == field.types, key
+        if len(field.data) > 3:
+            assert ours[key].contents(3) == field.contents(3) and ours[key].contents(slice(1, 3)) == field.contents(slice(1, 3))
+    assert ours["strings"].contents() == strings
+

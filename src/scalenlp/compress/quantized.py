@@ -27,6 +27,7 @@ from torch import nn
 from scalenlp.errors import UserError
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
 from scalenlp.models.encoder import Encoder, EncoderArgs
+from scalenlp.models.gguf import GGUF_BLOCK, GGUF_INT4, q4_blocks
 from scalenlp.models.io import assign_state, cast_state
 
 METHODS = ("int8", "int4", "int8dyn")
@@ -152,22 +153,14 @@ def nearer(a: Grid, b: Grid) -> Grid:
     return Grid(*(torch.where(take_b[..., None] if x.dim() > take_b.dim() else take_b, y, x) for x, y in zip(a, b)))
 
 
-GGUF_INT4 = {"Q4_0": 2, "Q4_1": 4}  # GGUF 4-bit block types of 32 weights -> bytes before the codes (d; d and m)
-GGUF_BLOCK = 32
-
-
 def int4_from_gguf(kind: str, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``int4_grouped``'s layout (group 32) from a GGUF Q4_0/Q4_1 weight's raw blocks (rows of uint8), keeping
     its 4-bit codes as they are: Q4_1's w = d*q + m is (q - 8)*d + (m + 8d), Q4_0's w = d*(q - 8) has zero 0.
     Only d and m + 8d round, to the kernels' bf16."""
-    head = GGUF_INT4[kind]
     rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, head + GGUF_BLOCK // 2)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
-    zeros = (blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() + 8 * d if kind == "Q4_1"
-             else torch.zeros_like(d))
-    codes = blocks[..., head:]
-    q = torch.cat([codes & 15, codes >> 4], dim=-1)  # byte j holds weight j (low nibble) and weight j + 16 (high)
+    d, m, q = q4_blocks(kind, raw)
+    d = d.view(rows, -1)
+    zeros = torch.zeros_like(d) if m is None else m.view(rows, -1) + 8 * d
     scales_and_zeros = torch.stack([d.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)], dim=-1)
     return pack_int4(q.reshape(rows, -1)), scales_and_zeros.transpose(0, 1).contiguous()
 

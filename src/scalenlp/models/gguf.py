@@ -42,6 +42,8 @@ READ_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2
 WRITE_TYPES = {"f32": (Q.F32, gguf.LlamaFileType.ALL_F32), "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
                "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
 BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # kept raw too (Pretrained.blocks), for compress.quantized to map
+GGUF_BLOCK = 32  # values in a block of each of BLOCK_TYPES
+GGUF_INT4 = {"Q4_0": 2, "Q4_1": 4}  # the 4-bit block types -> bytes before the codes (d; d and m)
 ROPE_FREQS = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
 # Llama 3.1's and 3.2's original context: the divisors fix only ratios to it, and llama.cpp's converter does not
 # store it, so a file without rope.scaling.original_context_length is read as one of those models.
@@ -117,13 +119,11 @@ def read_gguf(path: Path) -> Pretrained:
             if ours == "output.weight":
                 continue  # no output projection: it is tied to the token embeddings
             raise UserError(f"{path} has no tensor {name}; it is not a complete Llama model")
-        w = _tensor(tensors[name], path)
-        heads = _permuted(ours, args)
-        state[ours] = w if heads is None else _rope_rows(w, heads, to_gguf=False)
-        if tensors[name].tensor_type in BLOCK_TYPES and w.ndim == 2:
-            # Blocks run along each row, so the rows reorder whole, like the dequantized weight's.
-            raw = torch.from_numpy(tensors[name].data)
-            blocks[ours] = (tensors[name].tensor_type.name, raw if heads is None else _rope_rows(raw, heads, False))
+        kind = tensors[name].tensor_type
+        raw = _stored(tensors[name], path, _permuted(ours, args))
+        state[ours] = dequantize(raw, kind)
+        if kind in BLOCK_TYPES and raw.ndim == 2:
+            blocks[ours] = (kind.name, raw)
     args.tie_embeddings = "output.weight" not in state
     expected = (args.vocab_size, args.dim)
     if tuple(state["tok_embeddings.weight"].shape) != expected:
@@ -147,6 +147,64 @@ class _Reader(gguf.GGUFReader):
     def _build_fields(self, offs: int, count: int) -> int:
         self.data = self.data.view(np.ndarray)  # the first thing read after the magic number and counts
         return super()._build_fields(offs, count)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list]:
+        """A non-empty array of scalars or strings in one piece (``_Array``); every other value as the gguf package
+        reads it, which takes an array item by item (two numpy views a string)."""
+        if raw_type != V.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        item, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        kind, n, begin = int(item[0]), int(count[0]), orig_offs + 12
+        if n == 0 or (kind != V.STRING and kind not in SCALAR_BYTES):
+            return super()._get_field_parts(orig_offs, raw_type)  # empty: typed [ARRAY] alone, as the package has it
+        if kind == V.STRING:
+            spans = _string_spans(self.data, begin, n, count.dtype.str[0])
+            if spans is None:  # _check_layout refuses such a file first; this reader trusts nothing it did not check
+                raise ValueError(f"the string array at byte {orig_offs:,} runs past the end of the file")
+            starts, ends, end = spans
+            values = [self.data[begin:end], np.array(starts) - begin, np.array(ends) - begin]
+        else:
+            values = [self._get(begin, self.gguf_scalar_to_np[V(kind)], n)]
+            end = begin + values[0].nbytes
+            if len(values[0]) < n:
+                raise ValueError(f"the array at byte {orig_offs:,} runs past the end of the file")
+        return end - orig_offs, [item, count, *values], [2] * n, [V.ARRAY, V(kind)]
+
+    def _push_field(self, field: gguf.ReaderField, skip_sum: bool = False) -> int:
+        ours = len(field.types) == 2 and field.types[0] == V.ARRAY != field.types[1]  # what the above read whole
+        return super()._push_field(_Array(*field) if ours else field, skip_sum)
+
+
+class _Array(gguf.ReaderField):
+    """A metadata array as ``_Reader`` reads it. Scalars: the last part holds them all. Strings: the last three
+    parts are the array's bytes (length prefixes included) and each string's start and end in them. Each item of
+    ``data`` names the part after the count (the values, or the bytes), so that ``len(data)`` is the array's length
+    as the package has it. ``contents`` gives what the package's does, the strings decoded in one pass and as
+    strictly (invalid UTF-8 raises)."""
+
+    __slots__ = ()
+
+    def contents(self, index_or_slice: int | slice = slice(None)) -> list | int | float | str:
+        if self.types[-1] != V.STRING:
+            return self.parts[-1].tolist()[index_or_slice]
+        data, starts, ends = self.parts[-3:]
+        text = data.tobytes()
+        return [text[a:b].decode("utf-8") for a, b in zip(starts.tolist(), ends.tolist())][index_or_slice]
+
+
+def _string_spans(buf, at: int, n: int, order: str) -> tuple[list[int], list[int], int] | None:
+    """Where each of ``n`` strings (a uint64 length in byte order ``order``, then its bytes) from byte ``at`` of
+    ``buf`` lies: their starts, their ends and the end of the last; None where one runs past ``buf``'s end. Each
+    string's place depends on every length before it, so this is one loop, but of plain integers: the gguf package
+    makes two numpy views of each string, and SmolLM2's 49k-token vocabulary and merges cost it seconds."""
+    length = struct.Struct(order + "Q").unpack_from
+    size, starts, ends = len(buf), [0] * n, [0] * n
+    for i in range(n):
+        if at + 8 > size:
+            return None
+        starts[i] = at + 8
+        at = ends[i] = at + 8 + length(buf, at)[0]
+    return (starts, ends, at) if at <= size else None
 
 
 def _open(path: Path) -> gguf.GGUFReader:
@@ -206,7 +264,10 @@ class _Cursor:
             if item not in SCALAR_BYTES and item != V.STRING:
                 raise UserError(f"{self.path}: {what} is an array of type {item}, which GGUF files do not hold")
             n = self.count(f"the length of {what}", SCALAR_BYTES.get(item, 8))
-            if item == V.STRING:
+            spans = _string_spans(self.data, self.at, n, self.order) if item == V.STRING else None
+            if spans is not None:
+                self.at = spans[2]
+            elif item == V.STRING:  # one runs past the end: the checked walk finds which, and says so
                 for _ in range(n):
                     self.string(what)
             else:
@@ -314,7 +375,7 @@ def _args(reader: gguf.GGUFReader, path: Path) -> ModelArgs:
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None:
         original = count("rope.scaling.original_context_length", "max_seq_len", LLAMA31_ORIGINAL_CONTEXT)
-        args.rope_scaling = _rope_scaling(_tensor(freqs, path), args, original, path)
+        args.rope_scaling = _rope_scaling(dequantize(_stored(freqs, path), freqs.tensor_type), args, original, path)
     return args
 
 
@@ -368,18 +429,60 @@ def _decimal(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _tensor(t, path: Path) -> torch.Tensor:
+def _stored(t, path: Path, heads: int | None = None) -> torch.Tensor:
+    """Tensor ``t``'s data as the file holds it (a view on the memory map, F32 and F16 typed, the rest uint8 rows),
+    checked against its shape; with ``heads``, its rows reordered from llama.cpp's order to ours (``_rope_rows``).
+    Blocks run along each row, so a quantized tensor's rows reorder whole, and reordering them before dequantizing
+    copies the stored bytes instead of the float32 weight."""
     if t.tensor_type not in READ_TYPES:
         raise UserError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which is not supported; supported: "
                         f"{', '.join(q.name for q in READ_TYPES)} (requantize the file with llama-quantize)")
     try:
-        data = t.data if t.tensor_type == Q.F32 else gguf.quants.dequantize(t.data, t.tensor_type)
+        held = t.data.shape if t.tensor_type in (Q.F32, Q.F16) else \
+            gguf.quants.quant_shape_from_byte_shape(t.data.shape, t.tensor_type)
         expected = tuple(reversed(t.shape.tolist()))
-        if data.shape != expected:  # a file cut short inside the tensor data gives short arrays
-            raise ValueError(f"its data holds {data.shape} values, not {expected}")
+        if held != expected:  # a file cut short inside the tensor data gives short arrays
+            raise ValueError(f"its data holds {held} values, not {expected}")
     except ValueError as e:
         raise UserError(f"{path}: cannot read tensor {t.name} ({e}); the file is damaged or truncated") from None
-    return torch.from_numpy(data)
+    raw = torch.from_numpy(t.data)
+    return raw if heads is None else _rope_rows(raw, heads, to_gguf=False)
+
+
+def dequantize(raw: torch.Tensor, kind: gguf.GGMLQuantizationType) -> torch.Tensor:
+    """A tensor's float32 values from its stored data (``_stored``'s); F32 is returned as it is. F16, BF16 and
+    ``BLOCK_TYPES`` are computed here over the whole tensor at once, with gguf's numpy dequantizer's float32
+    arithmetic (each value one product of its block's scale and code, Q4_1's plus its minimum), so bit for bit
+    the same values; the rest (Q5 and the K-quants) go through gguf.quants, which works on groups of 16 rows."""
+    if kind == Q.F32:
+        return raw
+    if kind in (Q.F16, Q.BF16):
+        return (raw if kind == Q.F16 else raw.view(torch.bfloat16)).float()
+    if kind not in BLOCK_TYPES:
+        return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), kind))
+    shape = gguf.quants.quant_shape_from_byte_shape(raw.shape, kind)
+    if kind == Q.Q8_0:
+        blocks = raw.reshape(-1, 2 + GGUF_BLOCK)
+        values = blocks[:, 2:].view(torch.int8).float() * _half(blocks, 0)
+    else:
+        d, m, q = q4_blocks(kind.name, raw)
+        values = d * (q.float() - 8) if m is None else d * q.float() + m
+    return values.reshape(shape)
+
+
+def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at bytes ``at`` and ``at`` + 1 of each block (rows of uint8), as float32 (blocks, 1)."""
+    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
+
+
+def q4_blocks(kind: str, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A Q4_0 or Q4_1 tensor's stored blocks (uint8 rows) as (d, m, codes), one row per block in order: float32 d
+    and m (Q4_1's minimum; None for Q4_0), each (blocks, 1), and the 4-bit codes q, uint8 (blocks, 32). Byte j of
+    a block holds value j in its low nibble and value j + 16 in its high one; a value is d * (q - 8) or d * q + m."""
+    head = GGUF_INT4[kind]
+    blocks = raw.reshape(-1, head + GGUF_BLOCK // 2)
+    codes = blocks[:, head:]
+    return _half(blocks, 0), _half(blocks, 2) if kind == "Q4_1" else None, torch.cat([codes & 15, codes >> 4], dim=1)
 
 
 def _tokenizer(reader: gguf.GGUFReader, path: Path) -> tuple[Tokenizer, dict]:
