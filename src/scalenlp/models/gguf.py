@@ -461,12 +461,13 @@ def dequantize(raw: torch.Tensor, kind: gguf.GGMLQuantizationType) -> torch.Tens
     if kind not in BLOCK_TYPES:
         return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), kind))
     shape = gguf.quants.quant_shape_from_byte_shape(raw.shape, kind)
+    # In place on the codes' float32 copy, each step rounded on its own as numpy's are (no fused multiply-add).
     if kind == Q.Q8_0:
         blocks = raw.reshape(-1, 2 + GGUF_BLOCK)
-        values = blocks[:, 2:].view(torch.int8).float() * _half(blocks, 0)
+        values = blocks[:, 2:].view(torch.int8).float().mul_(_half(blocks, 0))
     else:
         d, m, q = q4_blocks(kind.name, raw)
-        values = d * (q.float() - 8) if m is None else d * q.float() + m
+        values = q.float().sub_(8).mul_(d) if m is None else q.float().mul_(d).add_(m)
     return values.reshape(shape)
 
 
