@@ -140,9 +140,14 @@ def read_tokenizer(path: Path) -> tuple[Tokenizer, dict]:
 
 
 class _Reader(gguf.GGUFReader):
-    """The gguf package's reader over a plain array view of its memory map. Every slice of an ``np.memmap`` is
-    another memmap, finalized in Python: SmolLM2's 49k-word vocabulary and the dequantizer's row groups made
-    ~2 million of them, two thirds of the 27 s its read took here. The view keeps the map (its base) alive."""
+    """The gguf package's reader over a plain array view of its memory map, reading metadata arrays whole. Every
+    slice of an ``np.memmap`` is another memmap, finalized in Python: SmolLM2's 49k-word vocabulary and gguf's
+    dequantizer's row groups made ~2 million of them, two thirds of the 27 s its read once took here. The view
+    keeps the map (its base) alive. ``strings``: ``_check_layout``'s string arrays, found once for both."""
+
+    def __init__(self, path: Path, mode: str, strings: dict[int, tuple[list[int], list[int], int]]):
+        self.strings = strings
+        super().__init__(path, mode)
 
     def _build_fields(self, offs: int, count: int) -> int:
         self.data = self.data.view(np.ndarray)  # the first thing read after the magic number and counts
@@ -158,7 +163,7 @@ class _Reader(gguf.GGUFReader):
         if n == 0 or (kind != V.STRING and kind not in SCALAR_BYTES):
             return super()._get_field_parts(orig_offs, raw_type)  # empty: typed [ARRAY] alone, as the package has it
         if kind == V.STRING:
-            spans = _string_spans(self.data, begin, n, count.dtype.str[0])
+            spans = self.strings.get(begin) or _string_spans(self.data, begin, n, count.dtype.str[0])
             if spans is None:  # _check_layout refuses such a file first; this reader trusts nothing it did not check
                 raise ValueError(f"the string array at byte {orig_offs:,} runs past the end of the file")
             starts, ends, end = spans
@@ -208,10 +213,10 @@ def _string_spans(buf, at: int, n: int, order: str) -> tuple[list[int], list[int
 
 
 def _open(path: Path) -> gguf.GGUFReader:
-    _check_layout(path)
+    strings = _check_layout(path)
     try:
         # Copy-on-write: the arrays are writable (torch wants that) but nothing ever reaches the file.
-        return _Reader(path, "c")
+        return _Reader(path, "c", strings)
     except Exception as e:  # the reader raises ValueError, KeyError, IndexError... on a damaged or cut file
         raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it may be truncated, "
                         f"download or export it again") from None
@@ -229,6 +234,7 @@ class _Cursor:
     def __init__(self, data: mmap.mmap, path: Path):
         self.data, self.path, self.at = data, path, 0
         self.order = "<"
+        self.strings: dict[int, tuple[list[int], list[int], int]] = {}  # each string array's spans, by its start
 
     def take(self, n: int, what: str) -> bytes:
         if n > len(self.data) - self.at:
@@ -266,6 +272,7 @@ class _Cursor:
             n = self.count(f"the length of {what}", SCALAR_BYTES.get(item, 8))
             spans = _string_spans(self.data, self.at, n, self.order) if item == V.STRING else None
             if spans is not None:
+                self.strings[self.at] = spans
                 self.at = spans[2]
             elif item == V.STRING:  # one runs past the end: the checked walk finds which, and says so
                 for _ in range(n):
@@ -277,13 +284,16 @@ class _Cursor:
         return None
 
 
-def _check_layout(path: Path) -> None:
+def _check_layout(path: Path) -> dict[int, tuple[list[int], list[int], int]]:
     """Walk the file's header before the gguf package reads it, which trusts it: a count larger than the file
     (it loops over it, growing), a tensor whose offset wraps below the data (read as header bytes) or that
-    overlaps another or ends past the file (read as another tensor's bytes, or short). Each is one UserError."""
+    overlaps another or ends past the file (read as another tensor's bytes, or short). Each is one UserError.
+    Returns where the strings of each string array lie (``_string_spans``), by the array's first byte."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            _check_header(_Cursor(data, path))
+            cursor = _Cursor(data, path)
+            _check_header(cursor)
+            return cursor.strings
     except (OSError, ValueError) as e:  # unreadable, or empty (mmap refuses a zero-length file)
         raise UserError(f"{path} is not a readable GGUF file ({e}); download or export it again") from None
 
