@@ -1,7 +1,8 @@
 """LoRA under every layout, 2 processes on gloo: DDP, ZeRO-3 (FSDP2 sharding the frozen base with the adapters),
 tensor parallelism (adapters sharded as the layer they wrap) and pipeline parallelism each resume the one-process
 run's adapter checkpoint, train its next steps with its losses and gradient norms, and save adapters that export to
-its merged model. In-process LoRA tests: tests/unit/test_lora.py."""
+its merged model. QLoRA (an NF4 base) under DDP, ZeRO-3 and pipeline parallelism trains with the one-process
+run's losses, and ZeRO-3 resumes its checkpoint. In-process LoRA tests: tests/unit/test_lora.py."""
 
 from __future__ import annotations
 

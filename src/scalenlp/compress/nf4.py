@@ -1,8 +1,9 @@
 """QLoRA's frozen base: linear weights in 4-bit NormalFloat (NF4, Dettmers et al., 2023) with double-quantized
 scales, through torchao's ``NF4Tensor`` (PyTorch's own, what torchtune uses; the ``qlora`` extra).
 
-Each block of 64 weights keeps one absmax scale; the scales are themselves quantized to int8 in blocks of 256
-(double quantization), about 4.1 bits per weight in all. A linear over an NF4 weight dequantizes it to bf16 per
+Each block of 64 weights keeps one absmax scale; the scales are themselves quantized to int8 in groups of up to
+256 (double quantization; ``scale_block``), about 4.1-4.2 bits per weight in all. ZeRO-2/3 shard an NF4 weight by
+rows through torchao's FSDP2 extension (``fsdp_pre_all_gather``), gathering it per use. A linear over an NF4 weight dequantizes it to bf16 per
 use and keeps only the NF4 tensor for backward (the weight never trains). Adapters on top
 (models/adapters.py) stay float32.
 """
