@@ -314,6 +314,10 @@ def test_lora_mistakes_are_one_line(tmp_path, hf_llama, corpus, capsys):
     assert "LoRA fine-tunes a pretrained model: set model.init" in error_lines(capsys.readouterr().err)[0]
     assert main_train(tmp_path / "run", *base, "lora.rank=4", "lora.quantize_base=nf4", "parallel.tp=2", nproc=2) == 2
     assert "does not run under tensor parallelism" in error_lines(capsys.readouterr().err)[0]
+    # Checked before any process starts: 16 ZeRO-3 shards of layers.0.attention.wq's 8 scale groups.
+    assert main_train(tmp_path / "run", *base, "lora.rank=4", "lora.quantize_base=nf4", "parallel.data_parallel=zero3",
+                      "training.global_batch_size=16", nproc=16) == 2
+    assert "layers.0.attention.wq (64 x 64, 8 groups) does not split" in error_lines(capsys.readouterr().err)[0]
 
 
 
