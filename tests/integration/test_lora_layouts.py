@@ -56,16 +56,17 @@ def qlora_single(tmp_path_factory, corpus, hf_llama):
     return run, sets
 
 
-@pytest.mark.parametrize("layout,resume", [("ddp", False), ("zero3", False), ("pp2", False), ("zero3", True)])
-def test_qlora_under_a_layout_trains_like_one_process(tmp_path, qlora_single, layout, resume):
-    """Every rank builds the NF4 base alike from model.init: DDP keeps it whole, ZeRO-3 splits each NF4 weight
-    into row shards of whole scale groups (gathered per use, never trained), pipeline stages hold their blocks'
-    weights. With ``resume`` ZeRO-3 continues the one-process run's step-2 checkpoint and saves adapters only.
+@pytest.mark.parametrize("layout", ["ddp", "pp2", "zero3"])
+def test_qlora_under_a_layout_trains_like_one_process(tmp_path, qlora_single, layout):
+    """Every rank builds the NF4 base alike from model.init: DDP keeps it whole, pipeline stages hold their
+    blocks' weights, ZeRO-3 splits each NF4 weight into row shards of whole scale groups (gathered per use, never
+    trained). DDP and PP train from the start; ZeRO-3 continues the one-process run's step-2 checkpoint (one run
+    showing both its step and its resume: from the start it matched steps 1-3 alike). Each saves adapters only.
     The base computes in bf16, whose rounding differs between a batch of 4 and two of 2 (or two micro-batches):
-    the third step's loss moved by 1e-5 relative here, so the tolerance is 1e-4 (a gradient not averaged over
+    the third step's loss moved by 2-3e-5 relative here, so the tolerance is 1e-4 (a gradient not averaged over
     the ranks moves it by far more)."""
     reference, sets = qlora_single
-    run = tmp_path / layout
+    run, resume = tmp_path / layout, layout == "zero3"
     if resume:
         shutil.copytree(reference / "checkpoints" / "step-2", run / "checkpoints" / "step-2")
     run_train(run, *sets, *LAYOUTS[layout], *(["checkpoint.resume=true"] if resume else []), nproc=2)
