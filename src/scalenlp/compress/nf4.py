@@ -2,10 +2,10 @@
 scales, through torchao's ``NF4Tensor`` (PyTorch's own, what torchtune uses; the ``qlora`` extra).
 
 Each block of 64 weights keeps one absmax scale; the scales are themselves quantized to int8 in groups of up to
-256 (double quantization; ``scale_block``), about 4.1-4.2 bits per weight in all. ZeRO-2/3 shard an NF4 weight by
-rows through torchao's FSDP2 extension (``fsdp_pre_all_gather``), gathering it per use. A linear over an NF4 weight dequantizes it to bf16 per
-use and keeps only the NF4 tensor for backward (the weight never trains). Adapters on top
-(models/adapters.py) stay float32.
+256 (double quantization; ``scale_block``), about 4.1-4.2 bits per weight in all. A linear over an NF4 weight
+dequantizes it to bf16 per use and keeps only the NF4 tensor for backward (the weight never trains). Adapters on
+top (models/adapters.py) stay float32. ZeRO-2/3 shard an NF4 weight by rows through torchao's FSDP2 extension
+(``fsdp_pre_all_gather``), gathering it for use.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 from scalenlp.errors import ConfigError
 
 BLOCK, SCALE_BLOCK = 64, 256  # the QLoRA paper's block sizes (weights per scale; scales per second-level scale)
-SHARDS = 8  # the data-parallel shards (ZeRO-2/3) the second-level groups of every weight split into where it can
+SHARDS = 8  # ZeRO-2/3 ranks that every weight's second-level groups split over evenly, where its shape allows
 
 
 def _to_nf4():
