@@ -1,6 +1,6 @@
 """LoRA and QLoRA fine-tuning of SmolLM2-135M against a full fine-tune, and against peft + transformers.
 
-    OMP_NUM_THREADS=1 python benchmarks/adapters.py [--steps 3] [--batch 1] [--seq 128]
+    OMP_NUM_THREADS=1 python benchmarks/adapters.py [--steps 3] [--batch 1] [--seq 128] [--only memory|speed|layouts]
 
 Each measurement runs in a process of its own (so one's memory never counts in another's), on the same random
 token batches, with fused AdamW over what trains:
@@ -15,6 +15,12 @@ Figures: parameters that train; resident memory once the model is built (at rest
 steps (Linux's VmHWM, reset after loading, so the transient of reading the GGUF file is not counted); tokens/s over
 the steps after the first (which pays one-time allocations). Speed against peft is measured apart, in one process
 holding both models and taking their steps in turn, so that other work on the machine weighs on both alike.
+
+layouts (only with ``--only layouts``): QLoRA of SmolLM2 through `scalenlp train --nproc 2` on the README demo's
+data (configs/demo.toml), under DDP (each rank holds the whole NF4 base) and under ZeRO-3 (each holds half of it,
+and half of the frozen fp32 embedding, gathering a block's weights per use): each rank's resident memory at its
+last step, as the run's metrics record it (``rss_bytes/rankN``). Its peak would show the loading instead: every
+rank reads the fp32 checkpoint and quantizes it before sharding.
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ import argparse
 import ctypes
 import gc
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,16 +138,47 @@ def speed(steps: int, batch: int, seq: int) -> dict:
     return {k: batch * seq * len(t) / sum(t) for k, t in times.items()}
 
 
+def layouts(steps: int) -> None:
+    """Resident memory per rank of QLoRA under DDP and ZeRO-3, two processes each (the docstring's layouts)."""
+    from lora_quality import LORA, ROOT, train
+    from scalenlp.models.packaged import packaged_model
+
+    # glibc keeps freed memory of up to 32 MiB an allocation in its heap once such blocks were freed (its mmap
+    # threshold grows), so a rank's resident size would count the freed checkpoint it loaded; pinned at 1 MiB,
+    # large blocks go back to the system when freed, in the runs started from here.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(2 ** 20)
+    mib, held = 2 ** 20, {}
+    with tempfile.TemporaryDirectory() as work:
+        for layout in ("ddp", "zero3"):
+            run = Path(work) / layout
+            seconds, params = train(run, f"model.init={packaged_model('smollm2')}", *LORA, "lora.quantize_base=nf4",
+                                    f"training.steps={steps}", "training.global_batch_size=2", "training.log_every=1",
+                                    "checkpoint.export=false", f"parallel.data_parallel={layout}",
+                                    config=ROOT / "configs" / "demo.toml")
+            last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+            held[layout] = [last[f"rss_bytes/rank{r}"] for r in (0, 1)]
+            print(f"QLoRA {layout:>5}, 2 processes: resident at step {last['step']}: rank 0 "
+                  f"{held[layout][0] / mib:,.0f} MiB, rank 1 {held[layout][1] / mib:,.0f} MiB | {seconds:.0f} s | "
+                  f"{params}")
+    print(f"QLoRA resident per rank, zero3 / ddp = {held['zero3'][0] / held['ddp'][0]:.2f} (rank 0), "
+          f"{held['zero3'][1] / held['ddp'][1]:.2f} (rank 1); "
+          f"ddp - zero3 = {(held['ddp'][0] - held['zero3'][0]) / mib:,.0f} MiB (rank 0)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--only", choices=("memory", "speed"), help="one of the two parts")
+    parser.add_argument("--only", choices=("memory", "speed", "layouts"),
+                        help="one part (layouts runs only when asked: QLoRA under DDP and ZeRO-3, 2 processes each)")
     parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)  # a child process's measurement
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(args.one, args.steps, args.batch, args.seq)))
+        return 0
+    if args.only == "layouts":
+        layouts(args.steps)
         return 0
     if args.only != "memory":
         fast = speed(args.steps, args.batch, args.seq)

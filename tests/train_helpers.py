@@ -78,6 +78,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [r for r in _records(run_dir) if "loss" in r]
 
 
+def checkpoint_keys(path: Path) -> set[str]:
+    """The names a checkpoint folder (torch.distributed.checkpoint's) holds, of the model and the optimizer."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
 def read_evaluations(run_dir: Path) -> list[dict]:
     """The evaluation records (val_loss, val_ppl), one per training.eval_every steps."""
     return [r for r in _records(run_dir) if "val_loss" in r]

@@ -1,7 +1,8 @@
 """LoRA under every layout, 2 processes on gloo: DDP, ZeRO-3 (FSDP2 sharding the frozen base with the adapters),
 tensor parallelism (adapters sharded as the layer they wrap) and pipeline parallelism each resume the one-process
 run's adapter checkpoint, train its next steps with its losses and gradient norms, and save adapters that export to
-its merged model. In-process LoRA tests: tests/unit/test_lora.py."""
+its merged model. QLoRA (an NF4 base) under DDP, ZeRO-3 and pipeline parallelism trains with the one-process
+run's losses, and ZeRO-3 resumes its checkpoint. In-process LoRA tests: tests/unit/test_lora.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from scalenlp.loader import load
-from train_helpers import FINETUNE, read_metrics, run_train, train_here
+from train_helpers import FINETUNE, checkpoint_keys, read_metrics, run_train, train_here
 
 pytestmark = pytest.mark.slow  # one two-process run a layout: 30-60 s each here under load
 
@@ -45,14 +46,34 @@ def test_a_layout_resumes_the_adapters_and_trains_like_one_process(tmp_path, sin
         torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-6, msg=f"{layout}: {name}")
 
 
-def test_qlora_under_ddp_trains_like_one_process(tmp_path, corpus, hf_llama):
-    """The NF4 base is built alike on every rank (DDP does not broadcast it); the adapters' gradients average. The
-    base computes in bf16, whose rounding differs between a batch of 4 and two of 2: the third step's loss moved by
-    1e-5 relative here, so the tolerance is 1e-4 (a gradient not averaged over the ranks moves it by far more)."""
+@pytest.fixture(scope="module")
+def qlora_single(tmp_path_factory, corpus, hf_llama):
+    """The one-process QLoRA reference: three steps over an NF4 base, a checkpoint at the second."""
+    run = tmp_path_factory.mktemp("qlora_single") / "run"
     sets = [*FINETUNE, f"data.path={corpus}", f"model.init={hf_llama}", "lora.rank=4", "lora.quantize_base=nf4",
-            "training.steps=3", "checkpoint.export=false", "training.device=cpu"]
-    train_here(tmp_path / "single", *sets)
-    run_train(tmp_path / "ddp", *sets, "parallel.data_parallel=ddp", nproc=2)
-    for a, b in zip(read_metrics(tmp_path / "single"), read_metrics(tmp_path / "ddp"), strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+            "training.steps=3", "checkpoint.every=2", "checkpoint.export=false", "training.device=cpu"]
+    train_here(run, *sets)
+    return run, sets
+
+
+@pytest.mark.parametrize("layout", ["ddp", "pp2", "zero3"])
+def test_qlora_under_a_layout_trains_like_one_process(tmp_path, qlora_single, layout):
+    """Every rank builds the NF4 base alike from model.init: DDP keeps it whole, pipeline stages hold their
+    blocks' weights, ZeRO-3 splits each NF4 weight into row shards of whole scale groups (gathered per use, never
+    trained). DDP and PP train from the start; ZeRO-3 continues the one-process run's step-2 checkpoint (one run
+    showing both its step and its resume: from the start it matched steps 1-3 alike). Each saves adapters only.
+    The base computes in bf16, whose rounding differs between a batch of 4 and two of 2 (or two micro-batches):
+    the third step's loss moved by 2-3e-5 relative here, so the tolerance is 1e-4 (a gradient not averaged over
+    the ranks moves it by far more)."""
+    reference, sets = qlora_single
+    run, resume = tmp_path / layout, layout == "zero3"
+    if resume:
+        shutil.copytree(reference / "checkpoints" / "step-2", run / "checkpoints" / "step-2")
+    run_train(run, *sets, *LAYOUTS[layout], *(["checkpoint.resume=true"] if resume else []), nproc=2)
+    expected, got = read_metrics(reference), read_metrics(run)
+    assert [r["step"] for r in got] == ([3] if resume else [1, 2, 3])
+    for a, b in zip(expected[-len(got):], got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), layout
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), layout
+    keys = {k for k in checkpoint_keys(run / "checkpoints" / "step-3") if k.startswith("model.")}
+    assert keys and all(".lora_" in k for k in keys), keys

@@ -26,7 +26,16 @@ from scalenlp.models.adapters import (
     merge_adapters,
 )
 from scalenlp.models.decoder import ModelArgs, Transformer
-from train_helpers import FINETUNE, SFT, classify_sets, error_lines, main_train, tiny_encoder, train_here
+from train_helpers import (
+    FINETUNE,
+    SFT,
+    checkpoint_keys,
+    classify_sets,
+    error_lines,
+    main_train,
+    tiny_encoder,
+    train_here,
+)
 
 torch.set_num_threads(1)
 ARGS = ModelArgs(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
@@ -232,7 +241,7 @@ def test_lora_trains_a_classifier_head_beside_the_adapters(tmp_path, transformer
     (tmp_path / "train.tsv").write_text("sentence\tlabel\n" + rows + "\n")
     train_here(tmp_path / "run", *classify_sets(init, tmp_path / "train.tsv", None), *LORA, "training.steps=3",
                "training.global_batch_size=8", "training.seq_len=16", "lora.targets=attention.w[qv]")
-    keys = FileSystemReaderKeys(tmp_path / "run" / "checkpoints" / "step-3")
+    keys = checkpoint_keys(tmp_path / "run" / "checkpoints" / "step-3")
     assert {"model.classifier.weight", "model.classifier.bias"} <= keys
     assert all(".lora_" in k or "classifier" in k for k in keys if k.startswith("model."))
     model, _ = load(tmp_path / "run")
@@ -243,15 +252,9 @@ def test_lora_fine_tunes_a_chat_model(tmp_path, hf_llama, chats):
     records = train_here(tmp_path / "run", *SFT, f"data.path={chats}", f"model.init={hf_llama}", *LORA,
                          "lora.targets=attention.w[qv]", "training.steps=4", "checkpoint.every=0")
     assert records[-1]["loss"] < records[0]["loss"]
-    keys = FileSystemReaderKeys(tmp_path / "run" / "checkpoints" / "step-4")
+    keys = checkpoint_keys(tmp_path / "run" / "checkpoints" / "step-4")
     assert {k for k in keys if k.startswith("model.")} == {f"model.layers.{i}.attention.{w}.lora_{m}" for i in (0, 1)
                                                           for w in ("wq", "wv") for m in "AB"}
-
-
-def FileSystemReaderKeys(path) -> set[str]:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 def test_qlora_holds_the_base_in_nf4_and_learns(tmp_path, hf_llama, corpus):
@@ -266,6 +269,32 @@ def test_qlora_holds_the_base_in_nf4_and_learns(tmp_path, hf_llama, corpus):
     assert records[-1]["loss"] < records[0]["loss"]
     merged, _ = load(tmp_path / "run")  # the export: the dequantized base with the adapters folded in
     assert merged.layers["0"].attention.wq.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (32, 64), (176, 64), (64, 176), (576, 576), (1536, 576)])
+def test_an_nf4_weight_splits_into_row_shards_of_whole_scale_groups(shape):
+    """ZeRO-2/3 split an NF4 weight by rows (torchao chunks each inner tensor evenly): each shard of up to
+    SHARDS dequantizes by itself to the rows it holds, so shards gathered per use give the weight of one process."""
+    pytest.importorskip("torchao")
+    from scalenlp.compress.nf4 import SHARDS, quantize_nf4
+
+    model = torch.nn.Sequential(torch.nn.Linear(shape[1], shape[0], bias=False))
+    quantize_nf4(model, ["0"])
+    whole = model[0].weight.get_original_weight()
+    for shards in (2, SHARDS):
+        rows = torch.cat([shard.get_original_weight() for shard in torch.chunk(model[0].weight, shards)])
+        assert torch.equal(rows, whole), (shape, shards)
+
+
+def test_an_nf4_base_that_zero3_cannot_split_is_one_line():
+    from scalenlp.compress.nf4 import check_shardable
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Linear(64, 3))
+    check_shardable(model, ["0"], 8)
+    with pytest.raises(ConfigError, match=r"0 \(16 x 64, 8 groups\) does not split so: use fewer parallel.dp_shard"):
+        check_shardable(model, ["0"], 16)  # whole rows, but not whole scale groups
+    with pytest.raises(ConfigError, match=r"1 \(3 x 64, 3 groups\) does not split so"):
+        check_shardable(model, ["0", "1"], 2)  # not whole rows
 
 
 def test_lora_mistakes_are_one_line(tmp_path, hf_llama, corpus, capsys):
@@ -283,9 +312,12 @@ def test_lora_mistakes_are_one_line(tmp_path, hf_llama, corpus, capsys):
         assert len(lines) == 1 and message in lines[0], (sets, lines)
     assert main_train(tmp_path / "run", "lora.rank=4", "training.steps=1") == 2
     assert "LoRA fine-tunes a pretrained model: set model.init" in error_lines(capsys.readouterr().err)[0]
+    assert main_train(tmp_path / "run", *base, "lora.rank=4", "lora.quantize_base=nf4", "parallel.tp=2", nproc=2) == 2
+    assert "does not run under tensor parallelism" in error_lines(capsys.readouterr().err)[0]
+    # Checked before any process starts: 16 ZeRO-3 shards of layers.0.attention.wq's 8 scale groups.
     assert main_train(tmp_path / "run", *base, "lora.rank=4", "lora.quantize_base=nf4", "parallel.data_parallel=zero3",
-                      nproc=2) == 2
-    assert "runs in one process or under parallel.data_parallel=\"ddp\"" in error_lines(capsys.readouterr().err)[0]
+                      "training.global_batch_size=16", nproc=16) == 2
+    assert "layers.0.attention.wq (64 x 64, 8 groups) does not split" in error_lines(capsys.readouterr().err)[0]
 
 
 

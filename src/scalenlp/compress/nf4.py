@@ -1,10 +1,11 @@
 """QLoRA's frozen base: linear weights in 4-bit NormalFloat (NF4, Dettmers et al., 2023) with double-quantized
 scales, through torchao's ``NF4Tensor`` (PyTorch's own, what torchtune uses; the ``qlora`` extra).
 
-Each block of 64 weights keeps one absmax scale; the scales are themselves quantized to int8 in blocks of 256
-(double quantization), about 4.1 bits per weight in all. A linear over an NF4 weight dequantizes it to bf16 per
-use and keeps only the NF4 tensor for backward (the weight never trains). Adapters on top
-(models/adapters.py) stay float32.
+Each block of 64 weights keeps one absmax scale; the scales are themselves quantized to int8 in groups of up to
+256 (double quantization; ``scale_block``), about 4.1-4.2 bits per weight in all. A linear over an NF4 weight
+dequantizes it to bf16 per use and keeps only the NF4 tensor for backward (the weight never trains). Adapters on
+top (models/adapters.py) stay float32. ZeRO-2/3 shard an NF4 weight by rows through torchao's FSDP2 extension
+(``fsdp_pre_all_gather``), gathering it for use.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from scalenlp.errors import ConfigError
 
 BLOCK, SCALE_BLOCK = 64, 256  # the QLoRA paper's block sizes (weights per scale; scales per second-level scale)
+SHARDS = 8  # ZeRO-2/3 ranks that every weight's second-level groups split over evenly, where its shape allows
 
 
 def _to_nf4():
@@ -26,6 +28,30 @@ def _to_nf4():
     except ImportError:
         raise ConfigError("lora.quantize_base=\"nf4\" needs torchao: pip install 'scalenlp[qlora]'") from None
     return to_nf4
+
+
+def scale_block(blocks: int) -> int:
+    """How many block scales one second-level scale covers in a weight of ``blocks`` blocks: the largest power
+    of two up to 256 that leaves a multiple of SHARDS groups (of gcd(blocks, SHARDS) where fewer divide it).
+
+    ZeRO-2/3 split an NF4 weight by rows into equal shards, and torchao splits each of its inner tensors evenly,
+    so every shard must hold whole groups. Sizing them for SHARDS ranks, whatever this run's layout, quantizes
+    the base alike in one process and sharded, so a run resumes on another layout over the same base."""
+    return math.gcd(blocks // math.gcd(blocks, SHARDS), SCALE_BLOCK)
+
+
+def check_shardable(model: nn.Module, names: Iterable[str], shards: int) -> None:
+    """Raise ConfigError unless ZeRO-2/3 can split each named linear's NF4 weight into ``shards`` row shards
+    of whole scale groups (FSDP2 would pad an uneven split, which an NF4 tensor cannot take)."""
+    for name in names:
+        rows, cols = model.get_submodule(name).weight.shape
+        blocks = rows * cols // BLOCK
+        groups = blocks // scale_block(blocks)
+        if rows % shards or groups % shards:
+            raise ConfigError(f"lora.quantize_base=\"nf4\" with ZeRO-2/3 splits each NF4 weight into {shards} "
+                              f"shards of whole rows and scale groups; {name} ({rows} x {cols}, {groups} groups) "
+                              f"does not split so: use fewer parallel.dp_shard ranks, or "
+                              f"parallel.data_parallel=\"ddp\" or \"zero1\"")
 
 
 @torch.no_grad()
@@ -38,10 +64,7 @@ def quantize_nf4(model: nn.Module, names: Iterable[str]) -> None:
         if weight.numel() % BLOCK:
             raise ConfigError(f"layer {name} has {weight.numel()} weights, not a multiple of NF4's block of "
                               f"{BLOCK}; leave lora.quantize_base empty for this model")
-        # The scales (one per block) are quantized in groups of 256 where their number allows, else in the
-        # largest group that divides it, so that every shape quantizes.
-        scale_block = math.gcd(weight.numel() // BLOCK, SCALE_BLOCK)
-        nf4 = to_nf4(weight.detach().to(torch.bfloat16), BLOCK, scale_block)
+        nf4 = to_nf4(weight.detach().to(torch.bfloat16), BLOCK, scale_block(weight.numel() // BLOCK))
         layer.weight = nn.Parameter(nf4, requires_grad=False)
         if layer.bias is not None:
             layer.bias.requires_grad_(False)

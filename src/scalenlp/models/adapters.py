@@ -69,9 +69,14 @@ class LoraWeights:
         return adapted * (self.magnitude.float() / adapted.norm(dim=1)).unsqueeze(1)
 
 
+def is_nf4(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is an NF4 base (QLoRA's, compress/nf4.py), without importing torchao."""
+    return hasattr(weight, "get_original_weight")
+
+
 def dense(weight: torch.Tensor) -> torch.Tensor:
     """A weight as a plain tensor: an NF4 base dequantized (to its compute dtype), any other unchanged."""
-    return weight.get_original_weight() if hasattr(weight, "get_original_weight") else weight
+    return weight.get_original_weight() if is_nf4(weight) else weight
 
 
 class LoRALinear(nn.Linear):
@@ -217,7 +222,7 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     for name, w in adapter_weights(model).items():
         layer = model.get_submodule(name)
         merged = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
-        quantized = hasattr(layer.weight, "get_original_weight")  # an NF4 base comes back in float32
+        quantized = is_nf4(layer.weight)  # an NF4 base comes back in float32
         merged.weight = nn.Parameter(w.merged(dense(layer.weight)).to(torch.float32 if quantized
                                                                       else layer.weight.dtype))
         if layer.bias is not None:

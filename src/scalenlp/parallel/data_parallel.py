@@ -27,6 +27,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from scalenlp.models.adapters import is_nf4
+
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_mb: int) -> DDP:
     """Replicate ``model`` over the (flattened, 1-D) data-parallel mesh; gradients all-reduced in buckets."""
@@ -46,9 +48,12 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh, *, bf16: bool) -> nn.
     cases classic DDP cannot serve: DTensor (tensor-parallel) weights, and pipeline stages, whose
     per-microbatch backwards DDP's bucket rebuilding does not survive."""
     mp_policy = _mp_policy(bf16)
+    # An NF4 weight (QLoRA's base, built alike on every rank and never trained) is left out: replicate's
+    # all-gather hands torchao's FSDP2 extension one output where it expects its three inner tensors.
+    kwargs = dict(mesh=dp_mesh, mp_policy=mp_policy, ignored_params={p for p in model.parameters() if is_nf4(p)})
     for block in model.layers.values():
-        replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
-    replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
+        replicate(block, **kwargs)
+    replicate(model, **kwargs)
     return model
 
 

@@ -28,6 +28,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from scalenlp.config import Config
+from scalenlp.models.adapters import is_nf4
 from scalenlp.parallel.mesh import ParallelDims
 from scalenlp.parallel.parallelize import loss_context, parallelize
 
@@ -73,7 +74,9 @@ def split_layers(costs: list[float], head_cost: float, num_stages: int) -> list[
 def stage_module(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
     """A copy of ``model`` keeping only ``layer_ids`` (and the embeddings / head if first / last)."""
     keep = {str(i) for i in layer_ids}
-    part = copy.deepcopy(model)
+    # An NF4 weight (QLoRA's frozen base) is shared, not copied: torchao copies one by quantizing its dequantized
+    # values again, which changes them, and each lives in one block, so in one stage, of a model dropped after.
+    part = copy.deepcopy(model, memo={id(p): p for p in model.parameters() if is_nf4(p)})
     for key in [k for k in part.layers if k not in keep]:
         del part.layers[key]
     if not first:

@@ -28,7 +28,7 @@ from scalenlp.errors import UserError
 from scalenlp.layout import Layout
 from scalenlp.loader import read
 from scalenlp.models.adapter_io import ADAPTER_FOLDER, write_adapter
-from scalenlp.models.adapters import adapter_weights, merge_adapters
+from scalenlp.models.adapters import adaptable, adapter_weights, merge_adapters
 from scalenlp.models.flavors import shape_spec
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.pretrained import Pretrained
@@ -71,13 +71,18 @@ def validate_run(cfg: Config, world_size: int, pretrained: Pretrained | None = N
                           f"its floating-point original, then quantize the result")
     args = task.model_args(cfg, pretrained)
     check_layout(args, dims, cfg)
-    if cfg.lora.quantize_base and (dims.tp > 1 or dims.pp > 1 or dims.dp > 1 and cfg.parallel.data_parallel
-                                   not in ("ddp", "zero1")):
-        raise ConfigError("lora.quantize_base=\"nf4\" (QLoRA) runs in one process or under parallel.data_parallel="
-                          "\"ddp\" or \"zero1\", whose replicas keep the NF4 base whole; not sharded by ZeRO-2/3, "
-                          "tensor or pipeline parallelism")
+    if cfg.lora.quantize_base and dims.tp > 1:
+        raise ConfigError("lora.quantize_base=\"nf4\" (QLoRA) does not run under tensor parallelism: torchao's NF4 "
+                          "weight splits along its rows only, and TP splits the output projections along their "
+                          "columns; shard the base with parallel.data_parallel=\"zero3\" (or split it by layers "
+                          "with parallel.pp) instead")
     with torch.device("meta"):  # [lora]'s targets, ranks and lora.init against the model, at no cost
-        task.add_adapters(cfg, task.model_class(args), quantize=False)
+        model = task.model_class(args)
+        task.add_adapters(cfg, model, quantize=False)
+    if cfg.lora.quantize_base and cfg.parallel.data_parallel in ("zero2", "zero3") and dims.dp_shard > 1:
+        from scalenlp.compress.nf4 import check_shardable
+
+        check_shardable(model, adaptable(model), dims.dp_shard)
     return dims
 
 
