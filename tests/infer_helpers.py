@@ -212,7 +212,9 @@ def wait_healthy(url: str, proc) -> None:
     while True:
         assert proc.poll() is None, proc.stdout.read().decode()
         try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
+            # A generous timeout: each /health sends a probe through the engine, and a client that gives up
+            # and asks again sends another, which under load can be the step a test's injected fault counts on.
+            if httpx.get(url + "/health", timeout=60).status_code == 200:
                 return
         except httpx.TransportError:
             pass
