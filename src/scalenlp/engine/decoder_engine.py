@@ -5,8 +5,10 @@ One background thread runs the loop; callers submit requests from any thread and
 kept by engine.kv_blocks.BlockPool): a running request holds the blocks its positions need, so as many
 requests run as the blocks allow (up to ``max_batch``). Each step of the loop
   1. drops cancelled requests and gives back their blocks,
-  2. admits waiting requests (FIFO) while blocks allow; a prompt whose leading blocks are cached (the same
-     prefix computed before, with the same adapter) takes those blocks and computes only the rest,
+  2. admits waiting requests while blocks allow, preempted ones first, then the cheapest (fewest positions
+     asked for: prompt + max_tokens), a request passed over by ``max_overtaken`` later arrivals going first
+     (``_next_waiting``); a prompt whose leading blocks are cached (the same prefix computed before, with the
+     same adapter) takes those blocks and computes only the rest,
   3. runs one decode step over every request whose prompt is computed: a request that needs a new block
      when none is left preempts the newest running request, which gives its blocks back and waits at the
      queue's front with its output kept, to be computed again (recompute) and continue; with speculative
@@ -21,7 +23,9 @@ requests run as the blocks allow (up to ``max_batch``). Each step of the loop
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import itertools
 import logging
 import random
 import threading
@@ -83,7 +87,7 @@ class Delta:
     tokens: list[str] | None = None  # with logprobs: the text of each token (``Engine.token_str``)
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: the waiting queue removes it by identity (``cancel``)
 class Request:
     prompt_ids: list[int]
     params: SamplingParams
@@ -106,6 +110,7 @@ class Request:
     draft_computed: int = 0  # those whose draft model's keys and values are there too (speculative decoding)
     keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks computed
     planned: list[bytes] = field(default_factory=list)  # those of the full blocks it had when admitted
+    overtaken: int = 0  # requests that arrived after it and were admitted while it waited
 
     @property
     def tokens(self) -> list[int]:
@@ -158,7 +163,8 @@ class Engine:
                  max_seq_len: int | None = None, eos_id: int | None = None, stop_ids: Collection[int] = (),
                  compile: bool = False, cache_dtype: torch.dtype | None = None, pack_weights: bool = True,
                  tokenizer_config: dict | None = None, adapters=None, kv_cache_tokens: int | None = None,
-                 block_size: int = 16, prefix_caching: bool = True, speculative_tokens: int = 0, draft_model=None):
+                 block_size: int = 16, prefix_caching: bool = True, speculative_tokens: int = 0, draft_model=None,
+                 max_overtaken: int | None = None):
         """model: a Transformer (or anything with its ``setup_kv_cache`` and forward signature, like a
         sharded one). tokenizer: a ``tokenizers.Tokenizer``. max_batch: most requests running at once.
         max_seq_len: positions per sequence (prompt + output), at most the model's. token_budget: tokens one
@@ -171,11 +177,14 @@ class Engine:
         pack_weights: on CPU with bf16 weights, pre-pack the linear layers for oneDNN (the model
         is changed in place and is for inference only afterwards). tokenizer_config: the checkpoint's
         special tokens and chat template, for whoever renders conversations into prompts. adapters: the
-        LoRA adapters served on this model (an engine.lora.LoraSlots built on it before this engine), or None."""
+        LoRA adapters served on this model (an engine.lora.LoraSlots built on it before this engine), or None.
+        max_overtaken: how many cheaper requests that arrived later may be admitted before a waiting one, which
+        then goes first (default: max_batch, a batch's worth), so that cheap-first never starves a long request."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.max_overtaken = max_batch if max_overtaken is None else max_overtaken
         self.token_budget = token_budget
         self.max_seq_len = min(max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
         kv_cache_tokens = kv_cache_tokens or DEFAULT_CACHED_SEQUENCES * self.max_seq_len
@@ -359,9 +368,12 @@ class Engine:
                 raise RequestError(str(e), e.param) from None
 
     def cancel(self, request: Request) -> None:
-        """Stop a request (client gone); its blocks are given back at the next step."""
-        request.cancelled = True
-        with self._wake:
+        """Stop a request (client gone): one still waiting leaves the queue now, so it is never prefilled and its
+        place there is free for another; a running one gives its blocks back at the next step."""
+        with self._wake:  # the flag under the lock ``_preempt`` reads it under: a cancelled request never waits
+            request.cancelled = True
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(request)
             self._wake.notify()
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams, adapter: str | None = None) -> list[str]:
@@ -494,15 +506,14 @@ class Engine:
             job.done.set()
 
     def _admit(self) -> None:
-        """Move waiting requests (FIFO) into the running table while there is room and blocks for their
-        tokens so far; each takes the cached blocks of its longest cached prefix first."""
+        """Move waiting requests into the running table, in ``_next_waiting``'s order, while there is room and
+        blocks for their tokens so far; each takes the cached blocks of its longest cached prefix first. A
+        request that does not fit yet stops admission, so that those after it in that order do not pass it."""
         pool, size = self.blocks, self.blocks.block_size
         with self._wake:
             while self._waiting and len(self._running) < self.max_batch:
-                r = self._waiting[0]
-                if r.cancelled:
-                    self._waiting.popleft()
-                    continue
+                index = self._next_waiting()
+                r = self._waiting[index]
                 tokens = r.tokens
                 # The last token is always computed, for the logits the next token is sampled from.
                 keys = block_keys(tokens, size, (len(tokens) - 1) // size, self._key_seed(r))
@@ -511,7 +522,9 @@ class Engine:
                 if needed > pool.available or self._computing_elsewhere(keys, len(cached)):
                     pool.release(cached)
                     break
-                self._waiting.popleft()
+                del self._waiting[index]
+                for passed in itertools.islice(self._waiting, index):
+                    passed.overtaken += 1
                 if not r.output_ids:  # counted once, not again after a preemption
                     pool.prompt_tokens += len(tokens)
                     pool.hit_tokens += len(cached) * size
@@ -521,6 +534,19 @@ class Engine:
                 r.draft_computed = r.computed
                 r.slot, self._admitted = self._admitted, self._admitted + 1
                 self._running[r.slot] = r
+
+    def _next_waiting(self) -> int:
+        """The queue index of the request to admit next. Preempted requests first (they are at the queue's front,
+        with output their clients already have); then the cheapest, the fewest positions asked for (prompt +
+        max_tokens), in arrival order among equals. Cheapest first because a slot is held until its request ends:
+        in arrival order, a 2-token request waited behind every request to the end of the context queued before it
+        (benchmarks/abuse.py's disconnect load: 8 clients that start such requests and leave kept a 2-token
+        client's p90 latency at 5.9x an idle server's), while it delays them by a step or two. A request passed
+        over ``max_overtaken`` times goes before any cheaper one, so a long request waits behind a bounded number
+        of later arrivals, never for ever."""
+        return min(range(len(self._waiting)), key=lambda i: (
+            not self._waiting[i].output_ids, self._waiting[i].overtaken < self.max_overtaken,
+            len(self._waiting[i].prompt_ids) + self._waiting[i].params.max_tokens, i))
 
     def _computing_elsewhere(self, keys: list[bytes], hits: int) -> bool:
         """Whether a running request is computing block ``hits`` of the prefix ``keys`` names (admitted in the same
@@ -550,7 +576,8 @@ class Engine:
                  "(a larger --kv-cache-tokens avoids this)")
         self._leave(r)
         with self._wake:
-            self._waiting.appendleft(r)
+            if not r.cancelled:  # a gone client's request is dropped, not queued again
+                self._waiting.appendleft(r)
 
     def _forward(self, requests: list[Request], counts: list[int], model,
                  drafts: list[list[int]] | None = None) -> torch.Tensor:
