@@ -43,12 +43,13 @@ demo: setup
 lint: setup-test
 	$(VENV)/bin/ruff check src tests benchmarks
 
-# Unit tests run inside pytest's own process, one thread each: two pytest-xdist workers (a file each at a time,
-# so that module fixtures are built once) keep both cores busy. The integration tier's tests start
-# several processes of their own, so they run one at a time.
+# Two pytest-xdist workers, a file each at a time (so that module fixtures are built once), one thread per
+# process. Unit tests compute inside pytest's own process. Integration tests start processes and servers of their
+# own and spend much of their time waiting on them (start-up, rendezvous, timeouts, Ray), so two at once still
+# overlap well on two cores; the tier ran green so under load 10 (every test's timeout is a hang guard).
 test: setup-test
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=25 tests/unit
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q --durations=25 tests --ignore=tests/unit
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=25 tests --ignore=tests/unit
 
 # Every tier without the tests marked slow, each test held to 10 s: the loop a developer runs often (under 4 minutes).
 test-fast: setup-test
