@@ -73,6 +73,35 @@ def test_paged_logits_equal_a_forward_without_cache(tok, config, kernel, monkeyp
             torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_kernel_equals_attention_over_the_gathered_rows(dtype):
+    """The kernel on scattered blocks (grouped-query heads, a window, a soft cap) against plain float32 attention
+    over each row's keys gathered in order. A bfloat16 pool is read as it is and summed in float32: the result
+    is within bfloat16's rounding of the float32 reference."""
+    torch.manual_seed(0)
+    assert paged_attention.available(), "the paged decode kernel did not build (see the warning above)"
+    B, H, Hkv, D, bs, blocks = 3, 4, 2, 16, 4, 12
+    q = torch.randn(B, H, 1, D).to(dtype)
+    k, v = torch.randn(blocks * bs, Hkv, D).to(dtype), torch.randn(blocks * bs, Hkv, D).to(dtype)
+    table = torch.randperm(blocks)[:B * 4].view(B, 4)
+    lengths = torch.tensor([5, 16, 11])
+    for window, softcap in [(0, 0.0), (6, 0.0), (0, 3.0)]:
+        got = paged_attention.decode_attention(q, k, v, table, lengths, bs, 0.25, softcap, window)
+        assert got.dtype == dtype
+        for b in range(B):
+            n = int(lengths[b])
+            slots = torch.cat([torch.arange(int(i) * bs, (int(i) + 1) * bs) for i in table[b]])[:n]
+            first = max(0, n - window) if window else 0
+            keys = k[slots[first:]].float().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)  # (H, n, D)
+            values = v[slots[first:]].float().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
+            scores = q[b].float() @ keys.transpose(1, 2) * 0.25  # (H, 1, n)
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            expected = scores.softmax(-1) @ values  # (H, 1, D)
+            tol = {} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+            torch.testing.assert_close(got[b].float(), expected, **tol, msg=f"row {b}, window {window}")
+
+
 def test_greedy_text_is_the_same_with_or_without_prefix_caching_chunking_and_room(tok, monkeypatch):
     def run(**kw):
         engine = make_engine(tok, **kw)

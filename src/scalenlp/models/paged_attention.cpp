@@ -1,4 +1,6 @@
-// Decode attention over a paged KV cache, float32 on CPUs: one query per row, read through its block table.
+// Decode attention over a paged KV cache on CPUs: one query per row, read through its block table. The pools
+// hold float32 or bfloat16 (the engine's dtype); scores, softmax and sums are float32 either way, as bf16 matmuls
+// accumulate.
 //
 // Why: the generic path gathers every row's blocks into one (B, H_kv, S, D) tensor before SDPA, a copy of the
 // whole cache the step reads, and SDPA's masked path then reads it again. Here each key and value row is read
@@ -21,39 +23,34 @@ namespace {
 
 constexpr int64_t L = 16;  // independent partial sums: a float sum the vectorizer may keep in vector lanes
 
-inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
+template <typename T>
+inline float dot(const float* __restrict__ a, const T* __restrict__ b, int64_t n) {
   float part[L] = {};
   int64_t i = 0;
   for (; i + L <= n; i += L)
-    for (int64_t j = 0; j < L; ++j) part[j] += a[i + j] * b[i + j];
+    for (int64_t j = 0; j < L; ++j) part[j] += a[i + j] * static_cast<float>(b[i + j]);
   float s = 0.0f;
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
   for (int64_t j = 0; j < L; ++j) s += part[j];
   return s;
 }
 
-inline void axpy(float* __restrict__ out, const float* __restrict__ x, float w, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] += w * x[i];
+template <typename T>
+inline void axpy(float* __restrict__ out, const T* __restrict__ x, float w, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] += w * static_cast<float>(x[i]);
 }
 
-// q: (B, H, D); k, v: (slots, H_kv, D), slot = block * block_size + offset; block_table: (B, N) int64;
-// lengths: (B,) int64, the keys each row's query sees (its position + 1). window: the last `window` of them
-// only (0: all). softcap: scores become cap * tanh(score / cap) before the softmax (0: not capped).
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& block_table, const at::Tensor& lengths, double scale, double softcap,
-                            int64_t window, int64_t block_size) {
-  TORCH_CHECK(q.dtype() == at::kFloat && k.dtype() == at::kFloat && v.dtype() == at::kFloat,
-              "paged decode_attention: float32 only");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "paged decode_attention: q (B, H, D), k/v (slots, H_kv, D)");
-  auto qc = q.contiguous(), table = block_table.contiguous(), lens = lengths.contiguous();
-  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "paged decode_attention: the pools must be contiguous");
+// T: the pools' element type (float or BFloat16); the query and the result are float32 here.
+template <typename T>
+at::Tensor attend(const at::Tensor& qc, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                  const at::Tensor& lens, double scale, double softcap, int64_t window, int64_t block_size) {
   const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2), Hkv = k.size(1), N = table.size(1);
   TORCH_CHECK(H % Hkv == 0 && k.size(2) == D, "paged decode_attention: head shapes do not match");
   const int64_t G = H / Hkv;
   auto out = at::empty({B, H, D}, qc.options());
   const float* qp = qc.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
@@ -70,7 +67,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       const float* qrow = qp + (b * H + h * G) * D;  // the G query heads of this key/value head, one after another
       for (int64_t p = first; p < len; ++p) {
         const int64_t slot = tp[b * N + p / block_size] * block_size + p % block_size;
-        const float* krow = kp + (slot * Hkv + h) * D;
+        const T* krow = kp + (slot * Hkv + h) * D;
         for (int64_t g = 0; g < G; ++g) {
           float s = dot(qrow + g * D, krow, D) * sc;
           if (cap > 0.0f) s = cap * std::tanh(s / cap);
@@ -89,7 +86,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       std::fill(orow, orow + G * D, 0.0f);
       for (int64_t p = first; p < len; ++p) {
         const int64_t slot = tp[b * N + p / block_size] * block_size + p % block_size;
-        const float* vrow = vp + (slot * Hkv + h) * D;
+        const T* vrow = vp + (slot * Hkv + h) * D;
         for (int64_t g = 0; g < G; ++g) {
           const float w = scores[g * n + (p - first)];
           axpy(orow + g * D, vrow, w, D);
@@ -98,6 +95,23 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     }
   });
   return out;
+}
+
+// q: (B, H, D); k, v: (slots, H_kv, D), slot = block * block_size + offset; block_table: (B, N) int64;
+// lengths: (B,) int64, the keys each row's query sees (its position + 1). window: the last `window` of them
+// only (0: all). softcap: scores become cap * tanh(score / cap) before the softmax (0: not capped).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& block_table, const at::Tensor& lengths, double scale, double softcap,
+                            int64_t window, int64_t block_size) {
+  const auto dtype = k.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && q.scalar_type() == dtype && v.scalar_type() == dtype,
+              "paged decode_attention: q, k and v all float32 or all bfloat16");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "paged decode_attention: q (B, H, D), k/v (slots, H_kv, D)");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "paged decode_attention: the pools must be contiguous");
+  auto qc = q.to(at::kFloat).contiguous(), table = block_table.contiguous(), lens = lengths.contiguous();
+  auto out = dtype == at::kFloat ? attend<float>(qc, k, v, table, lens, scale, softcap, window, block_size)
+                                 : attend<at::BFloat16>(qc, k, v, table, lens, scale, softcap, window, block_size);
+  return out.to(dtype);
 }
 
 }  // namespace
