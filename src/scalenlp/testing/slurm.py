@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,15 +75,19 @@ class Cluster:
 @contextlib.contextmanager
 def cluster(folder: Path, cpus: int = 2) -> Iterator[Cluster]:
     folder.mkdir(parents=True, exist_ok=True)
-    for sub in ("state", "spool"):
-        (folder / sub).mkdir(exist_ok=True)
-    munge = folder / "munge.sock"
+    (folder / "state").mkdir(exist_ok=True)
+    # The daemons' Unix sockets (munge's, and slurmd's per job step in its spool) go in a short folder of their
+    # own: a socket path holds at most 108 bytes, and under a pytest-xdist worker's tmp_path slurmstepd's was 109
+    # (the job was requeued, held, and never ran).
+    sockets = Path(tempfile.mkdtemp(prefix="slurm-"))
+    (sockets / "spool").mkdir()
+    munge = sockets / "munge.sock"
     conf = folder / "slurm.conf"
     settings = {
         "ClusterName": "scalenlp-test", "SlurmctldHost": f"{NODE}(127.0.0.1)", "SlurmUser": "root",
         "SlurmdUser": "root", "SlurmctldPort": _free_port(), "SlurmdPort": _free_port(),
         "AuthType": "auth/munge", "AuthInfo": f"socket={munge}", "CryptoType": "crypto/munge",
-        "StateSaveLocation": folder / "state", "SlurmdSpoolDir": folder / "spool",
+        "StateSaveLocation": folder / "state", "SlurmdSpoolDir": sockets / "spool",
         "SlurmctldPidFile": folder / "slurmctld.pid", "SlurmdPidFile": folder / "slurmd.pid",
         "SlurmctldLogFile": folder / "slurmctld.log", "SlurmdLogFile": folder / "slurmd.log",
         # No cgroups: the tasks are plain processes, tracked by their parent ids.
@@ -125,6 +130,7 @@ def cluster(folder: Path, cpus: int = 2) -> Iterator[Cluster]:
                 daemon.wait()
         _kill_left_over(conf)
         log.close()
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def _kill_left_over(conf: Path) -> None:
