@@ -46,10 +46,12 @@ lint: setup-test
 # Two pytest-xdist workers, a file each at a time (so that module fixtures are built once), one thread per
 # process. Unit tests compute inside pytest's own process. Integration tests start processes and servers of their
 # own and spend much of their time waiting on them (start-up, rendezvous, timeouts, Ray), so two at once still
-# overlap well on two cores; the tier ran green so under load 10 (every test's timeout is a hang guard).
+# overlap well on two cores (every test's timeout is a hang guard). The longest integration files go first
+# (tests/conftest.py's LONGEST_FILES, kept in that order by --no-loadscope-reorder).
 test: setup-test
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=25 tests/unit
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=25 tests --ignore=tests/unit
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=40 \
+		tests --ignore=tests/unit
 
 # Every tier without the tests marked slow, each test held to 10 s: the loop a developer runs often (under 4 minutes).
 test-fast: setup-test

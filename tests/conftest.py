@@ -33,6 +33,32 @@ def pytest_configure(config):
     paged_attention.available()
 
 
+# The files whose tests took longest in the last timed run (seconds, summed over their tests; CI of 2026-12-04,
+# two workers), longest first. pytest-xdist's ``--dist loadfile`` hands files to its two workers in collection
+# order (the Makefile turns off its own reordering, by test count, which put the one-test 150 s file near the end),
+# so these start early and the last minutes do not leave one worker running a long file alone.
+LONGEST_FILES = (
+    "test_checkpoint_resharding.py",  # 194+
+    "test_parallel_parity.py",  # 173+
+    "test_sft_teaches_smollm2_a_fact.py",  # 149
+    "test_qa_training.py",  # 88+
+    "test_ray_join.py",  # 78
+    "test_fine_tuning_layouts.py",  # 77
+    "test_fault_recovery.py",  # 74+
+    "test_fp16_training.py",  # 72+
+    "test_multinode.py",  # 56+
+    "test_ray_autoscale.py",  # 52
+    "test_classification_training.py",  # 52+
+    "test_schedulers.py",  # 46+
+)
+
+
+def pytest_collection_modifyitems(items):
+    """Collect ``LONGEST_FILES`` first, in that order; the rest keep their order after them."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
