@@ -67,6 +67,13 @@ def block_plan(sequence_parallel: bool, has_w3: bool) -> dict[str, ParallelStyle
     return {name: style for name, style in plan.items() if style is not None}
 
 
+def split_dim(name: str) -> int | None:
+    """The dim of a block linear's weight (``layers.<i>.attention.wo``) that ``block_plan`` splits: 0 where the
+    layer is column-parallel, 1 where it is row-parallel, None where it is not split."""
+    style = block_plan(sequence_parallel=False, has_w3=True).get(name.split(".", 2)[-1])
+    return None if style is None else 0 if isinstance(style, ColwiseParallel) else 1
+
+
 def norm_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Plan for a block's norms beyond the two of every block (training and inference alike).
 
