@@ -339,6 +339,28 @@ def test_under_tp_each_rank_holds_its_shard_in_nf4_and_computes_its_part(colwise
         assert torch.equal(part, torch.nn.functional.linear(inputs.to(torch.bfloat16), dequantized).float())
 
 
+def test_tensor_parallelism_keeps_the_frozen_weights_frozen():
+    """Sequence parallelism's style (the norms') makes new parameters, which would train: a LoRA run's frozen
+    norms stay frozen under TP with it (their gradients counted in the norm moved it by 1.5% on the tiny Llama).
+    The layout alone is looked at, on a fake 2-rank process group (its collectives do nothing)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from scalenlp.parallel.tensor_parallel import apply_tp
+
+    model = tiny()
+    add_adapters(model, LoraSpec(rank=2, alpha=4), match_targets(model, "all-linear"))
+    freeze_all_but_adapters(model)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        apply_tp(model, init_device_mesh("cpu", (2,)), sequence_parallel=True)
+    finally:
+        dist.destroy_process_group()
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in name for name in trained), trained
+
+
 def test_an_nf4_base_whose_tp_shards_are_not_whole_blocks_is_one_line():
     """Under TP each rank quantizes its shard, which must be whole NF4 blocks (checked before any process starts):
     wq is split by its rows, wo by its columns."""

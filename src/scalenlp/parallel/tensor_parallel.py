@@ -117,6 +117,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, sha
     """Shard ``model`` (a Transformer or a pipeline stage of one) in place over ``tp_mesh``; its logits
     are vocabulary-sharded DTensors with ``shard_logits``, full tensors on every rank without.
     An ``Encoder`` goes to ``apply_tp_encoder`` (``shard_logits`` does not apply: it has no vocabulary head)."""
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    _apply_tp(model, tp_mesh, sequence_parallel, shard_logits)
+    # SequenceParallel (the norms' style) makes new parameters that train: a LoRA run's frozen norms stay frozen.
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+
+
+def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, shard_logits: bool) -> None:
     if isinstance(model, Encoder):
         if sequence_parallel:
             raise ValueError("sequence parallelism is not implemented for encoders; shard them with "
