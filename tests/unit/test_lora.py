@@ -339,6 +339,24 @@ def test_under_tp_each_rank_holds_its_shard_in_nf4_and_computes_its_part(colwise
         assert torch.equal(part, torch.nn.functional.linear(inputs.to(torch.bfloat16), dequantized).float())
 
 
+def test_a_fresh_dora_magnitude_follows_a_base_changed_after_it():
+    """Under TP a QLoRA base is quantized after the adapters are added (shard by shard): a fresh DoRA adapter's
+    magnitudes are then set again to the quantized base's row norms, so it starts as the identity of that base
+    (with the full-precision norms, the tiny Llama's first QLoRA + DoRA loss under TP 2 moved by 5e-4)."""
+    from scalenlp.models.adapters import reset_magnitudes
+
+    model = tiny()
+    add_adapters(model, LoraSpec(rank=2, alpha=4, dora=True), ["layers.0.attention.wq"])
+    layer, tokens = model.layers["0"].attention.wq, torch.randint(0, ARGS.vocab_size, (2, 16))
+    base = tiny()
+    with torch.no_grad():
+        layer.weight.mul_(1.5)
+        base.layers["0"].attention.wq.weight.mul_(1.5)
+    assert not torch.allclose(model(tokens), base(tokens))  # the magnitudes rescale the rows back
+    reset_magnitudes(model)
+    torch.testing.assert_close(model(tokens), base(tokens))
+
+
 def test_tensor_parallelism_keeps_the_frozen_weights_frozen():
     """Sequence parallelism's style (the norms') makes new parameters, which would train: a LoRA run's frozen
     norms stay frozen under TP with it (their gradients counted in the norm moved it by 1.5% on the tiny Llama).

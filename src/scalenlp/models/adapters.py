@@ -165,6 +165,18 @@ class LoRALinear(nn.Linear):
                 + (", dora" if self.lora_magnitude is not None else ""))
 
 
+@torch.no_grad()
+def reset_magnitudes(model: nn.Module) -> None:
+    """Set every DoRA magnitude to the row norms of its adapted weight, as a fresh adapter has it: for a base
+    changed after the adapters were added (QLoRA's under tensor parallelism, quantized shard by shard)."""
+    for layer in model.modules():
+        if isinstance(layer, LoRALinear) and layer.lora_magnitude is not None:
+            norm, magnitude = layer._adapted_norm(), layer.lora_magnitude
+            if isinstance(norm, DTensor):  # a row-parallel layer's norms come out reduced otherwise than kept
+                norm = norm.redistribute(placements=magnitude.placements)
+            magnitude.copy_(norm)
+
+
 def adaptable(model: nn.Module) -> list[str]:
     """Names of the linears an adapter may wrap: every ``nn.Linear`` of the transformer blocks."""
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name.startswith(BLOCKS)]

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from scalenlp.config import Config, ConfigError
 from scalenlp.layout import Layout, ModelSizes, check
-from scalenlp.models.adapters import adaptable, has_adapters
+from scalenlp.models.adapters import adaptable, has_adapters, reset_magnitudes
 from scalenlp.models.decoder import ModelArgs, stack_projections
 from scalenlp.models.encoder import EncoderArgs
 from scalenlp.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, zero1_optimizer
@@ -112,6 +112,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, c
             from scalenlp.compress.nf4 import quantize_tp_shards  # torchao, an optional extra
 
             quantize_tp_shards(model, adaptable(model))
+            if not cfg.lora.init:  # a fresh DoRA magnitude is its base's row norms: the base as quantized now
+                reset_magnitudes(model)
     apply_ac(model, t.activation_checkpointing)
     if t.compile:
         apply_compile(model)
