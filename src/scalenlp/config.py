@@ -185,9 +185,9 @@ class LoraConfig:
     init: str = opt("", "start from this adapter: a PEFT adapter folder (adapter_config.json + "
                         "adapter_model.safetensors) or a run's export/adapter; its rank, alpha and layers are used")
     quantize_base: str = opt("", "\"\" | nf4: hold the frozen base weights in 4-bit NF4 with double-quantized "
-                                 "scales, computed in bf16 (QLoRA; needs the qlora extra, torchao); runs in one "
-                                 "process, under DDP, ZeRO-1/2/3 (which shard the NF4 base) and pipeline "
-                                 "parallelism, not tensor parallelism")
+                                 "scales, computed in bf16 (QLoRA; needs the qlora extra, torchao); runs under "
+                                 "every layout: ZeRO-2/3 shard the NF4 base, tensor parallelism quantizes each "
+                                 "rank's shard of it")
 
 
 @dataclass

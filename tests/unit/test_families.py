@@ -40,9 +40,9 @@ def test_same_logits_as_transformers(family):
         assert relative_error(model(tokens), hf(tokens).logits) < 1e-4
 
 
-def greedy_engine(model, tokenizer, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Each prompt's ``n`` greedy tokens, all prompts in one continuous batch."""
-    engine = Engine(model, tokenizer, max_batch=len(prompts)).start()
+def greedy_engine(model, tokenizer, prompts: list[list[int]], n: int, **options) -> list[list[int]]:
+    """Each prompt's ``n`` greedy tokens, all prompts in one continuous batch (an Engine with ``options``)."""
+    engine = Engine(model, tokenizer, max_batch=len(prompts), **options).start()
     try:
         done = [threading.Event() for _ in prompts]
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -65,6 +65,24 @@ def test_same_greedy_tokens_through_the_engine(family):
         theirs = [hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert all(len(set(t)) > 2 for t in theirs)  # not one token repeated, which any model near it would give too
+    assert ours == theirs
+
+
+def test_a_window_model_serves_sequences_longer_than_its_cache(tmp_path, corpus):
+    """Mistral with a window of 4 on every layer: a request gives back the KV blocks wholly before its window, so
+    sequences of 27 and 31 positions run together in a cache of 12 (3 blocks of 4: the limit was 12 positions a
+    request) with transformers' greedy tokens. Each holds 2 blocks past a step; they contend for the third, so the
+    newer one is preempted (6 times here) and computed again chunk by chunk, taking blocks as its window moves on.
+    Giving back one position too early changes the tokens."""
+    hf = make_hf_decoder(tmp_path, "mistral", corpus)
+    model, pre = load(tmp_path)
+    prompts = [[5, 17, 42], [8, 3, 99, 150, 7, 61, 2]]
+    n = 24
+    ours = greedy_engine(model, pre.tokenizer, prompts, n, kv_cache_tokens=12, block_size=4)
+    with torch.no_grad():
+        theirs = [hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert all(len(set(t)) > 2 for t in theirs)
     assert ours == theirs
 
 

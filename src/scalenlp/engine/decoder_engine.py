@@ -18,6 +18,9 @@ requests run as the blocks allow (up to ``max_batch``). Each step of the loop
      computed in chunks over several steps, so a long prompt delays the running decodes by one chunk per step;
      a prompt's last chunk yields its first token,
   5. detokenizes, checks stop conditions, and emits events.
+With a sliding window on every layer (Mistral), a request gives back the blocks wholly before the window of its
+next position as it goes (``_drop_outside_window``), and takes blocks for a prompt chunk as the chunk is computed,
+so a sequence holds about a window's worth of blocks however long it grows.
 """
 
 from __future__ import annotations
@@ -190,6 +193,11 @@ class Engine:
         kv_cache_tokens = kv_cache_tokens or DEFAULT_CACHED_SEQUENCES * self.max_seq_len
         num_blocks = kv_cache_blocks(kv_cache_tokens, block_size)
         self.blocks = BlockPool(num_blocks, block_size, prefix_caching)
+        args = model.args
+        # Blocks before a request's window are given back only when no layer reads past it (every layer local) and
+        # no draft model (whose own attention may see every earlier key) shares its blocks.
+        windowed = args.sliding_window and len(args.local_layers) == args.n_layers and draft_model is None
+        self.window = args.sliding_window if windowed else 0
         self._admitted = 0  # requests admitted so far, which numbers them (Request.slot)
         self._adapter_epoch: collections.Counter[int] = collections.Counter()  # loads of each adapter slot
         self.eos_id = eos_id
@@ -312,11 +320,17 @@ class Engine:
             raise RequestError(f"logit_bias keys must be token ids of this model, in [0, {vocab}); got "
                                f"{sorted(t for t in params.logit_bias if not 0 <= t < vocab)[:5]}", "logit_bias")
         pool = self.blocks.capacity * self.blocks.block_size
-        if len(prompt_ids) + params.max_tokens > pool:
+        if min(len(prompt_ids) + params.max_tokens, self._most_held()) > pool:
             raise RequestError(
                 f"the KV cache holds {pool} positions in all, but the prompt has {len(prompt_ids)} tokens and "
                 f"max_tokens asks for {params.max_tokens}; shorten the prompt, lower max_tokens or start the server "
                 f"with a larger --kv-cache-tokens")
+
+    def _most_held(self) -> int:
+        """The most positions one request holds blocks for at once: the window and the blocks it straddles, with a
+        sliding window on every layer; else no bound but its length."""
+        size = self.blocks.block_size
+        return (-(-self.window // size) + 1) * size if self.window else self.max_seq_len
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[Delta], None],
                bypass_queue_limit: bool = False, adapter: str | None = None) -> Request:
@@ -327,7 +341,7 @@ class Engine:
         """All or none: either every request is queued, or QueueFull / RequestError / UnknownAdapter is raised.
         A request without max_tokens may run to the end of the context (or of the KV cache, if that is smaller).
         ``adapter``: the name of the LoRA adapter every request runs with (None: the base model)."""
-        longest = min(self.max_seq_len, self.blocks.capacity * self.blocks.block_size)
+        longest = self.max_seq_len if self.window else min(self.max_seq_len, self.blocks.capacity * self.blocks.block_size)
         items = [(p, params if params.max_tokens is not None else
                   dataclasses.replace(params, max_tokens=max(1, longest - len(p)))) for p, params in items]
         for prompt_ids, params in items:
@@ -519,6 +533,8 @@ class Engine:
                 keys = block_keys(tokens, size, (len(tokens) - 1) // size, self._key_seed(r))
                 cached = pool.lookup(keys)
                 needed = -(-len(tokens) // size) - len(cached)
+                if self.window:  # the rest is taken chunk by chunk, as the window moves on (_prefill)
+                    needed = min(needed, 1)
                 if needed > pool.available or self._computing_elsewhere(keys, len(cached)):
                     pool.release(cached)
                     break
@@ -566,7 +582,7 @@ class Engine:
     def _leave(self, r: Request) -> None:
         """Take ``r`` out of the running table and give its blocks back."""
         self._running.pop(r.slot, None)
-        self.blocks.release(r.blocks)
+        self.blocks.release([b for b in r.blocks if b != NULL_BLOCK])
         r.blocks, r.keys, r.planned, r.computed = [], [], [], 0
 
     def _preempt(self, r: Request) -> None:
@@ -630,6 +646,18 @@ class Engine:
             for block, key in zip(r.blocks[len(r.keys):full], keys):
                 self.blocks.register(block, key)
             r.keys += keys
+        if self.window:
+            self._drop_outside_window(r)
+
+    def _drop_outside_window(self, r: Request) -> None:
+        """Give back ``r``'s blocks that lie wholly before the window of its next position, which no later query
+        of it sees; their table entries become the null block, which the window's mask hides. A block the prefix
+        cache keeps stays cached (and held by any other request that holds it: references are counted)."""
+        dead = max(0, r.computed - self.window + 1) // self.blocks.block_size
+        gone = [b for b in r.blocks[:dead] if b != NULL_BLOCK]
+        if gone:
+            self.blocks.release(gone)
+            r.blocks[:dead] = [NULL_BLOCK] * dead
 
     def _prefill(self, budget: int) -> None:
         """Compute prompt tokens of the requests admitted, oldest first, ``budget`` of them in all (at least
@@ -637,12 +665,25 @@ class Engine:
         is complete then samples its first token."""
         budget = max(1, budget)
         requests, counts = [], []
-        for r in self._running.values():
+        for r in list(self._running.values()):
             pending = r.length - r.computed
-            if pending > 1 and budget > 0:
-                requests.append(r)
-                counts.append(min(pending, budget))
-                budget -= counts[-1]
+            if pending > 1 and budget > 0 and self._running.get(r.slot) is r:
+                count = min(pending, budget)
+                if self.window:
+                    wanted, count = count, self._take_blocks(r, r.computed, count)
+                    while not count and self._running.get(r.slot) is r:
+                        # No block is free for the chunk: the newest running request makes room, as in decode.
+                        self._preempt(max(self._running.values(), key=lambda q: q.arrival))
+                        count = self._take_blocks(r, r.computed, wanted) if self._running.get(r.slot) is r else 0
+                if count:
+                    requests.append(r)
+                    counts.append(count)
+                    budget -= count
+        # A request listed may have been preempted since, for a later one's chunk.
+        kept = [i for i, r in enumerate(requests) if self._running.get(r.slot) is r]
+        requests, counts = [requests[i] for i in kept], [counts[i] for i in kept]
+        if not requests:
+            return
         logits = self._forward(requests, counts, self.model)
         done = [i for i, r in enumerate(requests) if r.computed == r.length]
         if done:
@@ -677,8 +718,8 @@ class Engine:
         rooms = [self._room(r) for r in decoding]
         if self.draft_model is None:
             drafts = [propose(r.tokens, room) if room else [] for r, room in zip(decoding, rooms)]
-            return [d[:self._fits(r, len(d))] for r, d in zip(decoding, drafts)]
-        rooms = [self._fits(r, room) for r, room in zip(decoding, rooms)]
+            return [d[:self._take_blocks(r, r.length, len(d))] for r, d in zip(decoding, drafts)]
+        rooms = [self._take_blocks(r, r.length, room) for r, room in zip(decoding, rooms)]
         return self._draft_with_model(decoding, rooms)
 
     def _room(self, r: Request) -> int:
@@ -689,15 +730,16 @@ class Engine:
         return max(0, min(self.speculative_tokens, r.params.max_tokens - len(r.output_ids) - 1,
                           self.max_seq_len - r.length - 1))
 
-    def _fits(self, r: Request, n: int) -> int:
-        """How many of ``n`` draft tokens ``r``'s blocks hold, after taking free blocks for them: speculation never
-        preempts a request."""
+    def _take_blocks(self, r: Request, start: int, n: int) -> int:
+        """How many of the ``n`` positions of ``r`` from ``start`` on its blocks hold, after taking free blocks for
+        them; it preempts no one. For draft tokens (after the last token), and for a prompt chunk of a windowed
+        engine, which admits a prompt with one block and takes the others as its chunks come."""
         size = self.blocks.block_size
-        while n and (r.length - 1 + n) // size >= len(r.blocks):
+        while n and (start + n - 1) // size >= len(r.blocks):
             if self.blocks.available:
                 r.blocks.append(self.blocks.allocate())
             else:
-                n = len(r.blocks) * size - r.length
+                n = max(0, len(r.blocks) * size - start)
         return n
 
     def _draft_with_model(self, decoding: list[Request], rooms: list[int]) -> list[list[int]]:

@@ -67,6 +67,13 @@ def block_plan(sequence_parallel: bool, has_w3: bool) -> dict[str, ParallelStyle
     return {name: style for name, style in plan.items() if style is not None}
 
 
+def split_dim(name: str) -> int | None:
+    """The dim of a block linear's weight (``layers.<i>.attention.wo``) that ``block_plan`` splits: 0 where the
+    layer is column-parallel, 1 where it is row-parallel, None where it is not split."""
+    style = block_plan(sequence_parallel=False, has_w3=True).get(name.split(".", 2)[-1])
+    return None if style is None else 0 if isinstance(style, ColwiseParallel) else 1
+
+
 def norm_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Plan for a block's norms beyond the two of every block (training and inference alike).
 
@@ -110,6 +117,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, sha
     """Shard ``model`` (a Transformer or a pipeline stage of one) in place over ``tp_mesh``; its logits
     are vocabulary-sharded DTensors with ``shard_logits``, full tensors on every rank without.
     An ``Encoder`` goes to ``apply_tp_encoder`` (``shard_logits`` does not apply: it has no vocabulary head)."""
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    _apply_tp(model, tp_mesh, sequence_parallel, shard_logits)
+    # SequenceParallel (the norms' style) makes new parameters that train: a LoRA run's frozen norms stay frozen.
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+
+
+def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, shard_logits: bool) -> None:
     if isinstance(model, Encoder):
         if sequence_parallel:
             raise ValueError("sequence parallelism is not implemented for encoders; shard them with "

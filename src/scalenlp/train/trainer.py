@@ -71,18 +71,14 @@ def validate_run(cfg: Config, world_size: int, pretrained: Pretrained | None = N
                           f"its floating-point original, then quantize the result")
     args = task.model_args(cfg, pretrained)
     check_layout(args, dims, cfg)
-    if cfg.lora.quantize_base and dims.tp > 1:
-        raise ConfigError("lora.quantize_base=\"nf4\" (QLoRA) does not run under tensor parallelism: torchao's NF4 "
-                          "weight splits along its rows only, and TP splits the output projections along their "
-                          "columns; shard the base with parallel.data_parallel=\"zero3\" (or split it by layers "
-                          "with parallel.pp) instead")
     with torch.device("meta"):  # [lora]'s targets, ranks and lora.init against the model, at no cost
         model = task.model_class(args)
         task.add_adapters(cfg, model, quantize=False)
-    if cfg.lora.quantize_base and cfg.parallel.data_parallel in ("zero2", "zero3") and dims.dp_shard > 1:
+    if cfg.lora.quantize_base:
         from scalenlp.compress.nf4 import check_shardable
 
-        check_shardable(model, adaptable(model), dims.dp_shard)
+        zero = cfg.parallel.data_parallel in ("zero2", "zero3")
+        check_shardable(model, adaptable(model), dims.dp_shard if zero else 1, dims.tp)
     return dims
 
 

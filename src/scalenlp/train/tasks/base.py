@@ -116,7 +116,8 @@ class Task:
         """[lora]: wrap the targeted linears of ``model`` (built by ``build_model``, or on the meta device to check
         the config) with adapters, from lora.init or fresh (from the global RNG), and freeze all else but an
         encoder's task head (new, so it trains in full: PEFT's modules_to_save); with ``quantize`` and
-        lora.quantize_base, the frozen block linears become NF4 first."""
+        lora.quantize_base, the frozen block linears become NF4 first (under tensor parallelism, later: see
+        ``parallelize``)."""
         lora = cfg.lora
         if not (lora.rank or lora.init):
             return
@@ -130,7 +131,8 @@ class Task:
         else:
             spec = LoraSpec(lora.rank, lora.alpha, lora.dropout, lora.use_rslora, lora.dora)
             targets = match_targets(model, lora.targets)
-        if quantize and lora.quantize_base == "nf4":
+        # Under tensor parallelism each rank quantizes only its shard, once the plan has cut it (parallelize).
+        if quantize and lora.quantize_base == "nf4" and cfg.parallel.tp == 1:
             from scalenlp.compress.nf4 import quantize_nf4  # torchao, an optional extra
 
             quantize_nf4(model, adaptable(model))
