@@ -115,8 +115,9 @@ class MultiLoRALinear(nn.Module):
             h = F.linear(x, self.lora_A[:sel.hi].view(sel.hi * r, self.in_features)).mul_(sel.mask)
             out.view(rows, self.out_features).addmm_(h.view(rows, -1), self.lora_B[:sel.hi].view(sel.hi * r, -1))
             return out
-        a = self.lora_A[sel.rows]  # (rows, rank, in)
-        b = self.lora_B[sel.rows]  # (rows, rank, out)
+        # index_select, not indexing: the same copy, 5-9x faster here (SmolLM2's up projection, 16 rows, on a CPU).
+        a = self.lora_A.index_select(0, sel.rows)  # (rows, rank, in)
+        b = self.lora_B.index_select(0, sel.rows)  # (rows, rank, out)
         h = torch.bmm(x.reshape(rows, -1, self.in_features), a.transpose(1, 2))
         out.view(rows, -1, self.out_features).baddbmm_(h, b)
         return out

@@ -14,26 +14,17 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernel_math.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 namespace {
 
-constexpr int64_t L = 16;  // independent partial sums: a float sum the vectorizer may keep in vector lanes
-constexpr int64_t W = 64;  // outputs summed at once: four AVX-512 registers of float32
+using scalenlp_kernels::dot;
 
-template <typename T>
-inline float dot(const float* __restrict__ a, const T* __restrict__ b, int64_t n) {
-  float part[L] = {};
-  int64_t i = 0;
-  for (; i + L <= n; i += L)
-    for (int64_t j = 0; j < L; ++j) part[j] += a[i + j] * static_cast<float>(b[i + j]);
-  float s = 0.0f;
-  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
-  for (int64_t j = 0; j < L; ++j) s += part[j];
-  return s;
-}
+constexpr int64_t W = 64;  // outputs summed at once: four AVX-512 registers of float32
 
 template <typename T>
 void add_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& slots) {
