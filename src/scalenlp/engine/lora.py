@@ -108,7 +108,7 @@ class MultiLoRALinear(nn.Module):
         # The low-rank product is added into the base's output in place (addmm_, baddbmm_): at decode time these
         # products are small, and a separate sum and its allocation were a measurable part of their cost.
         if sel.kernel and x.shape[-2] == 1:  # a decode step: see the module's docstring
-            torch.ops.scalenlp_lora.add_lora(out.view(rows, self.out_features), x.view(rows, self.in_features),
+            torch.ops.scalenlp_lora.add_lora(out.view(rows, self.out_features), x.reshape(rows, self.in_features),
                                              self.lora_A, self.lora_B, sel.rows)
             return out
         if sel.mask is not None and x.shape[-2] == 1:
