@@ -1,6 +1,7 @@
 """LoRA and QLoRA fine-tuning of SmolLM2-135M against a full fine-tune, and against peft + transformers.
 
     OMP_NUM_THREADS=1 python benchmarks/adapters.py [--steps 3] [--batch 1] [--seq 128] [--only memory|speed|layouts]
+                                                    [--compile]
 
 Each measurement runs in a process of its own (so one's memory never counts in another's), on the same random
 token batches, with fused AdamW over what trains:
@@ -14,7 +15,9 @@ token batches, with fused AdamW over what trains:
 Figures: parameters that train; resident memory once the model is built (at rest) and its peak over the training
 steps (Linux's VmHWM, reset after loading, so the transient of reading the GGUF file is not counted); tokens/s over
 the steps after the first (which pays one-time allocations). Speed against peft is measured apart, in one process
-holding both models and taking their steps in turn, so that other work on the machine weighs on both alike.
+holding both models and taking their steps in turn, so that other work on the machine weighs on both alike; with
+``--compile`` a third model takes its steps in the same turns, our LoRA with ``training.compile`` (each block and
+the loss through torch.compile, as parallelize's apply_compile does; its first step, untimed, compiles).
 
 layouts (only with ``--only layouts``): QLoRA of SmolLM2 through `scalenlp train --nproc 2` on the README demo's
 data (configs/demo.toml), under DDP (each rank holds the whole NF4 base) and under ZeRO-3 (each holds half of it,
@@ -118,24 +121,34 @@ def measure(kind: str, steps: int, batch: int, seq: int) -> dict:
             "tokens_per_s": batch * seq * len(timed) / sum(timed), "losses": losses}
 
 
-def speed(steps: int, batch: int, seq: int) -> dict:
-    """Seconds per step of our LoRA and of peft's, the two models' steps taken in turn in this one process: on a
-    machine shared with other work the load then weighs on both alike (separate processes meet different loads)."""
+def speed(steps: int, batch: int, seq: int, compile: bool = False) -> dict:
+    """Tokens per second of wall time, and per second of this process's CPU time, of our LoRA and of peft's (and
+    of ours compiled), the models' steps taken in turn in this one process: on a machine shared with other work
+    the load then weighs on all alike (separate processes meet different loads), and the CPU time leaves out the
+    time spent waiting for the cores."""
     torch.manual_seed(0)
     runs = {"lora": _our_model("lora"), "peft": _peft_model()}
+    if compile:
+        from scalenlp.parallel.parallelize import apply_compile
+
+        runs["compiled"] = _our_model("lora")
+        apply_compile(runs["compiled"][0])
     optimizers = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=True)
                   for k, (m, _) in runs.items()}
     times: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(steps + 1):  # the first round pays one-time allocations: not timed
         tokens = torch.randint(0, 49152, (batch, seq + 1), generator=torch.Generator().manual_seed(i))
         for kind, (_, loss_of) in runs.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             loss_of(tokens).backward()
             optimizers[kind].step()
             optimizers[kind].zero_grad(set_to_none=True)
             if i:
                 times[kind].append(time.perf_counter() - start)
-    return {k: batch * seq * len(t) / sum(t) for k, t in times.items()}
+                cpu[kind].append(time.process_time() - start_cpu)
+    return ({k: batch * seq * len(t) / sum(t) for k, t in times.items()},
+            {k: batch * seq * len(t) / sum(t) for k, t in cpu.items()})
 
 
 def layouts(steps: int) -> None:
@@ -172,6 +185,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--only", choices=("memory", "speed", "layouts"),
                         help="one part (layouts runs only when asked: QLoRA under DDP and ZeRO-3, 2 processes each)")
+    parser.add_argument("--compile", action="store_true", help="speed: also our LoRA with training.compile")
     parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)  # a child process's measurement
     args = parser.parse_args()
     if args.one:
@@ -181,9 +195,14 @@ def main() -> int:
         layouts(args.steps)
         return 0
     if args.only != "memory":
-        fast = speed(args.steps, args.batch, args.seq)
+        fast, per_cpu = speed(args.steps, args.batch, args.seq, args.compile)
         print(f"tokens/s, steps in turn in one process: lora {fast['lora']:,.1f}, peft+transformers "
-              f"{fast['peft']:,.1f}: lora / peft = {fast['lora'] / fast['peft']:.2f}x")
+              f"{fast['peft']:,.1f}: lora / peft = {fast['lora'] / fast['peft']:.2f}x (per CPU second: "
+              f"{per_cpu['lora'] / per_cpu['peft']:.2f}x)")
+        if args.compile:
+            print(f"lora with training.compile {fast['compiled']:,.1f} tokens/s: {fast['compiled'] / fast['peft']:.2f}x "
+                  f"peft, {fast['compiled'] / fast['lora']:.2f}x lora eager (per CPU second: "
+                  f"{per_cpu['compiled'] / per_cpu['peft']:.2f}x, {per_cpu['compiled'] / per_cpu['lora']:.2f}x)")
     if args.only == "speed":
         return 0
     results = {}

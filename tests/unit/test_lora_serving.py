@@ -1,6 +1,6 @@
 """Many LoRA adapters on one base model (engine/lora.py, the server's adapter routes), in this process: requests
 for the base and two adapters in one continuous batch give each the greedy tokens it gets alone, the merged model's
-and (one case) PEFT's on transformers; both ways of computing the per-row products agree; /v1/models lists the
+and (one case) PEFT's on transformers; every way of computing the per-row products agrees; /v1/models lists the
 adapters; the admin routes load and unload at run time behind the API key; bad adapters are one line."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
+from scalenlp.engine import lora as engine_lora
 from scalenlp.engine.decoder_engine import Engine
 from scalenlp.engine.lora import LoraSlots, UnknownAdapter
 from scalenlp.engine.sampling import SamplingParams
@@ -122,27 +123,58 @@ def test_a_mixed_batch_gives_each_adapter_its_merged_models_tokens(tiny_export, 
         engine.stop()
 
 
-@pytest.mark.parametrize("rows,tokens,dense", [(1, 1, False), (4, 1, True), (4, 2, False)])
-def test_dense_and_gathered_products_equal_the_merged_layer(tiny_export, adapters, rows, tokens, dense):
-    """A decode step (one token per row) with rows outnumbering the highest slot used computes densely with a mask,
-    a prefill or fewer rows gather per row: each equals each row's merged model."""
+@pytest.mark.parametrize("rows,tokens,path", [(1, 1, "gathered"), (4, 1, "dense"), (4, 2, "gathered"),
+                                              (1, 1, "kernel"), (4, 1, "kernel")])
+def test_every_way_of_the_products_equals_the_merged_layer(tiny_export, adapters, rows, tokens, path, monkeypatch):
+    """A decode step (one token per row) on a CPU runs the kernel; without it, with rows outnumbering the highest
+    slot used it computes densely with a mask; a prefill or fewer rows gather per row: each equals each row's
+    merged model."""
+    if path == "kernel":
+        assert engine_lora.kernel_available(), "the LoRA decode kernel did not build"
+    else:
+        monkeypatch.setattr(engine_lora, "kernel_available", lambda: False)
     model = load_pretrained(tiny_export)
     slots = LoraSlots(model, 3, 4, torch.float32)
-    for name, (path, _) in adapters.items():
-        slots.load(name, path)
+    for name, (path_, _) in adapters.items():
+        slots.load(name, path_)
     plan = ("beta", None, "alpha", "beta")[:rows]
     tokens = torch.tensor([p[:tokens] for p in PROMPTS])[:rows]
     layer = slots.layers["layers.0.attention.wq"]
     calls = []
-    layer.register_forward_hook(lambda m, args, out: calls.append(m.selection.mask is not None and
-                                                                  args[0].shape[-2] == 1))
+    layer.register_forward_hook(lambda m, args, out: calls.append(
+        "gathered" if args[0].shape[-2] > 1 else "kernel" if m.selection.kernel else
+        "dense" if m.selection.mask is not None else "gathered"))
     slots.select([slots.index_of(n) for n in plan])
     with torch.no_grad():
         got = model(tokens)
         for row, name in enumerate(plan):
             ref = adapters[name][1] if name else load_pretrained(tiny_export)
             torch.testing.assert_close(got[row], ref(tokens[row:row + 1])[0], rtol=1e-4, atol=1e-4)
-    assert calls == [dense]
+    assert calls == [path]
+
+
+def test_the_kernel_in_bfloat16_is_as_near_float32_as_the_dense_product(tiny_export, adapters, monkeypatch):
+    """bfloat16 weights (the engine's default on CPUs that have it): the kernel sums in float32 where the dense
+    product's matmuls accumulate bfloat16, so the two differ by rounding; the kernel's logits are no further from
+    the float32 model's than the dense product's, and a row on the base model is left as it was."""
+    assert engine_lora.kernel_available(), "the LoRA decode kernel did not build"
+    tokens = torch.tensor([p[:1] for p in PROMPTS])
+    plan = ("beta", None, "alpha", "beta")
+    logits = {}
+    for path, dtype in (("float32", torch.float32), ("kernel", torch.bfloat16), ("dense", torch.bfloat16)):
+        if path == "dense":
+            monkeypatch.setattr(engine_lora, "kernel_available", lambda: False)
+        model = load_pretrained(tiny_export).to(dtype)
+        slots = LoraSlots(model, 3, 4, dtype)
+        for name, (folder, _) in adapters.items():
+            slots.load(name, folder)
+        slots.select([slots.index_of(n) for n in plan])
+        assert slots.selection.kernel == (path != "dense")
+        with torch.no_grad():
+            logits[path] = model(tokens).float()
+    error = {path: (logits[path] - logits["float32"]).abs().max().item() for path in ("kernel", "dense")}
+    assert error["kernel"] <= 1.5 * error["dense"], error
+    assert torch.equal(logits["kernel"][1], logits["dense"][1])  # the base row: the dense product adds zeros
 
 
 @pytest.fixture(scope="module")

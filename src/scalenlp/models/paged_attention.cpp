@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernel_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,19 +23,7 @@
 
 namespace {
 
-constexpr int64_t L = 16;  // independent partial sums: a float sum the vectorizer may keep in vector lanes
-
-template <typename T>
-inline float dot(const float* __restrict__ a, const T* __restrict__ b, int64_t n) {
-  float part[L] = {};
-  int64_t i = 0;
-  for (; i + L <= n; i += L)
-    for (int64_t j = 0; j < L; ++j) part[j] += a[i + j] * static_cast<float>(b[i + j]);
-  float s = 0.0f;
-  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
-  for (int64_t j = 0; j < L; ++j) s += part[j];
-  return s;
-}
+using scalenlp_kernels::dot;
 
 template <typename T>
 inline void axpy(float* __restrict__ out, const T* __restrict__ x, float w, int64_t n) {
