@@ -27,10 +27,12 @@ def pytest_configure(config):
     workers at once, one waiting on the other's build lock) and the fast tier's --max-test-seconds would fail."""
     if hasattr(config, "workerinput"):  # an xdist worker: the controller has built them
         return
+    from scalenlp.engine import lora
     from scalenlp.models import cpu_attention, paged_attention
 
     cpu_attention.available()
     paged_attention.available()
+    lora.kernel_available()
 
 
 # The files whose tests took longest in the last timed run (seconds, summed over their tests; CI of 2026-12-04,
