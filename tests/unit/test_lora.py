@@ -310,8 +310,8 @@ def test_under_tp_each_rank_holds_its_shard_in_nf4_and_computes_its_part(colwise
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from scalenlp.compress.nf4 import quantize_nf4, quantize_tp_shards
-    from scalenlp.models.adapters import NF4ShardLinear
+    from scalenlp.compress.nf4 import quantize_nf4
+    from scalenlp.parallel.nf4_shards import NF4ShardLinear, quantize_tp_shards
 
     torch.manual_seed(0)
     whole = torch.randn(128, 192) * 0.05
@@ -343,7 +343,7 @@ def test_a_fresh_dora_magnitude_follows_a_base_changed_after_it():
     """Under TP a QLoRA base is quantized after the adapters are added (shard by shard): a fresh DoRA adapter's
     magnitudes are then set again to the quantized base's row norms, so it starts as the identity of that base
     (with the full-precision norms, the tiny Llama's first QLoRA + DoRA loss under TP 2 moved by 5e-4)."""
-    from scalenlp.models.adapters import reset_magnitudes
+    from scalenlp.parallel.nf4_shards import reset_magnitudes
 
     model = tiny()
     add_adapters(model, LoraSpec(rank=2, alpha=4, dora=True), ["layers.0.attention.wq"])
@@ -383,20 +383,21 @@ def test_an_nf4_base_whose_tp_shards_are_not_whole_blocks_is_one_line():
     """Under TP each rank quantizes its shard, which must be whole NF4 blocks (checked before any process starts):
     wq is split by its rows, wo by its columns."""
     from scalenlp.compress.nf4 import check_shardable
+    from scalenlp.parallel.tensor_parallel import split_dim
 
     def block(wq: tuple[int, int], wo: tuple[int, int]) -> torch.nn.Module:
         attention = torch.nn.ModuleDict({"wq": torch.nn.Linear(wq[1], wq[0]), "wo": torch.nn.Linear(wo[1], wo[0])})
         return torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"0": torch.nn.ModuleDict({"attention": attention})})})
 
     names = ["layers.0.attention.wq", "layers.0.attention.wo"]
-    check_shardable(block((16, 24), (8, 48)), names, 1, tp=2)  # shards of 8 x 24 each: three blocks
+    check_shardable(block((16, 24), (8, 48)), names, 1, 2, split_dim)  # shards of 8 x 24 each: three blocks
     with pytest.raises(ConfigError, match=r"under parallel.tp=2 quantizes each rank's shard in blocks of 64 "
                                           r"weights; layers.0.attention.wo \(8 x 12 on each tensor-parallel rank\) "
                                           r"is not whole blocks: use another parallel.tp"):
-        check_shardable(block((16, 24), (8, 24)), names, 1, tp=2)  # three blocks whole, one and a half split
+        check_shardable(block((16, 24), (8, 24)), names, 1, 2, split_dim)  # three blocks whole, one and a half split
     with pytest.raises(ConfigError, match=r"layers.0.attention.wq \(4 x 64 on each tensor-parallel rank, 4 groups\) "
                                           r"does not split so"):
-        check_shardable(block((8, 64), (8, 64)), names, 8, tp=2)  # ZeRO-3 over 8 ranks: 4 rows of a TP shard
+        check_shardable(block((8, 64), (8, 64)), names, 8, 2, split_dim)  # ZeRO-3 over 8 ranks: 4 rows of a TP shard
 
 
 def test_lora_mistakes_are_one_line(tmp_path, hf_llama, corpus, capsys):

@@ -11,7 +11,7 @@ top (models/adapters.py) stay float32. ZeRO-2/3 shard an NF4 weight by rows thro
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -40,13 +40,13 @@ def scale_block(blocks: int) -> int:
     return math.gcd(blocks // math.gcd(blocks, SHARDS), SCALE_BLOCK)
 
 
-def check_shardable(model: nn.Module, names: Iterable[str], shards: int, tp: int = 1) -> None:
+def check_shardable(model: nn.Module, names: Iterable[str], shards: int, tp: int = 1,
+                    split_dim: Callable[[str], int | None] | None = None) -> None:
     """Raise ConfigError unless each named linear's NF4 weight can be held under this layout: with tensor
     parallelism (``tp`` > 1) each rank quantizes its own shard, which must be whole blocks; with ZeRO-2/3
     (``shards`` > 1) that weight (or shard) is split into ``shards`` row shards of whole scale groups (FSDP2
-    would pad an uneven split, which an NF4 tensor cannot take)."""
-    from scalenlp.parallel.tensor_parallel import split_dim
-
+    would pad an uneven split, which an NF4 tensor cannot take). ``split_dim(name)``: the dim TP splits a
+    linear's weight along (0, 1 or None; parallel/tensor_parallel.py), needed when ``tp`` > 1."""
     for name in names:
         rows, cols = model.get_submodule(name).weight.shape
         dim = split_dim(name) if tp > 1 else None
@@ -64,14 +64,16 @@ def check_shardable(model: nn.Module, names: Iterable[str], shards: int, tp: int
                               f"parallel.data_parallel=\"ddp\" or \"zero1\"")
 
 
-def _quantize(name: str, weight: torch.Tensor) -> torch.Tensor:
+def quantize_weight(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (layer ``name``'s, or its tensor-parallel shard) in NF4, double-quantized scales included."""
     if weight.numel() % BLOCK:
         raise ConfigError(f"layer {name} has {weight.numel()} weights, not a multiple of NF4's block of "
                           f"{BLOCK}; leave lora.quantize_base empty for this model")
     return _to_nf4()(weight.detach().to(torch.bfloat16), BLOCK, scale_block(weight.numel() // BLOCK))
 
 
-def _freeze(layer: nn.Linear, weight: torch.Tensor) -> None:
+def freeze_weight(layer: nn.Linear, weight: torch.Tensor) -> None:
+    """Make ``weight`` the layer's frozen weight (and freeze its bias)."""
     layer.weight = nn.Parameter(weight, requires_grad=False)
     if layer.bias is not None:
         layer.bias.requires_grad_(False)
@@ -82,27 +84,4 @@ def quantize_nf4(model: nn.Module, names: Iterable[str]) -> None:
     """Replace the weight of each named ``nn.Linear`` by its frozen NF4 form, in place."""
     for name in names:
         layer = model.get_submodule(name)
-        _freeze(layer, _quantize(name, layer.weight))
-
-
-@torch.no_grad()
-def quantize_tp_shards(model: nn.Module, names: Iterable[str]) -> None:
-    """Under tensor parallelism, after the plan has sharded the model: replace each named linear's weight (a
-    DTensor) by this rank's shard in NF4, a plain local tensor. torchao's NF4 tensor is no DTensor's local part:
-    DTensor would run its matmul as aten ops NF4 lacks, and NF4 splits by rows only where a row-parallel
-    layer's weight is split by columns. The layer keeps the shard's layout (``tp_layout``) and computes its
-    product as a DTensor of it (models/adapters.py, ``base_product``); a plain linear becomes an
-    ``NF4ShardLinear`` to do so, keeping the parallel style's hooks.
-
-    Each shard is quantized by itself: its blocks of 64 run along its own rows and its scales' second level
-    (groups and their mean) is its own, so the base differs slightly from one quantized whole (where a block
-    of the whole straddles two shards, and by the second level's rounding of its scales)."""
-    from scalenlp.models.adapters import NF4ShardLinear
-
-    for name in names:
-        layer = model.get_submodule(name)
-        weight = layer.weight
-        _freeze(layer, _quantize(name, weight.to_local()))
-        if type(layer) is nn.Linear:
-            layer.__class__ = NF4ShardLinear  # in place, so the hooks parallelize_module put on it stay
-        layer.tp_layout = (weight.device_mesh, weight.placements)
+        freeze_weight(layer, quantize_weight(name, layer.weight))

@@ -23,8 +23,6 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Shard
 
 from scalenlp.errors import ConfigError, UserError
 
@@ -81,46 +79,16 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
     return weight.get_original_weight() if is_nf4(weight) else weight
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def base_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T (+ b)`` of a frozen base linear."""
     if weight.dtype == x.dtype or torch.is_autocast_enabled(x.device.type):
         return F.linear(x, weight, bias)
     # An NF4 base computes in its own dtype (bf16), which autograd keeps it in (no dequantized copy).
     return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
 
 
-def base_product(layer: nn.Linear, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-    """``x W^T (+ b)`` of a frozen base linear. Under tensor parallelism an NF4 weight is this rank's shard alone,
-    a plain tensor (compress/nf4.py, ``quantize_tp_shards``), and ``x`` the DTensor the layer's parallel style
-    made: the product is taken on the local parts and handed back as the DTensor the style expects, as
-    DTensor's own linear would: a column-parallel shard (Shard(0), whole input) gives this rank's output
-    columns, and its input's gradient is a partial sum over the ranks; a row-parallel one (Shard(1), input
-    sharded alike) gives a partial sum, which the style reduces."""
-    bias = layer.bias if with_bias else None
-    layout = getattr(layer, "tp_layout", None)
-    if layout is None:
-        return _product(x, layer.weight, bias)
-    mesh, placements = layout
-    colwise = placements[0] == Shard(0)
-    local = _product(x.to_local(grad_placements=[Partial()] if colwise else None), layer.weight, None)
-    out = DTensor.from_local(local, mesh, [Shard(local.ndim - 1) if colwise else Partial()], run_check=False)
-    return out if bias is None else out + bias
-
-
-class NF4ShardLinear(nn.Linear):
-    """A frozen linear, not adapted, whose weight is this rank's tensor-parallel shard in NF4 (QLoRA under TP;
-    compress/nf4.py's ``quantize_tp_shards`` turns an ``nn.Linear`` into one in place)."""
-
-    tp_layout: tuple[DeviceMesh, tuple[Placement, ...]]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return base_product(self, x)
-
-
 class LoRALinear(nn.Linear):
     """A frozen ``nn.Linear`` plus a trainable low-rank update (and a DoRA magnitude when ``spec.dora``)."""
-
-    # (mesh, placements) of an NF4 base held as this rank's tensor-parallel shard alone (see ``base_product``).
-    tp_layout: tuple[DeviceMesh, tuple[Placement, ...]] | None = None
 
     def __init__(self, base: nn.Linear, spec: LoraSpec):
         nn.Module.__init__(self)
@@ -144,37 +112,30 @@ class LoRALinear(nn.Linear):
 
     def _adapted_norm(self) -> torch.Tensor:
         """Row norms of W + scaling * B A (DoRA's denominator; its magnitude at init)."""
-        weight = dense(self.weight).float()
-        if self.tp_layout is not None:
-            weight = DTensor.from_local(weight, *self.tp_layout, run_check=False)
-        return (weight + self.scaling * (self.lora_B @ self.lora_A)).norm(dim=1)
+        return (self.dense_weight() + self.scaling * (self.lora_B @ self.lora_A)).norm(dim=1)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The base weight, dequantized, in float32 (a tensor-parallel NF4 shard overrides this: parallel/)."""
+        return dense(self.weight).float()
+
+    def base(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        """The frozen base's product (a tensor-parallel NF4 shard overrides this: parallel/nf4_shards.py)."""
+        return base_product(x, self.weight, self.bias if with_bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = base_product(self, x)
+        out = self.base(x)
         dropped = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         lora = F.linear(F.linear(dropped, self.lora_A), self.lora_B) * self.scaling
         if self.lora_magnitude is None:
             return out + lora
         # DoRA, in PEFT's order of operations: out + (m / |W'| - 1) * x W^T + m / |W'| * lora, |W'| held constant.
         scale = self.lora_magnitude / self._adapted_norm().detach()
-        plain = base_product(self, dropped, with_bias=False)
+        plain = self.base(dropped, with_bias=False)
         return out + (scale - 1) * plain + scale * lora
 
     def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features}, rank={self.lora_A.shape[0]}, scaling={self.scaling:g}"
                 + (", dora" if self.lora_magnitude is not None else ""))
-
-
-@torch.no_grad()
-def reset_magnitudes(model: nn.Module) -> None:
-    """Set every DoRA magnitude to the row norms of its adapted weight, as a fresh adapter has it: for a base
-    changed after the adapters were added (QLoRA's under tensor parallelism, quantized shard by shard)."""
-    for layer in model.modules():
-        if isinstance(layer, LoRALinear) and layer.lora_magnitude is not None:
-            norm, magnitude = layer._adapted_norm(), layer.lora_magnitude
-            if isinstance(norm, DTensor):  # a row-parallel layer's norms come out reduced otherwise than kept
-                norm = norm.redistribute(placements=magnitude.placements)
-            magnitude.copy_(norm)
 
 
 def adaptable(model: nn.Module) -> list[str]:

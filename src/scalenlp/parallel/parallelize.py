@@ -29,7 +29,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from scalenlp.config import Config, ConfigError
 from scalenlp.layout import Layout, ModelSizes, check
-from scalenlp.models.adapters import adaptable, has_adapters, reset_magnitudes
+from scalenlp.models.adapters import adaptable, has_adapters
 from scalenlp.models.decoder import ModelArgs, stack_projections
 from scalenlp.models.encoder import EncoderArgs
 from scalenlp.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, zero1_optimizer
@@ -109,7 +109,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, c
     if mesh is not None and dims.tp > 1:
         apply_tp(model, mesh["tp"], p.sequence_parallel, shard_logits=p.loss_parallel)
         if cfg.lora.quantize_base == "nf4":  # QLoRA: this rank's shard of each frozen block linear, in NF4
-            from scalenlp.compress.nf4 import quantize_tp_shards  # torchao, an optional extra
+            from scalenlp.parallel.nf4_shards import quantize_tp_shards, reset_magnitudes  # torchao, optional
 
             quantize_tp_shards(model, adaptable(model))
             if not cfg.lora.init:  # a fresh DoRA magnitude is its base's row norms: the base as quantized now

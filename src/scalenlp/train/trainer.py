@@ -36,6 +36,7 @@ from scalenlp.parallel.data_parallel import skip_gradient_sync
 from scalenlp.parallel.mesh import ParallelDims, barrier, build_mesh, device_type, dp_rank, init_distributed
 from scalenlp.parallel.parallelize import check_layout, clip_grad_norm_, dp_mesh, loss_context, parallelize
 from scalenlp.parallel.pipeline import build_pipeline
+from scalenlp.parallel.tensor_parallel import split_dim
 from scalenlp.train import recovery, watchdog
 from scalenlp.train.checkpoint import STATE_FILE, Checkpointer, load_full_model, read_train_state
 from scalenlp.train.guard import StepCheck, StopRequest, check_step, weights_finite
@@ -78,7 +79,7 @@ def validate_run(cfg: Config, world_size: int, pretrained: Pretrained | None = N
         from scalenlp.compress.nf4 import check_shardable
 
         zero = cfg.parallel.data_parallel in ("zero2", "zero3")
-        check_shardable(model, adaptable(model), dims.dp_shard if zero else 1, dims.tp)
+        check_shardable(model, adaptable(model), dims.dp_shard if zero else 1, dims.tp, split_dim)
     return dims
 
 
