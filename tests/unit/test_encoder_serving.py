@@ -313,3 +313,47 @@ def test_a_request_just_arrived_is_in_the_next_batch_when_a_batch_holds_fewer_te
     queue.append(newcomer)
     batch, queue = fair_batch(queue, len(queue), 2 * width)
     assert newcomer in [job for job, _ in batch] and not newcomer.pending
+
+
+def test_passes_are_padded_to_a_bounded_set_of_widths():
+    """A pass is padded to one of a few widths (oneDNN compiles and keeps a kernel per input shape): 48 up to 256
+    tokens, never narrower than its longest text nor wider than the longest a text can be, and at most an eighth
+    wider than its longest text."""
+    from scalenlp.engine.encoder_engine import padded_width
+
+    widths = [padded_width(n, 256) for n in range(1, 257)]
+    assert len(set(widths)) == 48 and widths[-1] == 256
+    assert all(n <= w <= n * 1.125 for n, w in enumerate(widths, 1))
+    assert padded_width(100, 100) == 100 and padded_width(129, 140) == 140  # the cap: no text is longer
+    assert padded_width(300, 256) == 300  # token ids past the model's window are not cut here
+
+
+def test_a_batch_budget_counts_the_padded_width():
+    """The token budget bounds the positions a pass computes, padding included."""
+    from scalenlp.engine.encoder_engine import Job, fair_batch, padded_width
+
+    job = Job("embed", [[0] * 17] * 4)  # padded to 18: three fit in 53 positions unpadded, two padded
+    batch, _ = fair_batch([job], 4, 53, lambda n: padded_width(n, 256))
+    assert len(batch) == 2
+
+
+def test_padded_passes_give_the_vectors_of_unpadded_ones():
+    """Texts of every length from 3 to 40 tokens, sent together and alone, embed as one unpadded forward of each
+    does (the padding is masked), and the passes took widths from the bounded set only."""
+    from scalenlp.engine.encoder_engine import padded_width
+
+    engine = encoder_from_checkpoint(EncoderEngineConfig(MINILM, dtype="float32", batch_wait_ms=50))
+    try:
+        texts = [" ".join(["word"] * n) for n in range(1, 39)]
+        widths, embed = [], engine.model.embed
+        engine.model.embed = lambda ids, mask: widths.append(ids.shape[1]) or embed(ids, mask)
+        try:
+            together = engine.run("embed", texts)
+        finally:
+            del engine.model.embed
+        assert set(widths) <= {padded_width(n, engine.max_seq_len) for n in range(1, 41)} and len(set(widths)) > 1
+        with torch.inference_mode():
+            alone = torch.cat([engine.model.embed(torch.tensor([ids])) for ids in engine.encode(texts)])
+        torch.testing.assert_close(together, alone, atol=1e-5, rtol=0)
+    finally:
+        engine.stop()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,13 @@ QA_OVERLAP = 0.25
 # Tokens encoded since the last trim that make the next idle moment trim the heap: a 64-text request of 200
 # words is ~16,000; a one-word request is 3 and does not pay for a trim.
 TRIM_AFTER_TOKENS = 4096
+# A pass is padded to the next of a few widths (``padded_width``) rather than to its longest text: oneDNN compiles
+# and caches a kernel per new input shape (default capacity 1,024), and after the big-embeddings load of
+# benchmarks/abuse.py, where every width from 2 to 256 came up, the server held 70 MB more than before it (20 MB
+# with these widths). The widths are the numbers whose binary form has at most this many significant bits (1 to
+# 16, 18, 20, ... 32, 36, 40, ...): 48 widths up to 256, a pass padded by at most an eighth of its longest text
+# (3 bits: 28 widths, and 7% more positions and CPU time on SST-2's short sentences).
+WIDTH_BITS = 4
 
 
 def is_encoder(checkpoint: str | Path) -> bool:
@@ -358,12 +366,13 @@ class EncoderEngine:
                 if sum(len(job.pending) for job in queue) < self.forward_batch and wait > 0:
                     self.cond.wait(wait)
                     continue
-                batch, self.queues[kind] = fair_batch(queue, self.forward_batch, self.pass_tokens)
+                batch, self.queues[kind] = fair_batch(queue, self.forward_batch, self.pass_tokens,
+                                                      lambda n: padded_width(n, self.max_seq_len))
                 return kind, batch
 
     def _forward(self, kind: str, batch: list[tuple[Job, int]]) -> torch.Tensor | list[torch.Tensor]:
         rows = [job.ids[i] for job, i in batch]
-        width = max(map(len, rows))
+        width = padded_width(max(map(len, rows)), self.max_seq_len)
         ids = torch.full((len(rows), width), self.args.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         types = torch.zeros((len(rows), width), dtype=torch.long)
@@ -419,11 +428,20 @@ class EncoderEngine:
                     queue.clear()
 
 
-def fair_batch(queue: list[Job], size: int, tokens: int) -> tuple[list[tuple[Job, int]], list[Job]]:
+def padded_width(longest: int, cap: int) -> int:
+    """The width a pass whose longest text has ``longest`` tokens is padded to: ``longest`` rounded up to
+    ``WIDTH_BITS`` significant bits, never past ``cap`` (the longest a text can be), so that a server's passes take
+    a bounded set of shapes."""
+    step = 1 << max(0, longest.bit_length() - WIDTH_BITS)
+    return max(longest, min(-(-longest // step) * step, cap))
+
+
+def fair_batch(queue: list[Job], size: int, tokens: int,
+               padded: Callable[[int], int] = lambda n: n) -> tuple[list[tuple[Job, int]], list[Job]]:
     """(the next batch of (job, row), the jobs left queued, in their new turn order). The batch takes one text
     from each job in turn (each job's shortest first) until it holds ``size`` texts, or until no job's next text
-    keeps it within ``tokens`` positions once padded to its longest (the first text is taken whatever its length:
-    a text longer than the budget runs alone). The turn goes to the jobs with the fewest tokens taken so far, so
+    keeps it within ``tokens`` positions once padded to ``padded`` of its longest (the first text is taken whatever
+    its length: a text longer than the budget runs alone). The turn goes to the jobs with the fewest tokens taken so far, so
     that a request just arrived is in the next pass even when a pass holds fewer texts than there are requests;
     among equals, the jobs a batch served go behind those it did not reach (or could not fit), so that over
     successive batches every waiting request moves forward."""
@@ -438,7 +456,7 @@ def fair_batch(queue: list[Job], size: int, tokens: int) -> tuple[list[tuple[Job
             if not job.pending or len(batch) == size or id(job) in full:
                 continue
             length = len(job.ids[job.pending[0]])
-            if batch and (len(batch) + 1) * max(width, length) > tokens:
+            if batch and (len(batch) + 1) * padded(max(width, length)) > tokens:
                 full.add(id(job))
                 continue
             batch.append((job, job.pending.pop(0)))
