@@ -1,8 +1,8 @@
 """A batcher for encoders: concurrent embedding, classification and tagging requests share forward passes.
 
 Each request's texts become units in a queue. A worker thread takes up to ``forward_batch`` units of one
-kind (embed, classify or tag), and no more than ``pass_tokens`` token positions once padded to the longest (a
-longer text runs alone), waiting at most ``batch_wait_ms`` after the oldest one arrived for more to come,
+kind (embed, classify or tag), and no more than ``pass_tokens`` token positions once padded (``padded_width``: to
+one of a few widths, just above the longest; a longer text runs alone), waiting at most ``batch_wait_ms`` after the oldest one arrived for more to come,
 runs one forward and hands each row back; a request's future completes when its last row does. A batch is
 filled round-robin across the waiting requests (each request's texts shortest first, the requests with the
 fewest tokens encoded so far first: a newcomer's text is in the next pass), so a one-text request
