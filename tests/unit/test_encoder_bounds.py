@@ -30,6 +30,8 @@ def classifier(tmp_path_factory):
 @pytest.fixture
 def engine(classifier):
     def start(**options):
+        # One worker unless a test asks for the short-pass one: these tests count the passes a request waits.
+        options = {"short_pass_tokens": 0} | options
         started.append(encoder_from_checkpoint(EncoderEngineConfig(classifier, dtype="float32", device="cpu",
                                                                    **options)))
         return started[-1]

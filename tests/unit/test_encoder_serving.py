@@ -234,6 +234,35 @@ def test_queue_full_is_refused(classifier):
         engine.stop()
 
 
+def test_a_short_request_is_answered_while_a_long_pass_runs(classifier):
+    """With a short-pass worker, a one-word request is answered while a long text's pass is still running (held
+    here until then): with one worker it would wait for that pass to end, as a pass cannot be interrupted."""
+    model, pre = loader.load(classifier)
+    engine = EncoderEngine(model, pre.tokenizer, batch_wait_ms=0, short_pass_tokens=16)
+    release, long_taken = threading.Event(), threading.Event()
+    forward = engine._forward
+
+    def held(kind, batch):
+        if max(len(job.ids[i]) for job, i in batch) > 16:
+            long_taken.set()
+            release.wait(60)
+        return forward(kind, batch)
+
+    engine._forward = held
+    engine.start()
+    try:
+        long = engine.submit("embed", engine.encode([" ".join(["word"] * 40)]))
+        assert long_taken.wait(60)
+        short = engine.submit("embed", engine.encode(["word"]))
+        short.result(timeout=60)  # a hang guard: answered at once, while the long pass is held
+        assert not long.done()
+        release.set()
+        torch.testing.assert_close(long.result(timeout=60), engine.run("embed", [" ".join(["word"] * 40)]))
+    finally:
+        release.set()
+        engine.stop()
+
+
 def test_classify_and_embed_commands(classifier, capsys):
     model, pre = loader.load(classifier)
     tok = pre.tokenizer

@@ -191,6 +191,10 @@ class EncoderEngineConfig(BaseEngineConfig):
                                    "(default 256; on a GPU, where larger passes are faster per token, raise it)")
     batch_wait_ms: float = option(2.0, type=float,
                                   help="how long a text waits for others to fill its forward pass (default 2)")
+    short_pass_tokens: int = option(64, type=int,
+                                    help="a second worker runs passes of texts this short, at most this many "
+                                         "positions, beside the first worker's, so that a short request does not "
+                                         "wait for a long pass to end; 0: one worker (default 64)")
     max_batch_texts: int = option(2048, type=int,
                                   help="most inputs one request may carry; more is answered 400 (default 2048)")
     max_text_chars: int = option(32768, type=int,
@@ -206,4 +210,5 @@ class EncoderEngineConfig(BaseEngineConfig):
         if self.forward_batch < 1 or self.max_batch_texts < 1:
             raise UserError(f"the batch sizes must be at least 1, got {self.forward_batch} and {self.max_batch_texts}")
         self.at_least(1, "max_text_chars", "max_request_tokens", "pass_tokens")
+        self.at_least(0, "short_pass_tokens")
         super().check()

@@ -101,7 +101,7 @@ class Job:
 class EncoderEngine:
     def __init__(self, model, tokenizer: Tokenizer, *, max_seq_len: int | None = None, forward_batch: int = 32,
                  pass_tokens: int | None = None, batch_wait_ms: float = 2.0, max_queue: int = 64, max_batch_texts: int = 2048,
-                 max_text_chars: int = 32768, max_request_tokens: int | None = None):
+                 max_text_chars: int = 32768, max_request_tokens: int | None = None, short_pass_tokens: int = 0):
         """The options are ``EncoderEngineConfig``'s (checked there); ``max_seq_len`` is at most the model's."""
         self.model = model.eval()
         self.args: EncoderArgs = model.args
@@ -120,11 +120,13 @@ class EncoderEngine:
                          if self.args.task == "question_answering" else None)
         self.forward_batch, self.batch_wait_ms = forward_batch, batch_wait_ms
         self.pass_tokens = pass_tokens or forward_batch * self.max_seq_len  # None: texts alone bound a pass
+        # A second worker's passes: short texts only, at most this many positions (0: no second worker).
+        self.short_pass_tokens = short_pass_tokens
         self.max_queue, self.max_batch_texts = max_queue, max_batch_texts
         self.max_text_chars, self.max_request_tokens = max_text_chars, max_request_tokens
         self.queues: dict[str, list[Job]] = {k: [] for k in KINDS}  # jobs with texts still queued, served in turn
         self.cond = threading.Condition()
-        self.thread: threading.Thread | None = None
+        self.threads: list[threading.Thread] = []
         self.stopping = False
         self.error: BaseException | None = None
         self.startup_line: str | None = None  # what its builder says at start-up (engine.dtype.announce)
@@ -140,20 +142,27 @@ class EncoderEngine:
         return self.args.task == "token_classification"
 
     def start(self) -> EncoderEngine:
-        self.thread = threading.Thread(target=self._loop, name="scalenlp-encoder", daemon=True)
-        self.thread.start()
+        """One worker takes every pass; with ``short_pass_tokens``, a second takes passes of short texts alone,
+        so that a short request is not queued behind a long pass (a pass cannot be interrupted: a one-word
+        embedding waited a whole 256-token pass, 2.8x an idle server's p90 under benchmarks/abuse.py's
+        big-embeddings load). The two forwards run at once, each on the intra-op threads."""
+        lanes = [None] + ([self.short_pass_tokens] if self.short_pass_tokens else [])
+        self.threads = [threading.Thread(target=self._loop, args=(lane,), name="scalenlp-encoder", daemon=True)
+                        for lane in lanes]
+        for thread in self.threads:
+            thread.start()
         return self
 
     def stop(self) -> None:
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
-        if self.thread is not None:
-            self.thread.join()
+        for thread in self.threads:
+            thread.join()
 
     @property
     def alive(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
+        return bool(self.threads) and all(thread.is_alive() for thread in self.threads)
 
     @property
     def num_waiting(self) -> int:
@@ -334,7 +343,7 @@ class EncoderEngine:
                 raise QueueFull(f"{self.waiting_jobs} requests are already waiting; retry later")
             self.requests += not bypass_queue_limit
             self.queues[kind].append(job)
-            self.cond.notify()
+            self.cond.notify_all()  # a short-pass worker woken alone would leave a long text queued
         job.future.add_done_callback(lambda f: f.cancelled() and self._drop(job))
         return job.future
 
@@ -349,25 +358,30 @@ class EncoderEngine:
         """Encode, queue and wait: the rows of ``submit`` for these inputs."""
         return self.submit(kind, self.encode(inputs)).result()
 
-    def _take(self) -> tuple[str, list[tuple[Job, int]]] | None:
+    def _take(self, lane: int | None) -> tuple[str, list[tuple[Job, int]]] | None:
         """The next batch: texts of the kind waiting longest, once ``forward_batch`` of them are queued or the
-        oldest has waited ``batch_wait_ms``. None when stopping."""
+        oldest has waited ``batch_wait_ms``; with ``lane``, of the jobs whose next text has at most ``lane``
+        tokens, in a pass of at most ``lane`` positions. None when stopping."""
         with self.cond:
             while True:
                 if self.stopping:
                     return None
-                heads = [(min(job.arrival for job in q), kind) for kind, q in self.queues.items() if q]
+                queues = {kind: [job for job in q if lane is None or job.pending and len(job.ids[job.pending[0]]) <= lane]
+                          for kind, q in self.queues.items()}
+                heads = [(min(job.arrival for job in q), kind) for kind, q in queues.items() if q]
                 if not heads:
                     self.cond.wait()
                     continue
                 oldest, kind = min(heads)
-                queue = self.queues[kind]
+                queue = queues[kind]
                 wait = oldest + self.batch_wait_ms / 1000 - time.perf_counter()
                 if sum(len(job.pending) for job in queue) < self.forward_batch and wait > 0:
                     self.cond.wait(wait)
                     continue
-                batch, self.queues[kind] = fair_batch(queue, self.forward_batch, self.pass_tokens,
-                                                      lambda n: padded_width(n, self.max_seq_len))
+                batch, left = fair_batch(queue, self.forward_batch, lane or self.pass_tokens,
+                                         lambda n: padded_width(n, self.max_seq_len))
+                chosen = set(map(id, queue))
+                self.queues[kind] = left + [job for job in self.queues[kind] if id(job) not in chosen]
                 return kind, batch
 
     def _forward(self, kind: str, batch: list[tuple[Job, int]]) -> torch.Tensor | list[torch.Tensor]:
@@ -381,10 +395,11 @@ class EncoderEngine:
             mask[r, :len(row)] = 1
             if job.types is not None:
                 types[r, :len(row)] = torch.tensor(job.types[i])
-        self.forwards += 1
-        self.texts += len(rows)
-        self.tokens += int(mask.sum())
-        self.padded_tokens += mask.numel()
+        with self.cond:  # two workers count
+            self.forwards += 1
+            self.texts += len(rows)
+            self.tokens += int(mask.sum())
+            self.padded_tokens += mask.numel()
         ids, mask, types = ids.to(self.device), mask.to(self.device), types.to(self.device)
         with torch.inference_mode():
             if kind == "embed":
@@ -396,10 +411,10 @@ class EncoderEngine:
         out = out.float().cpu()
         return [probs[:len(row)] for probs, row in zip(out, rows)] if kind in PER_TOKEN else out
 
-    def _loop(self) -> None:
+    def _loop(self, lane: int | None) -> None:
         trimmed_at = 0  # self.tokens at the last trim
         try:
-            while (taken := self._take()) is not None:
+            while (taken := self._take(lane)) is not None:
                 kind, batch = taken
                 if not batch:
                     continue
@@ -409,11 +424,12 @@ class EncoderEngine:
                     for job in {id(j): j for j, _ in batch}.values():
                         _settle(job.future, exception=e)
                     continue
-                for (job, i), row in zip(batch, out):
-                    job.rows[i] = row
-                    job.left -= 1
-                    if job.left == 0:  # per-token rows differ in length: they stay a list
-                        _settle(job.future, result=job.rows if kind in PER_TOKEN else torch.stack(job.rows))
+                with self.cond:  # a job's rows may come from both workers
+                    for (job, i), row in zip(batch, out):
+                        job.rows[i] = row
+                        job.left -= 1
+                        if job.left == 0:  # per-token rows differ in length: they stay a list
+                            _settle(job.future, result=job.rows if kind in PER_TOKEN else torch.stack(job.rows))
                 if self.tokens - trimmed_at >= TRIM_AFTER_TOKENS and not any(self.queues.values()):
                     trim_heap()
                     trimmed_at = self.tokens
@@ -499,6 +515,7 @@ def encoder_from_checkpoint(config: EncoderEngineConfig) -> EncoderEngine:
                          forward_batch=config.forward_batch, pass_tokens=config.pass_tokens,
                          batch_wait_ms=config.batch_wait_ms,
                          max_queue=config.max_queue, max_batch_texts=config.max_batch_texts,
-                         max_text_chars=config.max_text_chars, max_request_tokens=config.max_request_tokens)
+                         max_text_chars=config.max_text_chars, max_request_tokens=config.max_request_tokens,
+                         short_pass_tokens=config.short_pass_tokens)
     engine.startup_line = dtype.line() if dtype.reason else None  # said by the caller: dtype.announce
     return engine.start()
