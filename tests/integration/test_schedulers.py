@@ -70,9 +70,10 @@ def test_sbatch_script_trains_stops_on_signal_and_resumes_when_requeued(tmp_path
         assert 3 <= stopped < STEPS and f"stopped by SIGTERM after step {stopped}" in log, log[-3000:]
         assert (run_dir / "checkpoints" / f"step-{stopped}").is_dir()
 
+        # Slurm holds a requeued job for the test cluster's credential lifetime (slurm.CRED_EXPIRE_S) before it
+        # may start again; starting it sooner (StartTime=now) raced slurmd's revocation of the first run's
+        # credentials, and the job failed as "non-startable".
         subprocess.run(["scontrol", "requeue", job], env=cluster.env, check=True)
-        # Slurm holds a requeued job for about two minutes before it may start again; not what is tested here.
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env, check=True)
         assert cluster.wait(job) == "COMPLETED"
     log = (out / f"job-{job}.log").read_text()
     assert f"resumed from {run_dir / 'checkpoints' / f'step-{stopped}'} at step {stopped}" in log, log[-3000:]

@@ -23,6 +23,9 @@ from pathlib import Path
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol")
 MUNGE_KEY = Path("/etc/munge/munge.key")  # the package makes one on installation
 NODE = "localhost"
+# Seconds a job credential lives (slurm.conf AuthInfo cred_expire): long enough to launch a step on a loaded
+# machine, short enough that a requeued job, held that long, starts again within a test.
+CRED_EXPIRE_S = 15
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
         "PREEMPTED"}
 
@@ -86,7 +89,9 @@ def cluster(folder: Path, cpus: int = 2) -> Iterator[Cluster]:
     settings = {
         "ClusterName": "scalenlp-test", "SlurmctldHost": f"{NODE}(127.0.0.1)", "SlurmUser": "root",
         "SlurmdUser": "root", "SlurmctldPort": _free_port(), "SlurmdPort": _free_port(),
-        "AuthType": "auth/munge", "AuthInfo": f"socket={munge}", "CryptoType": "crypto/munge",
+        # A requeued job waits cred_expire seconds (120 by default) before it may start again: slurmd refuses to
+        # launch a job whose earlier run's credentials it has revoked until they expire ("Job credential revoked").
+        "AuthType": "auth/munge", "AuthInfo": f"socket={munge},cred_expire={CRED_EXPIRE_S}", "CryptoType": "crypto/munge",
         "StateSaveLocation": folder / "state", "SlurmdSpoolDir": sockets / "spool",
         "SlurmctldPidFile": folder / "slurmctld.pid", "SlurmdPidFile": folder / "slurmd.pid",
         "SlurmctldLogFile": folder / "slurmctld.log", "SlurmdLogFile": folder / "slurmd.log",
