@@ -90,3 +90,61 @@ def test_tagging_mistakes_are_one_error_line(tmp_path, capsys):
     assert main_train(tmp_path / "run", *tag_sets(init, outside, None, "training.steps=1")) == 2
     assert error_lines(capsys.readouterr().err) == [f"error: {outside} tags every word 'O'; there are no entities "
                                                     f"to learn"]
+
+
+def test_trains_step_for_step_as_the_transformers_recipe(tmp_path):
+    """With dropout off, one starting point (head included) and the same batches, the trainer's loss at every step
+    equals a plain transformers loop's (run_ner's recipe: BertForTokenClassification, the tag on each word's first
+    sub-token, AdamW with decay on matrices, warm-up + cosine, clipping): what benchmarks/ner.py compares differs
+    only in what is random."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForTokenClassification
+
+    from scalenlp.data.tags import read_tagged, tag_names
+    from scalenlp.models.packaged import packaged_model
+    from scalenlp.train.optim import build_scheduler, param_groups
+    from scalenlp.train.tasks import load_config
+
+    train = write_tagged(tmp_path / "train.conll", 48)
+    sentences = read_tagged(train, lambda _: None)
+    labels = tag_names(sentences)
+    tokenizer = AutoTokenizer.from_pretrained(packaged_model("minilm"))
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, id2label=dict(enumerate(labels)),
+                        label2id={t: i for i, t in enumerate(labels)}, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = BertForTokenClassification(config)
+    model.save_pretrained(tmp_path / "init")
+    tokenizer.save_pretrained(tmp_path / "init")
+
+    sets = tag_sets(tmp_path / "init", train, None, "training.steps=6", "training.seq_len=32", "model.dropout=0.0",
+                    "data.shuffle=false", "training.weight_decay=0.01", "training.grad_clip=0.5")
+    ours = [r["loss"] for r in train_here(tmp_path / "run", *sets) if "loss" in r]
+
+    t = load_config(None, sets).training
+    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+    scheduler = build_scheduler(optimizer, t)
+    encoded = tokenizer(sentences.words, is_split_into_words=True)
+    index = {tag: i for i, tag in enumerate(labels)}
+    theirs = []
+    for start in range(0, t.steps * t.global_batch_size, t.global_batch_size):
+        rows = range(start, start + t.global_batch_size)
+        width = max(len(encoded["input_ids"][i]) for i in rows)
+        ids, labels_ = torch.zeros(len(rows), width, dtype=torch.long), torch.full((len(rows), width), -100)
+        for r, i in enumerate(rows):
+            words = encoded.word_ids(i)
+            ids[r, :len(words)] = torch.tensor(encoded["input_ids"][i])
+            for position, w in enumerate(words):
+                if w is not None and (position == 0 or words[position - 1] != w):
+                    labels_[r, position] = index[sentences.tags[i][w]]
+        loss = model(input_ids=ids, attention_mask=(ids != 0).long(), labels=labels_).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        theirs.append(loss.item())
+    assert len(ours) == t.steps
+    assert ours == pytest.approx(theirs, rel=1e-5), (ours, theirs)
+    assert ours[-1] < ours[0] * 0.8  # it learnt: the comparison is not of two models that stand still
