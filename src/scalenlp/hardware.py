@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scalenlp.errors import UserError
+from scalenlp.files import write_file
 
 GiB = 2**30
 
@@ -221,8 +222,6 @@ def write_cached(path: Path, value: dict) -> None:
     cannot be written costs only a measurement next run."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(value))
-        os.replace(tmp, path)
+        write_file(path, json.dumps(value), shared=True)
     except OSError:
         pass

@@ -112,6 +112,28 @@ def test_a_noisy_round_does_not_decide(cache):
     assert choice.dtype == torch.bfloat16 and "2.00x as fast as float32" in choice.reason
 
 
+def test_a_cold_call_is_never_the_one_timed():
+    """A pass's first call, and a candidate's first call since the other one ran (its caches, the cores' clocks then
+    the other's), take a fixed 50 ms more, which timed would put bf16, twice as fast warm, near a tie. Each candidate
+    warms up right before it is timed: the rounds hold the warm times, and the ratio is 2."""
+    now, ran, last = [0.0], set(), [None]
+
+    def timed_pass(name: str, seconds: float):
+        def run():
+            cold = (name, seconds) not in ran or last[0] != name
+            now[0] += seconds + 50e-3 * cold
+            ran.add((name, seconds))
+            last[0] = name
+        return run
+
+    warm = {"float32": [2e-3, 20e-3], "bfloat16": [1e-3, 10e-3]}  # a one-row pass, a prefill
+    timed = dtype_module.time_rounds({name: [timed_pass(name, s) for s in warm[name]] for name in CPU_CANDIDATES},
+                                     clock=lambda: now[0])
+    assert timed == {name: [pytest.approx(warm[name])] * ROUNDS for name in CPU_CANDIDATES}
+    record = dtype_module._record({name: [tuple(r) for r in rounds] for name, rounds in timed.items()})
+    assert record["bfloat16_speedup"] == pytest.approx(2.0)
+
+
 def test_an_explicit_dtype_is_taken_without_measuring(cache):
     timer = uniform(float32=(1e-3, 10e-3), bfloat16=(2e-3, 20e-3))
     for name in ("float32", "bfloat16", "float16"):

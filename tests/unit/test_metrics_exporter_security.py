@@ -137,7 +137,7 @@ def test_a_planted_link_is_not_written_through(tmp):
     folder.mkdir(mode=0o700)
     victim = tmp / "victim"
     victim.write_text("precious")
-    (folder / "rank0.tmp").symlink_to(victim)
+    (folder / "rank0.json.tmp").symlink_to(victim)  # where the write makes its temporary file
     monitor = start(port)
     try:
         monitor.write_sample()

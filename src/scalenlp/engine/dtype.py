@@ -18,7 +18,11 @@ layer timed again and again does not (SmolLM2's fits in a 32 MiB L3 cache): a ro
 copies of the layer, as many as the model has layers, up to four times the last-level cache in float32.
 
 Rounds alternate the two dtypes, in alternating order, and the figure is the median over rounds of float32's
-time over bf16's: a neighbour's burst slows both halves of a round alike. bf16 is chosen when that is at least
+time over bf16's: a neighbour's burst slows both halves of a round alike. In each round a dtype runs its request
+once untimed right before the timed run, so that the timing pays neither a first call's one-time costs nor what
+the other dtype's half left behind (its weights in the caches, the cores' clocks set for its instructions): a
+server runs one dtype over and over. (A start once reported MiniLM's bf16 at 17.39x float32's speed, 1.53 against
+26.9 ms for a 32-token prefill, float32's figure that of a cold-looking call.) bf16 is chosen when that is at least
 ``BF16_MARGIN``, since it costs precision. The figure is cached per processor, torch version, thread count and
 layer widths, as training's MFU peak is (train/peak.py), so every start on this machine picks the same dtype
 without timing again.
@@ -26,6 +30,7 @@ without timing again.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -48,7 +53,7 @@ CPU_CANDIDATES = ("float32", "bfloat16")
 # here measured 1.16x one way and 1.08x the other in five runs under load).
 BF16_MARGIN = 1.1
 PREFILL_ROWS = 32  # prompt tokens of the timed request: time per prompt token is about flat from here up
-WARMUP, ROUNDS = 1, 5
+ROUNDS = 5
 # Timed only when one float32 layer takes at most this share of memory, so a model of a few layers still fits.
 MEMORY_SHARE = 4
 FILL = 0.01  # every weight and input: a normal float in both dtypes, whose sums stay far from overflow
@@ -177,19 +182,31 @@ def time_layer(shapes: LayerShapes) -> Timings:
     module docstring)."""
     copies = _copies(shapes)
     with torch.no_grad():
-        layers = {name: _layers(shapes, getattr(torch, name), copies) for name in CPU_CANDIDATES}
-        timings: Timings = {name: [] for name in CPU_CANDIDATES}
-        for r in range(WARMUP + ROUNDS):
-            for name in CPU_CANDIDATES[::1 if r % 2 else -1]:
-                stack, one, many = layers[name]
-                start = time.perf_counter()
-                for products in stack if shapes.decodes else ():  # a one-row pass over the copies
-                    _run(products, one)
-                middle = time.perf_counter()
-                _run(stack[0], many)
-                end = time.perf_counter()
-                if r >= WARMUP:
-                    timings[name].append(((middle - start) / copies if shapes.decodes else 0.0, end - middle))
+        passes = {}
+        for name in CPU_CANDIDATES:
+            stack, one, many = _layers(shapes, getattr(torch, name), copies)
+            decode = [functools.partial(_run, stack, one)] if shapes.decodes else []  # one row through the copies
+            passes[name] = [*decode, functools.partial(_run, stack[:1], many)]
+        timed = time_rounds(passes)
+    return {name: [(r[0] / copies, r[1]) if shapes.decodes else (0.0, r[0]) for r in rounds]
+            for name, rounds in timed.items()}
+
+
+def time_rounds(passes: dict[str, list[Callable[[], None]]],
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[list[float]]]:
+    """Per candidate, per round, the seconds of each of its ``passes`` (run in their order). Rounds alternate the
+    candidates in alternating order; a candidate runs its passes once untimed right before it times them (see the
+    module docstring)."""
+    timings: dict[str, list[list[float]]] = {name: [] for name in passes}
+    for r in range(ROUNDS):
+        for name in list(passes)[::1 if r % 2 else -1]:
+            for run in passes[name]:
+                run()
+            marks = [clock()]
+            for run in passes[name]:
+                run()
+                marks.append(clock())
+            timings[name].append([end - start for start, end in zip(marks, marks[1:])])
     return timings
 
 
@@ -232,9 +249,11 @@ def _layers(shapes: LayerShapes, dtype: torch.dtype, copies: int):
     return stack, one, many
 
 
-def _run(products: list[nn.Module], inputs: dict[int, torch.Tensor]) -> None:
-    for product in products:
-        product(inputs[product.in_features])
+def _run(layers: list[list[nn.Module]], inputs: dict[int, torch.Tensor]) -> None:
+    """Each of ``layers``' products, in order, on the input of its width."""
+    for products in layers:
+        for product in products:
+            product(inputs[product.in_features])
 
 
 def announce(engine) -> None:

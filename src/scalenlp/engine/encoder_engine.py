@@ -1,19 +1,18 @@
 """A batcher for encoders: concurrent embedding, classification and tagging requests share forward passes.
 
-Each request's texts become units in a queue. A worker thread takes up to ``forward_batch`` units of one
-kind (embed, classify or tag), and no more than ``pass_tokens`` token positions once padded (``padded_width``: to
-one of a few widths, just above the longest; a longer text runs alone), waiting at most ``batch_wait_ms`` after the oldest one arrived for more to come,
-runs one forward and hands each row back; a request's future completes when its last row does. A batch is
-filled round-robin across the waiting requests (each request's texts shortest first, the requests with the
-fewest tokens encoded so far first: a newcomer's text is in the next pass), so a one-text request
-behind a 2,048-text one is served within about one forward pass, and the token budget bounds how long that pass
-takes (on a CPU a forward's cost grows with its tokens, at about the same rate from a few hundred up).
-A request whose future is cancelled (its client left) leaves the queue at once: its texts not yet taken into a
-batch are never encoded. When the queue empties after ``TRIM_AFTER_TOKENS`` or more tokens were encoded since it
-last did, the heap's free pages go back to the system (``engine.heap``): forward passes free their activations into
-glibc's arenas, which kept them (RSS 1.47x its level before 64-text requests). A text to tag is cut into windows of
-whole words (``data.tags.word_windows``) when it is longer than the model's window, each window a unit, so no word
-is lost.
+Each request's texts become units in a queue. A worker thread takes up to ``forward_batch`` units of one kind (embed,
+classify or tag), and no more than ``pass_tokens`` token positions once padded (``padded_width``: to one of a few
+widths, just above the longest; a longer text runs alone), waiting at most ``batch_wait_ms`` after the oldest one
+arrived for more to come, runs one forward and hands each row back; a request's future completes when its last row does.
+A batch is filled round-robin across the waiting requests (each request's texts shortest first, the requests with the
+fewest tokens encoded so far first: a newcomer's text is in the next pass), so a one-text request behind a 2,048-text
+one is served within about one forward pass, and the token budget bounds how long that pass takes (on a CPU a forward's
+cost grows with its tokens, at about the same rate from a few hundred up). A request whose future is cancelled (its
+client left) leaves the queue at once: its texts not yet taken into a batch are never encoded. When the queue empties
+after ``TRIM_AFTER_TOKENS`` or more tokens were encoded since it last did, the heap's free pages go back to the system
+(``engine.heap``): forward passes free their activations into glibc's arenas, which kept them (RSS 1.47x its level
+before 64-text requests). A text to tag is cut into windows of whole words (``data.tags.word_windows``) when it is
+longer than the model's window, each window a unit, so no word is lost.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import mmap
-import os
 import re
 import struct
 from dataclasses import replace
@@ -30,6 +29,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from torch import nn
 
 from scalenlp.errors import UserError
+from scalenlp.files import replacing_file
 from scalenlp.models.decoder import ModelArgs, llama3_scaled, rope_inv_freq, rope_turns
 from scalenlp.models.families import llama
 from scalenlp.models.limits import check_count, read_from
@@ -602,8 +602,7 @@ def write_gguf(model: nn.Module, tokenizer: Tokenizer, tokenizer_config: dict, o
         raise UserError(f"GGUF weight type {dtype!r} is not supported; choose one of {', '.join(WRITE_TYPES)}")
     qtype, file_type = WRITE_TYPES[dtype]
     out = Path(out_path)
-    tmp = out.with_name(out.name + ".tmp")
-    writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])  # the file is named once it is written
     writer.add_name(out.stem)
     writer.add_context_length(args.max_seq_len)
     writer.add_embedding_length(args.dim)
@@ -634,13 +633,12 @@ def write_gguf(model: nn.Module, tokenizer: Tokenizer, tokenizer_config: dict, o
         data, raw = _encode(w.numpy(), qtype)
         writer.add_tensor(name, data, raw_dtype=raw)
     try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out)
+        with replacing_file(out) as tmp:
+            writer.write_header_to_file(tmp)
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise UserError(f"cannot write {out}: {e}") from None
     return out
 

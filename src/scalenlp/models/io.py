@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import errno
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from tokenizers import Tokenizer
 
 from scalenlp.data.tokenizer import TOKENIZER_CONFIG, load_tokenizer
 from scalenlp.errors import UserError
+from scalenlp.files import replace_folder
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.limits import read_from
@@ -80,14 +80,7 @@ def replacing_folder(out_dir: str | Path) -> Iterator[Path]:
             raise UserError(f"no space left on the device while writing {out}; removed the partial {tmp.name}{kept}; "
                             f"free space, then write it again") from None
         raise
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
+    replace_folder(tmp, out)
 
 
 def write_tokenizer(folder: Path, tokenizer: Tokenizer | str | Path | None, tokenizer_config: dict | None) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import pickle
 import re
 import shutil
@@ -42,6 +41,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from scalenlp.errors import UserError
+from scalenlp.files import replace_folder
 from scalenlp.models.io import disk_full
 from scalenlp.parallel.data_parallel import local_optimizer, restore_hyperparameters
 from scalenlp.parallel.mesh import barrier
@@ -318,9 +318,7 @@ class Checkpointer:
             final = self.root / f"step-{step}"
             state = {**train_state, "step": step, "sha256": _manifest(tmp)}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-            if final.exists():  # a re-save of the same step: replace it only once the new one is whole
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            replace_folder(tmp, final)  # a re-save of the same step replaces it only once the new one is whole
             for _, old in self.complete()[:-self.keep]:  # the new one is complete now: it is never pruned
                 shutil.rmtree(old)
             self.log(f"checkpoint saved: {final}")

@@ -40,6 +40,7 @@ from prometheus_client.core import GaugeMetricFamily
 from scalenlp.auth import authorized, key_of
 from scalenlp.config import MonitorConfig
 from scalenlp.errors import UserError
+from scalenlp.files import write_file
 from scalenlp.hardware import resident_bytes
 
 TOKEN_ENV = "SCALENLP_METRICS_TOKEN"
@@ -148,14 +149,8 @@ def private_folder(path: Path) -> Path:
 
 def write_private(path: Path, text: str) -> None:
     """Replace ``path`` by a file of ``text`` readable by this user only, whole at once (a scrape never reads half
-    a file). The temporary file is created afresh, never through a link: a link planted there is removed, not
-    followed."""
-    tmp = path.with_suffix(".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    a file). Not synced to disk: a snapshot is rewritten every interval and means nothing after the machine stops."""
+    write_file(path, text, private=True, durable=False)
 
 
 def _number(value) -> float | None:

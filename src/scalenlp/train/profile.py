@@ -14,12 +14,13 @@ Collectives appear as their c10d ops (e.g. ``c10d::allreduce_``) and backend eve
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, record_function
+
+from scalenlp.files import replacing_file
 
 
 class StepProfiler:
@@ -46,9 +47,8 @@ class StepProfiler:
 
     def _save(self, prof: torch.profiler.profile) -> None:
         self.trace.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.trace.with_suffix(".tmp")
-        prof.export_chrome_trace(str(tmp))
-        os.replace(tmp, self.trace)  # a reader never sees half a trace
+        with replacing_file(self.trace) as tmp:  # a reader never sees half a trace
+            prof.export_chrome_trace(str(tmp))
 
     @contextlib.contextmanager
     def step(self, n: int):

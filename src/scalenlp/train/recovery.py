@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from scalenlp.config import Config
 from scalenlp.errors import UserError
+from scalenlp.files import write_file
 from scalenlp.launch_env import slurm_requeued
 from scalenlp.parallel.mesh import ParallelDims
 from scalenlp.train.checkpoint import Checkpointer, read_train_state
@@ -84,9 +85,7 @@ def record_launch(run_dir: Path, agents: list[str], restarted: bool) -> None:
     path = Path(run_dir) / LAUNCH_FILE
     if restarted:
         agents = sorted(set(agents) | set(json.loads(path.read_text())["agents"]))
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"agents": agents, "slurm_job": job}, indent=1))
-    os.replace(tmp, path)
+    write_file(path, json.dumps({"agents": agents, "slurm_job": job}, indent=1))
 
 
 def set_aside_damaged(checkpointer: Checkpointer, log) -> tuple[Path, dict] | None:

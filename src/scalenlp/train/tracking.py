@@ -22,6 +22,7 @@ from pathlib import Path
 
 from scalenlp.config import Config, config_items
 from scalenlp.errors import require
+from scalenlp.files import write_file
 
 STATE_FILE = "tracking.json"
 _END = object()  # closes a tracker's queue
@@ -178,9 +179,7 @@ def remember(run_dir: Path, tracker: str, entry: dict) -> None:
     path = run_dir / STATE_FILE
     state = json.loads(path.read_text()) if path.is_file() else {}
     state[tracker] = entry
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    tmp.replace(path)
+    write_file(path, json.dumps(state, indent=1))
 
 
 def open_trackers(cfg: Config, run_dir: Path, log: Callable[[str], None]) -> list[_Tracker]:

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from scalenlp.files import write_file
+
 HANG_EXIT = 75  # sysexits' EX_TEMPFAIL: a temporary failure, worth retrying
 FLOOR_S, FACTOR, WINDOW = 60.0, 10.0, 20
 INTERVAL_S = 0.5  # between heartbeats
@@ -151,9 +153,8 @@ class Watchdog:
         beat = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": self.step,
                 "in_step_s": None if started is None else time.monotonic() - started, "timeout_s": limit,
                 "collectives": collectives(), "where": where(self._main), "time": time.time()}
-        tmp = self.beats / f"rank-{self.rank}.json.tmp"
-        tmp.write_text(json.dumps(beat))
-        os.replace(tmp, self.beats / f"rank-{self.rank}.json")
+        # Every INTERVAL_S, and read only while the job lives: not worth a sync to disk each time.
+        write_file(self.beats / f"rank-{self.rank}.json", json.dumps(beat), durable=False)
 
     def _watch(self) -> None:
         alarm = self.hangs / "detected"
