@@ -7,7 +7,8 @@ Each measurement runs in a process of its own (so one's memory never counts in a
 token batches, with fused AdamW over what trains:
 
 - full: every weight trains (fp32);
-- lora: rank 16 (alpha 32) on every linear of the blocks (lora.targets = all-linear), the base frozen;
+- lora: rank 16 (alpha 32) on every linear of the blocks (lora.targets = all-linear), the base frozen and held
+  packed for oneDNN as training holds it by default (lora.pack_frozen);
 - qlora: the same with the frozen block linears in NF4 (compress/nf4.py);
 - peft: transformers' LlamaForCausalLM of the same weights with peft's LoraConfig(r=16, lora_alpha=32,
   target_modules="all-linear").
@@ -15,9 +16,10 @@ token batches, with fused AdamW over what trains:
 Figures: parameters that train; resident memory once the model is built (at rest) and its peak over the training
 steps (Linux's VmHWM, reset after loading, so the transient of reading the GGUF file is not counted); tokens/s over
 the steps after the first (which pays one-time allocations). Speed against peft is measured apart, in one process
-holding both models and taking their steps in turn, so that other work on the machine weighs on both alike; with
-``--compile`` a third model takes its steps in the same turns, our LoRA with ``training.compile`` (each block and
-the loss through torch.compile, as parallelize's apply_compile does; its first step, untimed, compiles).
+holding the models and taking their steps in turn, so that other work on the machine weighs on all alike: lora,
+peft, and lora-plain (our LoRA with lora.pack_frozen=false); with ``--compile`` another, our LoRA with
+``training.compile`` (each block and the loss through torch.compile, as parallelize's apply_compile does, the
+base unpacked as training leaves it then; its first step, untimed, compiles).
 
 layouts (only with ``--only layouts``): QLoRA of SmolLM2 through `scalenlp train --nproc 2` on the README demo's
 data (configs/demo.toml), under DDP (each rank holds the whole NF4 base) and under ZeRO-3 (each holds half of it,
@@ -59,22 +61,33 @@ def _settle() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _our_model(kind: str):
+def _our_model(kind: str, rows: int):
+    """Our model of ``kind`` for batches of ``rows`` tokens; a LoRA base packed for oneDNN as training packs it by
+    default (lora.pack_frozen), but for kind "lora-plain"."""
     from scalenlp.loader import read
-    from scalenlp.models.adapters import LoraSpec, adaptable, add_adapters, freeze_all_but_adapters, match_targets
+    from scalenlp.models.adapters import (
+        LoraSpec,
+        adaptable,
+        add_adapters,
+        freeze_all_but_adapters,
+        match_targets,
+        pack_frozen,
+    )
     from scalenlp.models.io import build_decoder
     from scalenlp.models.packaged import packaged_model
 
     pre = read(packaged_model("smollm2"))
     model = build_decoder(pre.args, pre.state, "cpu", torch.float32).train()
     del pre
-    if kind in ("lora", "qlora"):
+    if kind in ("lora", "lora-plain", "qlora"):
         if kind == "qlora":
             from scalenlp.compress.nf4 import quantize_nf4
 
             quantize_nf4(model, adaptable(model))
         add_adapters(model, LoraSpec(RANK, ALPHA), match_targets(model, "all-linear"))
         freeze_all_but_adapters(model)
+        if kind != "lora-plain":
+            pack_frozen(model, rows)  # an NF4 base (qlora) is left as it is
     # The summed loss (computed a chunk of tokens at a time), as a mean like transformers'.
     return model, lambda tokens: model(tokens[:, :-1], targets=tokens[:, 1:]) / tokens[:, 1:].numel()
 
@@ -96,7 +109,7 @@ def _peft_model():
 
 def measure(kind: str, steps: int, batch: int, seq: int) -> dict:
     torch.manual_seed(0)
-    model, loss_of = _peft_model() if kind == "peft" else _our_model(kind)
+    model, loss_of = _peft_model() if kind == "peft" else _our_model(kind, batch * seq)
     params = list(model.parameters())
     trained = [p for p in params if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=True)
@@ -127,11 +140,12 @@ def speed(steps: int, batch: int, seq: int, compile: bool = False) -> dict:
     the load then weighs on all alike (separate processes meet different loads), and the CPU time leaves out the
     time spent waiting for the cores."""
     torch.manual_seed(0)
-    runs = {"lora": _our_model("lora"), "peft": _peft_model()}
+    runs = {"lora": _our_model("lora", batch * seq), "lora-plain": _our_model("lora-plain", batch * seq),
+            "peft": _peft_model()}
     if compile:
         from scalenlp.parallel.parallelize import apply_compile
 
-        runs["compiled"] = _our_model("lora")
+        runs["compiled"] = _our_model("lora-plain", batch * seq)  # training.compile leaves the base unpacked
         apply_compile(runs["compiled"][0])
     optimizers = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=True)
                   for k, (m, _) in runs.items()}
@@ -199,6 +213,10 @@ def main() -> int:
         print(f"tokens/s, steps in turn in one process: lora {fast['lora']:,.1f}, peft+transformers "
               f"{fast['peft']:,.1f}: lora / peft = {fast['lora'] / fast['peft']:.2f}x (per CPU second: "
               f"{per_cpu['lora'] / per_cpu['peft']:.2f}x)")
+        print(f"lora with the base unpacked (lora.pack_frozen=false) {fast['lora-plain']:,.1f} tokens/s: "
+              f"{fast['lora-plain'] / fast['peft']:.2f}x peft; lora / lora-plain = {fast['lora'] / fast['lora-plain']:.2f}x "
+              f"(per CPU second: {per_cpu['lora-plain'] / per_cpu['peft']:.2f}x, "
+              f"{per_cpu['lora'] / per_cpu['lora-plain']:.2f}x)")
         if args.compile:
             print(f"lora with training.compile {fast['compiled']:,.1f} tokens/s: {fast['compiled'] / fast['peft']:.2f}x "
                   f"peft, {fast['compiled'] / fast['lora']:.2f}x lora eager (per CPU second: "

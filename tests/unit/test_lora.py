@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 
 import pytest
@@ -27,6 +28,7 @@ from scalenlp.models.adapters import (
     match_targets,
     merge_adapters,
     pack_frozen,
+    packed_pair,
 )
 from scalenlp.models.decoder import ModelArgs, Transformer
 from train_helpers import (
@@ -231,13 +233,13 @@ def test_a_lora_run_packs_its_frozen_base_or_says_why_not(tmp_path, hf_llama, co
     sets = [f"model.init={hf_llama}", f"data.path={corpus}", *FINETUNE, *LORA, "training.steps=1", "checkpoint.every=0",
             "checkpoint.export=false"]
     packed = train_here(tmp_path / "packed", *sets)
-    assert re.search(r"^lora.pack_frozen: [1-9]\d* frozen base linears held as oneDNN-packed W and W\^T$",
+    assert re.search(r"^lora.pack_frozen: [1-9]\d* frozen linears held as oneDNN-packed W and W\^T$",
                      capsys.readouterr().err, re.M)
     plain = train_here(tmp_path / "plain", *sets, "lora.pack_frozen=false")
     assert "lora.pack_frozen" not in capsys.readouterr().err
     assert packed[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
     train_here(tmp_path / "bf16", *sets, "training.mixed_precision=bf16")
-    assert ("lora.pack_frozen: 0 frozen base linears held as oneDNN-packed W and W^T; not packed: "
+    assert ("lora.pack_frozen: 0 frozen linears held as oneDNN-packed W and W^T; not packed: "
             "training.mixed_precision=bf16 computes the products in bf16 (autocast)") in capsys.readouterr().err
 
 
@@ -378,8 +380,8 @@ def test_a_fresh_dora_magnitude_follows_a_base_changed_after_it():
 
 @pytest.mark.parametrize("dora", [False, True])
 def test_a_packed_frozen_base_gives_the_plain_loss_and_gradients(dora):
-    """lora.pack_frozen: the base held as oneDNN-packed W and W^T instead of its weight, same loss and adapter
-    gradients in float32 (widths that are no multiple of oneDNN's blocks: 48 in, 136 hidden)."""
+    """lora.pack_frozen: the base held as oneDNN-packed W and W^T instead of its weight (and the frozen output
+    projection's beside it), same loss and adapter gradients in float32 (widths that are no multiple of oneDNN's blocks: 48 in, 136 hidden)."""
     args = ModelArgs(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=136, max_seq_len=32)
     torch.manual_seed(0)
     plain = Transformer(args).train()
@@ -388,7 +390,8 @@ def test_a_packed_frozen_base_gives_the_plain_loss_and_gradients(dora):
     perturb(plain)
     packed = copy.deepcopy(plain)
     weights = {name: m.weight.detach().clone() for name, m in packed.named_modules() if isinstance(m, LoRALinear)}
-    assert pack_frozen(packed, 2 * 16) == (len(weights), [])
+    assert pack_frozen(packed, 2 * 16) == (len(weights) + 1, [])  # and the frozen output projection, for the loss
+    assert all(p.is_mkldnn for p in packed.output_packed)
     names = dict(packed.named_parameters())
     assert not any(f"{name}.weight" in names for name in weights)  # dropped: the packed copies replace it
     for name, weight in weights.items():
@@ -404,6 +407,9 @@ def test_a_packed_frozen_base_gives_the_plain_loss_and_gradients(dora):
     for name in trained:
         torch.testing.assert_close(names[name].grad, plain.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
     assert pack_frozen(packed, 32) == (0, [])  # packing a packed model finds nothing left to pack
+    packed.output_packed = packed_pair(torch.zeros(args.vocab_size, args.dim), None)  # the loss reads these:
+    with torch.no_grad():  # all-zero logits cost log(vocab) a target
+        assert packed(tokens[:, :-1], targets=tokens[:, 1:]).item() == pytest.approx(32 * math.log(97))
 
 
 def test_pack_frozen_leaves_what_it_cannot_pack_with_the_reason():

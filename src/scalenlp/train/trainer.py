@@ -207,10 +207,10 @@ class Trainer:
             reasons.append("training.compile generates the blocks' products itself")
         else:
             for part in self.model_parts:
-                n, why = pack_frozen(part, self.micro_batch * t.seq_len)
+                n, why = pack_frozen(getattr(part, "module", part), self.micro_batch * t.seq_len)  # DDP's wrapper
                 packed += n
                 reasons += [r for r in why if r not in reasons]
-        self.log(f"lora.pack_frozen: {packed} frozen base linears held as oneDNN-packed W and W^T"
+        self.log(f"lora.pack_frozen: {packed} frozen linears held as oneDNN-packed W and W^T"
                  + (f"; not packed: {'; '.join(reasons)}" if reasons else ""))
 
     def _open_run(self, agents: list, restarted: bool) -> None:
