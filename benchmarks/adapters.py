@@ -1,7 +1,7 @@
 """LoRA and QLoRA fine-tuning of SmolLM2-135M against a full fine-tune, and against peft + transformers.
 
-    OMP_NUM_THREADS=1 python benchmarks/adapters.py [--steps 3] [--batch 1] [--seq 128] [--only memory|speed|layouts]
-                                                    [--compile]
+    OMP_NUM_THREADS=1 python benchmarks/adapters.py [--steps 3] [--batch 1] [--seq 128]
+                                                    [--only memory|speed|layouts|products] [--compile]
 
 Each measurement runs in a process of its own (so one's memory never counts in another's), on the same random
 token batches, with fused AdamW over what trains:
@@ -9,7 +9,8 @@ token batches, with fused AdamW over what trains:
 - full: every weight trains (fp32);
 - lora: rank 16 (alpha 32) on every linear of the blocks (lora.targets = all-linear), the base frozen and held
   packed for oneDNN as training holds it by default (lora.pack_frozen);
-- qlora: the same with the frozen block linears in NF4 (compress/nf4.py);
+- lora-plain: lora with lora.pack_frozen=false (the plain base weights);
+- qlora: lora with the frozen block linears in NF4 (compress/nf4.py), which is not packed;
 - peft: transformers' LlamaForCausalLM of the same weights with peft's LoraConfig(r=16, lora_alpha=32,
   target_modules="all-linear").
 
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("full", "lora", "qlora", "peft")
+KINDS = ("full", "lora", "lora-plain", "qlora", "peft")
 RANK, ALPHA = 16, 32
 
 
@@ -107,6 +108,15 @@ def _peft_model():
     return model, lambda tokens: model(input_ids=tokens, labels=tokens).loss
 
 
+def _params(model) -> int:
+    """Parameters, a base weight that lora.pack_frozen replaced by packed copies counted as one."""
+    from scalenlp.models.adapters import LoRALinear
+
+    replaced = sum(m.in_features * m.out_features for m in model.modules()
+                   if isinstance(m, LoRALinear) and m.packed is not None)
+    return sum(p.numel() for p in model.parameters()) + replaced
+
+
 def measure(kind: str, steps: int, batch: int, seq: int) -> dict:
     torch.manual_seed(0)
     model, loss_of = _peft_model() if kind == "peft" else _our_model(kind, batch * seq)
@@ -129,7 +139,7 @@ def measure(kind: str, steps: int, batch: int, seq: int) -> dict:
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     timed = times[1:] or times
-    return {"kind": kind, "params": sum(p.numel() for p in params), "trained": sum(p.numel() for p in trained),
+    return {"kind": kind, "params": _params(model), "trained": sum(p.numel() for p in trained),
             "rss_at_rest": at_rest, "rss_peak": _status("VmHWM"),
             "tokens_per_s": batch * seq * len(timed) / sum(timed), "losses": losses}
 
@@ -165,6 +175,39 @@ def speed(steps: int, batch: int, seq: int, compile: bool = False) -> dict:
             {k: batch * seq * len(t) / sum(t) for k, t in cpu.items()})
 
 
+def products(rows: int, rounds: int = 9) -> None:
+    """lora.pack_frozen's products alone: SmolLM2's frozen linears at ``rows`` rows, F.linear (the forward) and
+    dy W (the input's gradient, as autograd computes it) against the same on oneDNN-packed W and W^T, in
+    interleaved rounds; each figure the median over rounds of plain time / packed time (CPU time, this thread)."""
+    import statistics
+
+    import torch.nn.functional as F
+
+    from scalenlp.models.onednn import pack, packed_linear
+
+    shapes = {"q, o": (576, 576), "k, v": (576, 192), "gate, up": (576, 1536), "down": (1536, 576),
+              "output": (576, 49152)}
+    for name, (k, n) in shapes.items():
+        w, x, dy = torch.randn(n, k), torch.randn(rows, k), torch.randn(rows, n)
+        packed, packed_t = pack(w, rows), pack(w.t().contiguous(), rows)
+        calls = {"forward": (lambda: F.linear(x, w), lambda: packed_linear(x, packed, None)),
+                 "input gradient": (lambda: dy.mm(w), lambda: packed_linear(dy, packed_t, None))}
+        reps = max(3, int(2e8 / (rows * k * n)))
+        line = []
+        for what, pair in calls.items():
+            ratios = []
+            for _ in range(rounds):
+                took = []
+                for call in pair:
+                    start = time.process_time()
+                    for _ in range(reps):
+                        call()
+                    took.append(time.process_time() - start)
+                ratios.append(took[0] / took[1])
+            line.append(f"{what} {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
+        print(f"{name} ({k} -> {n}), {rows} rows, packed against plain: {', '.join(line)}")
+
+
 def layouts(steps: int) -> None:
     """Resident memory per rank of QLoRA under DDP and ZeRO-3, two processes each (the docstring's layouts)."""
     from lora_quality import LORA, ROOT, train
@@ -197,8 +240,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--only", choices=("memory", "speed", "layouts"),
-                        help="one part (layouts runs only when asked: QLoRA under DDP and ZeRO-3, 2 processes each)")
+    parser.add_argument("--only", choices=("memory", "speed", "layouts", "products"),
+                        help="one part (layouts runs only when asked: QLoRA under DDP and ZeRO-3, 2 processes each; "
+                             "products too: lora.pack_frozen's products alone, packed against plain)")
     parser.add_argument("--compile", action="store_true", help="speed: also our LoRA with training.compile")
     parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)  # a child process's measurement
     args = parser.parse_args()
@@ -207,6 +251,9 @@ def main() -> int:
         return 0
     if args.only == "layouts":
         layouts(args.steps)
+        return 0
+    if args.only == "products":
+        products(args.batch * args.seq)
         return 0
     if args.only != "memory":
         fast, per_cpu = speed(args.steps, args.batch, args.seq, args.compile)
@@ -235,9 +282,10 @@ def main() -> int:
     for kind, r in results.items():
         print(f"{kind:>6} | {r['trained']:>9,} ({r['trained'] / r['params']:.2%}) | {r['rss_at_rest'] / mib:>7,.0f} MiB "
               f"| {r['rss_peak'] / mib:>12,.0f} MiB | {r['tokens_per_s']:>8,.0f}")
-    full, lora, qlora, peft = (results[k] for k in KINDS)
+    full, lora, plain, qlora, peft = (results[k] for k in KINDS)
     print(f"peak RSS: lora / full = {lora['rss_peak'] / full['rss_peak']:.2f}, qlora / lora = "
-          f"{qlora['rss_peak'] / lora['rss_peak']:.2f}; at rest: qlora / lora = "
+          f"{qlora['rss_peak'] / lora['rss_peak']:.2f}, lora / lora-plain = {lora['rss_peak'] / plain['rss_peak']:.2f} "
+          f"(+{(lora['rss_peak'] - plain['rss_peak']) / mib:,.0f} MiB); at rest: qlora / lora = "
           f"{qlora['rss_at_rest'] / lora['rss_at_rest']:.2f}")
     print(f"tokens/s in separate processes (each met its own load; the one-process figure above is the fair one): "
           f"lora / peft = {lora['tokens_per_s'] / peft['tokens_per_s']:.2f}x, lora / full = "
