@@ -203,8 +203,8 @@ class Trainer:
         if t.mixed_precision != "fp32":
             reasons.append(f"training.mixed_precision={t.mixed_precision} computes the products in "
                            f"{t.mixed_precision} (autocast)")
-        elif t.compile:
-            reasons.append("training.compile generates the blocks' products itself")
+        elif t.compile:  # inductor fails on the packed weights (an InductorError, torch 2.13)
+            reasons.append("training.compile lowers the products itself, and cannot take packed weights")
         else:
             for part in self.model_parts:
                 n, why = pack_frozen(getattr(part, "module", part), self.micro_batch * t.seq_len)  # DDP's wrapper
