@@ -436,10 +436,12 @@ def test_pack_frozen_leaves_what_it_cannot_pack_with_the_reason():
     from scalenlp.compress.nf4 import quantize_nf4
 
     model = tiny()
-    quantize_nf4(model, ["layers.0.attention.wq"])
+    quantize_nf4(model, ["layers.0.attention.wq", "layers.0.attention.wk"])
     add_adapters(model, LoraSpec(rank=2, alpha=4), ["layers.0.attention.wq", "layers.0.attention.wk"])
-    assert pack_frozen(model, 32) == (1, ["an NF4 base (QLoRA) is dequantized per use"])
-    assert model.layers["0"].attention.wq.packed is None
+    freeze_all_but_adapters(model)
+    # QLoRA's frozen output projection stays unpacked too: two more copies of it would spend what NF4 saved.
+    assert pack_frozen(model, 32) == (0, ["an NF4 base (QLoRA) is dequantized per use"])
+    assert model.layers["0"].attention.wq.packed is None and model.output_packed is None
 
 
 def test_tensor_parallelism_keeps_the_frozen_weights_frozen():

@@ -245,8 +245,8 @@ def freeze_all_but_adapters(model: nn.Module, also_train: Iterable[str] = ()) ->
 
 def pack_frozen(model: nn.Module, rows: int | None) -> tuple[int, list[str]]:
     """Hold every adapted layer's frozen base as oneDNN-packed copies where it can be (``LoRALinear.pack_base``),
-    and a decoder's frozen output projection for its chunked loss, beside its weight (a tied embedding reads that
-    weight; at SmolLM2's 576 -> 49,152 and 128 rows its products ran 1.54x and 1.18x faster packed); returns how
+    and, if any was, a decoder's frozen output projection for its chunked loss, beside its weight (a tied embedding
+    reads that weight; at SmolLM2's 576 -> 49,152 and 128 rows its products ran 1.54x and 1.18x faster packed); returns how
     many linears were packed and why the others were not (each reason once)."""
     packed, reasons = 0, []
     for layer in model.modules():
@@ -258,9 +258,10 @@ def pack_frozen(model: nn.Module, rows: int | None) -> tuple[int, list[str]]:
             packed += 1
         elif reason not in reasons:
             reasons.append(reason)
-    # Only a decoder whose loss is the chunked one (no logit soft-cap) reads output_packed.
+    # Only a decoder whose loss is the chunked one (no logit soft-cap) reads output_packed; and only beside a packed
+    # base: a QLoRA run holds its base small to save memory, which two more copies of the head would spend.
     head = getattr(model, "output", None)
-    if (getattr(model, "output_packed", False) is None and head is not None and not model.args.logit_softcap
+    if (packed and getattr(model, "output_packed", False) is None and head is not None and not model.args.logit_softcap
             and not head.weight.requires_grad and unpackable(head.weight) is None):
         model.output_packed = packed_pair(head.weight, rows)
         packed += 1
