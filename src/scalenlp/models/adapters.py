@@ -245,9 +245,9 @@ def freeze_all_but_adapters(model: nn.Module, also_train: Iterable[str] = ()) ->
 
 def pack_frozen(model: nn.Module, rows: int | None) -> tuple[int, list[str]]:
     """Hold every adapted layer's frozen base as oneDNN-packed copies where it can be (``LoRALinear.pack_base``),
-    and, if any was, a decoder's frozen output projection for its chunked loss, beside its weight (a tied embedding
-    reads that weight; at SmolLM2's 576 -> 49,152 and 128 rows its products ran 1.54x and 1.18x faster packed); returns how
-    many linears were packed and why the others were not (each reason once)."""
+    and, if any was, a decoder's frozen output projection for its chunked loss, beside its weight (a tied
+    embedding reads that weight; at SmolLM2's 576 -> 49,152 and 128 rows its products ran 1.54x and 1.18x faster
+    packed); returns how many linears were packed and why the others were not (each reason once)."""
     packed, reasons = 0, []
     for layer in model.modules():
         if not isinstance(layer, LoRALinear) or layer.packed is not None:
