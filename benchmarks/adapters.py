@@ -1,23 +1,26 @@
 """LoRA and QLoRA fine-tuning of SmolLM2-135M against a full fine-tune, and against peft + transformers.
 
-    OMP_NUM_THREADS=1 python benchmarks/adapters.py [--steps 3] [--batch 1] [--seq 128] [--only memory|speed|layouts]
-                                                    [--compile]
+    OMP_NUM_THREADS=1 python benchmarks/adapters.py [--steps 3] [--batch 1] [--seq 128]
+                                                    [--only memory|speed|layouts|products] [--compile]
 
 Each measurement runs in a process of its own (so one's memory never counts in another's), on the same random
 token batches, with fused AdamW over what trains:
 
 - full: every weight trains (fp32);
-- lora: rank 16 (alpha 32) on every linear of the blocks (lora.targets = all-linear), the base frozen;
-- qlora: the same with the frozen block linears in NF4 (compress/nf4.py);
+- lora: rank 16 (alpha 32) on every linear of the blocks (lora.targets = all-linear), the base frozen and held
+  packed for oneDNN as training holds it by default (lora.pack_frozen);
+- lora-plain: lora with lora.pack_frozen=false (the plain base weights);
+- qlora: lora with the frozen block linears in NF4 (compress/nf4.py), which is not packed;
 - peft: transformers' LlamaForCausalLM of the same weights with peft's LoraConfig(r=16, lora_alpha=32,
   target_modules="all-linear").
 
 Figures: parameters that train; resident memory once the model is built (at rest) and its peak over the training
 steps (Linux's VmHWM, reset after loading, so the transient of reading the GGUF file is not counted); tokens/s over
 the steps after the first (which pays one-time allocations). Speed against peft is measured apart, in one process
-holding both models and taking their steps in turn, so that other work on the machine weighs on both alike; with
-``--compile`` a third model takes its steps in the same turns, our LoRA with ``training.compile`` (each block and
-the loss through torch.compile, as parallelize's apply_compile does; its first step, untimed, compiles).
+holding the models and taking their steps in turn, so that other work on the machine weighs on all alike: lora,
+peft, and lora-plain (our LoRA with lora.pack_frozen=false); with ``--compile`` another, our LoRA with
+``training.compile`` (each block and the loss through torch.compile, as parallelize's apply_compile does, the
+base unpacked as training leaves it then; its first step, untimed, compiles).
 
 layouts (only with ``--only layouts``): QLoRA of SmolLM2 through `scalenlp train --nproc 2` on the README demo's
 data (configs/demo.toml), under DDP (each rank holds the whole NF4 base) and under ZeRO-3 (each holds half of it,
@@ -41,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("full", "lora", "qlora", "peft")
+KINDS = ("full", "lora", "lora-plain", "qlora", "peft")
 RANK, ALPHA = 16, 32
 
 
@@ -59,22 +62,33 @@ def _settle() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _our_model(kind: str):
+def _our_model(kind: str, rows: int):
+    """Our model of ``kind`` for batches of ``rows`` tokens; a LoRA base packed for oneDNN as training packs it by
+    default (lora.pack_frozen), but for kind "lora-plain"."""
     from scalenlp.loader import read
-    from scalenlp.models.adapters import LoraSpec, adaptable, add_adapters, freeze_all_but_adapters, match_targets
+    from scalenlp.models.adapters import (
+        LoraSpec,
+        adaptable,
+        add_adapters,
+        freeze_all_but_adapters,
+        match_targets,
+        pack_frozen,
+    )
     from scalenlp.models.io import build_decoder
     from scalenlp.models.packaged import packaged_model
 
     pre = read(packaged_model("smollm2"))
     model = build_decoder(pre.args, pre.state, "cpu", torch.float32).train()
     del pre
-    if kind in ("lora", "qlora"):
+    if kind in ("lora", "lora-plain", "qlora"):
         if kind == "qlora":
             from scalenlp.compress.nf4 import quantize_nf4
 
             quantize_nf4(model, adaptable(model))
         add_adapters(model, LoraSpec(RANK, ALPHA), match_targets(model, "all-linear"))
         freeze_all_but_adapters(model)
+        if kind != "lora-plain":
+            pack_frozen(model, rows)  # an NF4 base (qlora) is left as it is
     # The summed loss (computed a chunk of tokens at a time), as a mean like transformers'.
     return model, lambda tokens: model(tokens[:, :-1], targets=tokens[:, 1:]) / tokens[:, 1:].numel()
 
@@ -94,9 +108,18 @@ def _peft_model():
     return model, lambda tokens: model(input_ids=tokens, labels=tokens).loss
 
 
+def _params(model) -> int:
+    """Parameters, a base weight that lora.pack_frozen replaced by packed copies counted as one."""
+    from scalenlp.models.adapters import LoRALinear
+
+    replaced = sum(m.in_features * m.out_features for m in model.modules()
+                   if isinstance(m, LoRALinear) and m.packed is not None)
+    return sum(p.numel() for p in model.parameters()) + replaced
+
+
 def measure(kind: str, steps: int, batch: int, seq: int) -> dict:
     torch.manual_seed(0)
-    model, loss_of = _peft_model() if kind == "peft" else _our_model(kind)
+    model, loss_of = _peft_model() if kind == "peft" else _our_model(kind, batch * seq)
     params = list(model.parameters())
     trained = [p for p in params if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=True)
@@ -116,7 +139,7 @@ def measure(kind: str, steps: int, batch: int, seq: int) -> dict:
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     timed = times[1:] or times
-    return {"kind": kind, "params": sum(p.numel() for p in params), "trained": sum(p.numel() for p in trained),
+    return {"kind": kind, "params": _params(model), "trained": sum(p.numel() for p in trained),
             "rss_at_rest": at_rest, "rss_peak": _status("VmHWM"),
             "tokens_per_s": batch * seq * len(timed) / sum(timed), "losses": losses}
 
@@ -127,11 +150,12 @@ def speed(steps: int, batch: int, seq: int, compile: bool = False) -> dict:
     the load then weighs on all alike (separate processes meet different loads), and the CPU time leaves out the
     time spent waiting for the cores."""
     torch.manual_seed(0)
-    runs = {"lora": _our_model("lora"), "peft": _peft_model()}
+    runs = {"lora": _our_model("lora", batch * seq), "lora-plain": _our_model("lora-plain", batch * seq),
+            "peft": _peft_model()}
     if compile:
         from scalenlp.parallel.parallelize import apply_compile
 
-        runs["compiled"] = _our_model("lora")
+        runs["compiled"] = _our_model("lora-plain", batch * seq)  # training.compile leaves the base unpacked
         apply_compile(runs["compiled"][0])
     optimizers = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=True)
                   for k, (m, _) in runs.items()}
@@ -149,6 +173,39 @@ def speed(steps: int, batch: int, seq: int, compile: bool = False) -> dict:
                 cpu[kind].append(time.process_time() - start_cpu)
     return ({k: batch * seq * len(t) / sum(t) for k, t in times.items()},
             {k: batch * seq * len(t) / sum(t) for k, t in cpu.items()})
+
+
+def products(rows: int, rounds: int = 9) -> None:
+    """lora.pack_frozen's products alone: SmolLM2's frozen linears at ``rows`` rows, F.linear (the forward) and
+    dy W (the input's gradient, as autograd computes it) against the same on oneDNN-packed W and W^T, in
+    interleaved rounds; each figure the median over rounds of plain time / packed time (CPU time, this thread)."""
+    import statistics
+
+    import torch.nn.functional as F
+
+    from scalenlp.models.onednn import pack, packed_linear
+
+    shapes = {"q, o": (576, 576), "k, v": (576, 192), "gate, up": (576, 1536), "down": (1536, 576),
+              "output": (576, 49152)}
+    for name, (k, n) in shapes.items():
+        w, x, dy = torch.randn(n, k), torch.randn(rows, k), torch.randn(rows, n)
+        packed, packed_t = pack(w, rows), pack(w.t().contiguous(), rows)
+        calls = {"forward": (lambda: F.linear(x, w), lambda: packed_linear(x, packed, None)),
+                 "input gradient": (lambda: dy.mm(w), lambda: packed_linear(dy, packed_t, None))}
+        reps = max(3, int(2e8 / (rows * k * n)))
+        line = []
+        for what, pair in calls.items():
+            ratios = []
+            for _ in range(rounds):
+                took = []
+                for call in pair:
+                    start = time.process_time()
+                    for _ in range(reps):
+                        call()
+                    took.append(time.process_time() - start)
+                ratios.append(took[0] / took[1])
+            line.append(f"{what} {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
+        print(f"{name} ({k} -> {n}), {rows} rows, packed against plain: {', '.join(line)}")
 
 
 def layouts(steps: int) -> None:
@@ -183,8 +240,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--only", choices=("memory", "speed", "layouts"),
-                        help="one part (layouts runs only when asked: QLoRA under DDP and ZeRO-3, 2 processes each)")
+    parser.add_argument("--only", choices=("memory", "speed", "layouts", "products"),
+                        help="one part (layouts runs only when asked: QLoRA under DDP and ZeRO-3, 2 processes each; "
+                             "products too: lora.pack_frozen's products alone, packed against plain)")
     parser.add_argument("--compile", action="store_true", help="speed: also our LoRA with training.compile")
     parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)  # a child process's measurement
     args = parser.parse_args()
@@ -194,11 +252,18 @@ def main() -> int:
     if args.only == "layouts":
         layouts(args.steps)
         return 0
+    if args.only == "products":
+        products(args.batch * args.seq)
+        return 0
     if args.only != "memory":
         fast, per_cpu = speed(args.steps, args.batch, args.seq, args.compile)
         print(f"tokens/s, steps in turn in one process: lora {fast['lora']:,.1f}, peft+transformers "
               f"{fast['peft']:,.1f}: lora / peft = {fast['lora'] / fast['peft']:.2f}x (per CPU second: "
               f"{per_cpu['lora'] / per_cpu['peft']:.2f}x)")
+        print(f"lora with the base unpacked (lora.pack_frozen=false) {fast['lora-plain']:,.1f} tokens/s: "
+              f"{fast['lora-plain'] / fast['peft']:.2f}x peft; lora / lora-plain = {fast['lora'] / fast['lora-plain']:.2f}x "
+              f"(per CPU second: {per_cpu['lora-plain'] / per_cpu['peft']:.2f}x, "
+              f"{per_cpu['lora'] / per_cpu['lora-plain']:.2f}x)")
         if args.compile:
             print(f"lora with training.compile {fast['compiled']:,.1f} tokens/s: {fast['compiled'] / fast['peft']:.2f}x "
                   f"peft, {fast['compiled'] / fast['lora']:.2f}x lora eager (per CPU second: "
@@ -217,9 +282,10 @@ def main() -> int:
     for kind, r in results.items():
         print(f"{kind:>6} | {r['trained']:>9,} ({r['trained'] / r['params']:.2%}) | {r['rss_at_rest'] / mib:>7,.0f} MiB "
               f"| {r['rss_peak'] / mib:>12,.0f} MiB | {r['tokens_per_s']:>8,.0f}")
-    full, lora, qlora, peft = (results[k] for k in KINDS)
+    full, lora, plain, qlora, peft = (results[k] for k in KINDS)
     print(f"peak RSS: lora / full = {lora['rss_peak'] / full['rss_peak']:.2f}, qlora / lora = "
-          f"{qlora['rss_peak'] / lora['rss_peak']:.2f}; at rest: qlora / lora = "
+          f"{qlora['rss_peak'] / lora['rss_peak']:.2f}, lora / lora-plain = {lora['rss_peak'] / plain['rss_peak']:.2f} "
+          f"(+{(lora['rss_peak'] - plain['rss_peak']) / mib:,.0f} MiB); at rest: qlora / lora = "
           f"{qlora['rss_at_rest'] / lora['rss_at_rest']:.2f}")
     print(f"tokens/s in separate processes (each met its own load; the one-process figure above is the fair one): "
           f"lora / peft = {lora['tokens_per_s'] / peft['tokens_per_s']:.2f}x, lora / full = "

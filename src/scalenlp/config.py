@@ -188,6 +188,11 @@ class LoraConfig:
                                  "scales, computed in bf16 (QLoRA; needs the qlora extra, torchao); runs under "
                                  "every layout: ZeRO-2/3 shard the NF4 base, tensor parallelism quantizes each "
                                  "rank's shard of it")
+    pack_frozen: bool = opt(True, "on the CPU in float32, hold each frozen base linear as two oneDNN-packed copies (W "
+                                  "for the product, W^T for its input's gradient) in place of its weight: one more "
+                                  "copy of the base's block linears, products 1.07-1.19x faster (SmolLM2); skipped, "
+                                  "with the reason logged, for an NF4 base, a sharded one (tensor parallelism, "
+                                  "ZeRO-2/3), autocast (mixed_precision) and training.compile")
 
 
 @dataclass

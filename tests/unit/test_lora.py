@@ -6,7 +6,10 @@ each layout: tests/integration/test_lora_layouts.py."""
 
 from __future__ import annotations
 
+import copy
 import json
+import math
+import re
 
 import pytest
 import torch
@@ -24,6 +27,8 @@ from scalenlp.models.adapters import (
     load_adapter_weights,
     match_targets,
     merge_adapters,
+    pack_frozen,
+    packed_pair,
 )
 from scalenlp.models.decoder import ModelArgs, Transformer
 from train_helpers import (
@@ -222,6 +227,22 @@ def test_a_lora_run_exports_the_merged_model_and_the_adapter(lora_run, hf_llama)
         torch.testing.assert_close(merged(tokens), base(tokens), rtol=1e-4, atol=1e-5)
 
 
+def test_a_lora_run_packs_its_frozen_base_or_says_why_not(tmp_path, hf_llama, corpus, capsys):
+    """lora.pack_frozen (on by default) packs the base in a float32 CPU run, with the unpacked run's loss; under
+    autocast it is left as it is, with the reason; off, nothing is said."""
+    sets = [f"model.init={hf_llama}", f"data.path={corpus}", *FINETUNE, *LORA, "training.steps=1", "checkpoint.every=0",
+            "checkpoint.export=false"]
+    packed = train_here(tmp_path / "packed", *sets)
+    assert re.search(r"^lora.pack_frozen: [1-9]\d* frozen linears held as oneDNN-packed W and W\^T$",
+                     capsys.readouterr().err, re.M)
+    plain = train_here(tmp_path / "plain", *sets, "lora.pack_frozen=false")
+    assert "lora.pack_frozen" not in capsys.readouterr().err
+    assert packed[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
+    train_here(tmp_path / "bf16", *sets, "training.mixed_precision=bf16")
+    assert ("lora.pack_frozen: 0 frozen linears held as oneDNN-packed W and W^T; not packed: "
+            "training.mixed_precision=bf16 computes the products in bf16 (autocast)") in capsys.readouterr().err
+
+
 def test_lora_init_continues_from_an_adapter(lora_run, hf_llama, corpus, tmp_path):
     run, _, _ = lora_run
     adapter = run / "export" / ADAPTER_FOLDER
@@ -355,6 +376,72 @@ def test_a_fresh_dora_magnitude_follows_a_base_changed_after_it():
     assert not torch.allclose(model(tokens), base(tokens))  # the magnitudes rescale the rows back
     reset_magnitudes(model)
     torch.testing.assert_close(model(tokens), base(tokens))
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_a_packed_frozen_base_gives_the_plain_loss_and_gradients(dora):
+    """lora.pack_frozen: the base held as oneDNN-packed W and W^T instead of its weight (and the frozen output
+    projection's beside it), same loss and adapter gradients in float32 (widths that are no multiple of oneDNN's blocks: 48 in, 136 hidden)."""
+    args = ModelArgs(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=136, max_seq_len=32)
+    torch.manual_seed(0)
+    plain = Transformer(args).train()
+    add_adapters(plain, LoraSpec(rank=4, alpha=8, dora=dora), match_targets(plain, "all-linear"))
+    freeze_all_but_adapters(plain)
+    perturb(plain)
+    packed = copy.deepcopy(plain)
+    weights = {name: m.weight.detach().clone() for name, m in packed.named_modules() if isinstance(m, LoRALinear)}
+    assert pack_frozen(packed, 2 * 16) == (len(weights) + 1, [])  # and the frozen output projection, for the loss
+    assert all(p.is_mkldnn for p in packed.output_packed)
+    names = dict(packed.named_parameters())
+    assert not any(f"{name}.weight" in names for name in weights)  # dropped: the packed copies replace it
+    for name, weight in weights.items():
+        layer = packed.get_submodule(name)
+        assert all(p.is_mkldnn for p in layer.packed) and torch.equal(layer.dense_weight(), weight)
+    tokens = torch.randint(0, args.vocab_size, (2, 17))
+    losses = []
+    for model in (plain, packed):
+        losses.append(model(tokens[:, :-1], targets=tokens[:, 1:]))
+        losses[-1].backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    trained = [name for name, p in plain.named_parameters() if p.requires_grad]
+    for name in trained:
+        torch.testing.assert_close(names[name].grad, plain.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
+    assert pack_frozen(packed, 32) == (0, [])  # packing a packed model finds nothing left to pack
+    packed.output_packed = packed_pair(torch.zeros(args.vocab_size, args.dim), None)  # the loss reads these:
+    with torch.no_grad():  # all-zero logits cost log(vocab) a target
+        assert packed(tokens[:, :-1], targets=tokens[:, 1:]).item() == pytest.approx(32 * math.log(97))
+
+
+def test_pack_frozen_leaves_what_it_cannot_pack_with_the_reason():
+    """A bf16 base, an NF4 one (QLoRA) and a tensor-parallel shard (DTensor) keep their weights."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from scalenlp.parallel.tensor_parallel import apply_tp
+
+    model = tiny().to(torch.bfloat16)
+    add_adapters(model, LoraSpec(rank=2, alpha=4), match_targets(model, "all-linear"))
+    assert pack_frozen(model, 32) == (0, ["the base is torch.bfloat16, packing is for float32"])
+    model = tiny()
+    add_adapters(model, LoraSpec(rank=2, alpha=4), match_targets(model, "all-linear"))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        apply_tp(model, init_device_mesh("cpu", (2,)), sequence_parallel=False)
+    finally:
+        dist.destroy_process_group()
+    assert pack_frozen(model, 32) == (0, ["the base is sharded (tensor parallelism or ZeRO/FSDP), its products run "
+                                          "on shards"])
+    pytest.importorskip("torchao")
+    from scalenlp.compress.nf4 import quantize_nf4
+
+    model = tiny()
+    quantize_nf4(model, ["layers.0.attention.wq", "layers.0.attention.wk"])
+    add_adapters(model, LoraSpec(rank=2, alpha=4), ["layers.0.attention.wq", "layers.0.attention.wk"])
+    freeze_all_but_adapters(model)
+    # QLoRA's frozen output projection stays unpacked too: two more copies of it would spend what NF4 saved.
+    assert pack_frozen(model, 32) == (0, ["an NF4 base (QLoRA) is dequantized per use"])
+    assert model.layers["0"].attention.wq.packed is None and model.output_packed is None
 
 
 def test_tensor_parallelism_keeps_the_frozen_weights_frozen():

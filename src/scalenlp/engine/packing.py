@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from scalenlp.compress.quantized import CPU_INT4_ROWS, KERNEL_DTYPE, Int8Linear, add_bias, rows_of
+from scalenlp.models.onednn import pack, packed_linear
 
 
 class PackedLinear(nn.Module):
@@ -25,12 +26,11 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # batch_size=1 tunes the layout for decode; any other batch (prefill) still computes correctly.
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1),
-                             persistent=False)
+        self.register_buffer("packed", pack(linear.weight, 1), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_linear(x, self.packed, self.bias)
 
 
 class PackedInt8Linear(nn.Module):

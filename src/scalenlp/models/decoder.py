@@ -499,6 +499,8 @@ class Transformer(nn.Module):
         self.norm = make_norm(args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.compile_loss = False  # the chunked loss through torch.compile: parallelize turns it on (training.compile)
+        # A frozen output projection's W and W^T packed for oneDNN, for the chunked loss (adapters.pack_frozen).
+        self.output_packed: tuple[torch.Tensor, torch.Tensor] | None = None
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if args.position == "rope":
@@ -585,7 +587,7 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if targets is not None and not self.args.logit_softcap:
             loss = compiled_linear_cross_entropy() if self.compile_loss else linear_cross_entropy
-            return loss(h, self.output.weight, targets)
+            return loss(h, self.output.weight, targets, packed=self.output_packed)
         if self.output is None:
             return h
         logits = self.output(h)

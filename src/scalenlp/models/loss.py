@@ -16,13 +16,16 @@ from collections.abc import Callable
 
 import torch
 
+from scalenlp.models.onednn import packed_linear
+
 # A chunk's fp32 logits: 2**23 elements, 32 MiB, whatever the vocabulary.
 CHUNK_LOGITS = 2**23
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                packed: tuple[torch.Tensor, torch.Tensor] | None):
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -30,7 +33,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk = max(1, CHUNK_LOGITS // weight.shape[0])
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start:start + chunk].to(weight.dtype), targets[start:start + chunk]
-            logits = (h @ weight.t()).float()  # under autocast the product runs in its dtype, as nn.Linear's would
+            # Under autocast the product runs in its dtype, as nn.Linear's would.
+            logits = (h @ weight.t() if packed is None else packed_linear(h, packed[0], None)).float()
             lse = logits.logsumexp(dim=-1)
             counted = t != ignore_index
             safe = torch.where(counted, t, 0).unsqueeze(1)
@@ -43,7 +47,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad.mul_(counted.unsqueeze(1))
             grad = grad.to(weight.dtype)
             if want_hidden:
-                grad_hidden[start:start + chunk] = grad @ weight
+                grad_hidden[start:start + chunk] = grad @ weight if packed is None else packed_linear(grad, packed[1], None)
             if want_weight:
                 grad_weight += grad.t() @ h
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -54,15 +58,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
         return (None if grad_hidden is None else grad_hidden * grad_output.to(grad_hidden.dtype),
-                None if grad_weight is None else (grad_weight * grad_output).to(ctx.weight_dtype), None, None)
+                None if grad_weight is None else (grad_weight * grad_output).to(ctx.weight_dtype), None, None, None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         ignore_index: int = -100) -> torch.Tensor:
+                         ignore_index: int = -100,
+                         packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Summed cross-entropy (fp32) of ``hidden @ weight.T`` against ``targets``, without ever holding all
     the logits. hidden: (..., dim); weight: (vocab, dim); targets: hidden's leading shape; targets equal
-    to ``ignore_index`` (F.cross_entropy's default) count for nothing."""
-    return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), ignore_index)
+    to ``ignore_index`` (F.cross_entropy's default) count for nothing. ``packed``: oneDNN-packed copies of a
+    frozen ``weight`` and of its transpose (models/onednn.py), for the logits' and the hidden states' products."""
+    return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), ignore_index, packed)
 
 
 @functools.cache

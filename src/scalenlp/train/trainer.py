@@ -28,7 +28,7 @@ from scalenlp.errors import UserError
 from scalenlp.layout import Layout
 from scalenlp.loader import read
 from scalenlp.models.adapter_io import ADAPTER_FOLDER, write_adapter
-from scalenlp.models.adapters import adaptable, adapter_weights, merge_adapters
+from scalenlp.models.adapters import adaptable, adapter_weights, merge_adapters, pack_frozen
 from scalenlp.models.flavors import shape_spec
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.pretrained import Pretrained
@@ -186,12 +186,32 @@ class Trainer:
             self.pipeline, self.model_parts = build_pipeline(model, self.dims, self.mesh, self.cfg, self._pipeline_loss)
         else:
             self.pipeline, self.model_parts = None, [parallelize(model, self.dims, self.mesh, self.cfg)]
+        if self.cfg.lora.pack_frozen and (self.cfg.lora.rank or self.cfg.lora.init):
+            self._pack_frozen()
         self.optimizers = [build_optimizer(part, t, self.dims, self.mesh, self.cfg.parallel.data_parallel)
                            for part in self.model_parts]
         self.schedulers = [build_scheduler(opt, t) for opt in self.optimizers]
         self.scheduler = self.schedulers[0]  # all parts follow the same schedule
         self.scaler = loss_scaler(t, self.device)
         self.skipped_steps = 0  # fp16 steps whose gradient overflowed, since the run began
+
+    def _pack_frozen(self) -> None:
+        """lora.pack_frozen, once the layout has sharded what it shards (a sharded base is left as it is); DDP
+        ignores the frozen weights, so dropping them frees their memory."""
+        t = self.cfg.training
+        packed, reasons = 0, []
+        if t.mixed_precision != "fp32":
+            reasons.append(f"training.mixed_precision={t.mixed_precision} computes the products in "
+                           f"{t.mixed_precision} (autocast)")
+        elif t.compile:  # inductor fails on the packed weights (an InductorError, torch 2.13)
+            reasons.append("training.compile lowers the products itself, and cannot take packed weights")
+        else:
+            for part in self.model_parts:
+                n, why = pack_frozen(getattr(part, "module", part), self.micro_batch * t.seq_len)  # DDP's wrapper
+                packed += n
+                reasons += [r for r in why if r not in reasons]
+        self.log(f"lora.pack_frozen: {packed} frozen linears held as oneDNN-packed W and W^T"
+                 + (f"; not packed: {'; '.join(reasons)}" if reasons else ""))
 
     def _open_run(self, agents: list, restarted: bool) -> None:
         """Write the config and the launch to the run folder; start the watchdog, the metrics and the monitor."""
