@@ -134,7 +134,10 @@ def test_generate_says_whether_it_compiled_and_why(tiny_export, cache, monkeypat
     argv = ["generate", "--checkpoint", str(tiny_export), "--prompt", "the", "--max-tokens", "2", "--device", "cpu",
             "--dtype", "float32"]
     assert main(argv) == 0
+    assert "compile" not in capsys.readouterr().err  # a terminal's default: off, as asked, nothing to explain
+    argv += ["--compile", "auto"]
+    assert main(argv) == 0
     [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("compile ")]
     assert line.startswith("compile off: the decode step measured 1.00x as fast compiled")
     assert main([*argv, "--compile", "off"]) == 0
-    assert "compile" not in capsys.readouterr().err  # asked for: nothing to explain
+    assert "compile" not in capsys.readouterr().err
