@@ -142,3 +142,6 @@ def test_generate_says_whether_it_compiled_and_why(tiny_export, cache, monkeypat
     assert line.startswith("compile off: the decode step measured 1.00x as fast compiled")
     assert main([*argv, "--compile", "off"]) == 0
     assert "compile" not in capsys.readouterr().err
+    monkeypatch.setattr(compile_choice, "time_decode", never)
+    assert main([*argv, "--speculative-tokens", "2"]) == 0  # eager, untimed, and said
+    assert "compile off: the compiled decode step does not take speculative decoding" in capsys.readouterr().err

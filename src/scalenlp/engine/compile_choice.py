@@ -10,7 +10,7 @@ compiled, in interleaved rounds; compiling is chosen when the compiled steps tak
 eager ones' time, each mode's fastest round counted. The figure is cached as the dtype's is, so later starts decide without timing.
 
 ``auto`` stays eager without timing where the compiled step is not supported or not measured: another device than
-a CPU or a CUDA GPU, --tp, LoRA adapters, a draft model, quantized layers. ``SCALENLP_COMPILE=on|off`` decides
+a CPU or a CUDA GPU, --tp, LoRA adapters, speculative decoding, quantized layers. ``SCALENLP_COMPILE=on|off`` decides
 ``auto`` without timing (the test suite sets it off: its servers would each pay the compile time).
 """
 

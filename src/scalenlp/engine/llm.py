@@ -61,8 +61,11 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
                             f"draft model must share the model's tokenizer (a smaller model of the same family)")
         draft = instantiate(draft_pre, device=torch_device, dtype=dtype.dtype)
     # Eager where the compiled step is not supported or not measured (config.check refused --compile on there).
+    # Speculative decoding's verifying forward (several positions a row) breaks the compiled graph in pieces at the
+    # generic attention path, recompiling as draft lengths change (10 graphs for 3 requests of a tiny model).
     unsupported = ("--tp" if config.tp > 1 else "LoRA adapters" if adapters else
-                   "quantized layers (not measured)" if spec else "")
+                   "quantized layers (not measured)" if spec else
+                   "speculative decoding (its verifying step breaks the graph)" if config.speculative_tokens else "")
     compiling = choose_compile(config.compile, torch_device, pre.args, dtype.dtype, unsupported=unsupported)
     engine = Engine(model, pre.tokenizer, max_batch=config.max_batch, max_queue=config.max_queue,
                     max_seq_len=config.max_seq_len,
