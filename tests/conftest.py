@@ -8,12 +8,18 @@ so the fast loop keeps its budget as tests are added.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 
 from infer_helpers import make_export, make_hf_chat_model
 from train_helpers import SHARED_DATA, make_hf_llama, write_chats, write_corpus
+
+# `--compile auto` (the engine's default) compiles the decode step where it measured faster, a minute of start-up
+# here: the servers and engines the tests start run eagerly (this process's and every subprocess's environment).
+# The tests of compiling ask for it, and test_compile_choice tests the auto decision with the timing injected.
+os.environ.setdefault("SCALENLP_COMPILE", "off")
 
 
 def pytest_addoption(parser):

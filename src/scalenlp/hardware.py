@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,6 +216,18 @@ def processor_name(device) -> str:
 def slug(text: str) -> str:
     """``text`` as a file-name part: lower-case letters, digits and dashes."""
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+
+
+def cached_record(path: Path, measure: Callable[[], dict], valid: Callable[[dict], dict] = dict) -> tuple[dict, bool]:
+    """The figure cached at ``path`` (what ``valid`` makes of it; it raises ValueError, KeyError or TypeError for
+    a record it does not take), else ``measure()``'s, cached there; and whether it was measured now. Every
+    measured-once figure (the MFU peak, the served dtype, whether to compile) is kept so, per machine."""
+    try:
+        return valid(json.loads(path.read_text())), False
+    except (OSError, ValueError, KeyError, TypeError):  # absent, or not a record this version wrote: measure again
+        record = measure()
+        write_cached(path, record)
+        return record, True
 
 
 def write_cached(path: Path, value: dict) -> None:

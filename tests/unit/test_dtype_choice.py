@@ -168,9 +168,9 @@ def test_layer_shapes_are_the_products_the_engine_runs():
 def test_decode_streams_copies_of_the_layer_up_to_the_model_or_past_the_cache(monkeypatch):
     monkeypatch.setattr(dtype_module, "_last_level_cache_bytes", lambda: 4 * 2**20)
     layer_bytes = 4 * sum(i * o for i, o in SHAPES.products(fused=False))
-    assert dtype_module._copies(SHAPES) == 2  # the whole model fits in the cache, as it does when served
+    assert dtype_module.streamed_copies(SHAPES) == 2  # the whole model fits in the cache, as it does when served
     deep = dataclasses.replace(SHAPES, layers=10**6)
-    assert dtype_module._copies(deep) * layer_bytes >= 4 * 4 * 2**20 > (dtype_module._copies(deep) - 1) * layer_bytes
+    assert dtype_module.streamed_copies(deep) * layer_bytes >= 4 * 4 * 2**20 > (dtype_module.streamed_copies(deep) - 1) * layer_bytes
 
 
 def test_generate_says_which_dtype_and_why(tiny_export, cache, capsys):

@@ -170,18 +170,24 @@ def test_counter_based_uniforms_are_uniform():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_decode_step_matches_eager(tiny_export, dtype):
     export = tiny_export
-    prompts = ["hello", "the quick brown", "a"]
+    # A prompt of 40 tokens holds 3 blocks, the others 1: block tables of widths 1 to 4 as the outputs grow.
+    prompts = ["hello", "the quick brown", "a", "the quick brown fox jumps over the lazy dog " * 4]
     eager = start_engine(export, max_batch=4, dtype=dtype)  # bf16 on CPU: oneDNN-packed weights
     try:
         expected = [ids_of(eager, [p], GREEDY)[0] for p in prompts]
     finally:
         eager.stop()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled = start_engine(export, max_batch=4, compile=True, dtype=dtype)
     try:
-        got = ids_of(compiled, prompts, GREEDY)
+        assert compiled.compile_seconds > 0  # compiled at start-up, before any request
+        alone = ids_of(compiled, prompts[:1], GREEDY)  # batch 1, then 3
+        got = alone + ids_of(compiled, prompts[1:], GREEDY)
         encoded = [compiled.encode(p) for p in prompts]
     finally:
         compiled.stop()
+    # One graph for every batch size and block-table width (sizes of 1 are not specialised: see compiled_step).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
     if dtype == torch.float32:
         assert got == expected
         return

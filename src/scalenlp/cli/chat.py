@@ -13,14 +13,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from scalenlp.cli.generate import TERMINAL_SKIP
+from scalenlp.cli.generate import TERMINAL_DEFAULTS, TERMINAL_SKIP
 from scalenlp.engine.config import EngineConfig
 
 RESET, EXIT = "/reset", "/exit"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    EngineConfig.add_arguments(parser, skip=TERMINAL_SKIP)
+    EngineConfig.add_arguments(parser, skip=TERMINAL_SKIP, **TERMINAL_DEFAULTS)
     parser.add_argument("--system", default=None, help="a system message that opens every conversation")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="longest answer in tokens (default: the rest of the model's context)")

@@ -10,10 +10,15 @@ from scalenlp.engine.config import LORA_OPTIONS, EngineConfig
 # `generate` and `chat` take every engine flag but --max-queue (one user at a terminal has no queue to bound) and
 # the adapter flags (nothing at a terminal picks an adapter; merge one into the model to use it there).
 TERMINAL_SKIP = ("max_queue", *LORA_OPTIONS)
+# At a terminal the decode step stays eager unless asked: a few prompts never earn back the minute or more that
+# compiling it costs the start (a server, serving for hours, decides by measurement: --compile auto).
+TERMINAL_DEFAULTS = {"compile": {"default": "off", "help": "torch.compile the decode step: on (--compile alone), off "
+                                                          "(default here: a few prompts do not earn back the compile "
+                                                          "time), or auto (as serve decides)"}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    EngineConfig.add_arguments(parser, skip=TERMINAL_SKIP)
+    EngineConfig.add_arguments(parser, skip=TERMINAL_SKIP, **TERMINAL_DEFAULTS)
     parser.add_argument("--prompt", required=True, action="append",
                         help="text to continue; repeat for several prompts, generated one after another")
     parser.add_argument("--max-tokens", type=int, default=64)

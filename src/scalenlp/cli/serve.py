@@ -38,7 +38,7 @@ def engine_config(args) -> EngineConfig | EncoderEngineConfig:
 
     if not is_encoder(args.checkpoint):
         return EngineConfig.from_args(args)
-    if args.tp > 1 or args.compile or args.lora or args.max_loras:
+    if args.tp > 1 or args.compile == "on" or args.lora or args.max_loras:
         raise UserError("--tp, --compile and the LoRA flags are for decoders; serve an encoder without them (an "
                         "encoder's adapter is served merged: scalenlp export --merge)")
     return EncoderEngineConfig.from_args(args)

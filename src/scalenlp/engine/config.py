@@ -21,6 +21,7 @@ from typing import Any
 from scalenlp.errors import UserError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+COMPILE_CHOICES = ("auto", "on", "off")  # engine.compile_choice.CHOICES, without importing torch for --help
 METHOD_CHOICES = ("int8", "int4", "int8dyn")  # compress.quantized.METHODS, without importing torch for --help
 METHOD_HELP = ("int8: int8 weights, a scale per output channel; int4: 4-bit weights, a scale and zero per group of "
                "--group-size inputs; int8dyn: int8 weights and int8 activations")
@@ -125,7 +126,11 @@ class EngineConfig(BaseEngineConfig):
                                help="with --speculative-tokens: a smaller model with the same tokenizer (any "
                                     "checkpoint the loader reads) proposes the draft tokens, greedily, instead of "
                                     "prompt lookup")
-    compile: bool = option(False, action="store_true", help="torch.compile the decode step")
+    compile: str = option("auto", choices=COMPILE_CHOICES, nargs="?", const="on",
+                          help="torch.compile the decode step: on (--compile alone), off, or auto (default): compile "
+                               "where it measured at least 1.1x as fast on this machine for this model's shape "
+                               "(timed once, cached; the start-up line says why); SCALENLP_COMPILE=on|off decides "
+                               "auto without timing")
     tp: int = option(1, type=int, help="tensor-parallel processes for one model (gloo on CPU, NCCL on GPUs)")
     # A list, not a tuple: argparse's "append" extends the default it is given.
     lora: list[str] | None = option(None, action="append", metavar="NAME=PATH",
@@ -148,16 +153,22 @@ class EngineConfig(BaseEngineConfig):
                             "(how many per step) too")
         if self.draft and self.tp > 1:
             raise UserError("--draft is not supported with --tp yet; drop one of them")
-        if self.tp > 1 and self.compile:
+        if self.compile not in COMPILE_CHOICES:
+            raise UserError(f"--compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}")
+        if self.tp > 1 and self.compile == "on":
             raise UserError("--compile is not supported with --tp yet; drop one of them")
         adapters = self.adapters()
         if self.max_loras is not None and self.max_loras < len(adapters):
             raise UserError(f"--max-loras {self.max_loras} is fewer than the {len(adapters)} --lora adapters; "
                             f"raise it to at least {len(adapters)}")
-        if self.serves_adapters and (self.tp > 1 or self.compile):
+        if self.serves_adapters and (self.tp > 1 or self.compile == "on"):
             raise UserError("LoRA adapters are not served with --tp or --compile yet; drop those, or merge the "
                             "adapter into the model (scalenlp export --merge) and serve that")
         super().check()
+
+    def __post_init__(self) -> None:
+        # The Python API's compile=True / False, as --compile on / off.
+        object.__setattr__(self, "compile", {True: "on", False: "off"}.get(self.compile, self.compile))
 
     def adapters(self) -> dict[str, str]:
         """{name: folder} of the --lora flags; a malformed or repeated one is a UserError."""

@@ -161,6 +161,31 @@ def pick_device(requested: str | None = None) -> torch.device:
     return device
 
 
+def compiled_step(model) -> Callable[..., torch.Tensor]:
+    """``model``'s forward through torch.compile (taking ``Engine._run``'s arguments), one graph for every batch
+    size and block-table width. Marked only dynamic, sizes 1 get graphs of their own (Dynamo specialises them):
+    SmolLM2 compiled four graphs, a minute each here, as batch 1 and 16 met short and long contexts. Unbacked sizes
+    are never specialised: one graph serves them all."""
+    import torch._inductor.config
+    from torch._dynamo.decorators import mark_unbacked
+
+    # Inductor's freezing folds the weights into constants and lays them out for the device's kernels itself (on
+    # CPU, oneDNN's blocked bf16 layout); it cannot lower pre-packed weights. It must be the global setting: passed
+    # as a compile option, the weights are not prepacked. It applies to graphs compiled without autograd only, so
+    # training graphs are unaffected.
+    torch._inductor.config.freezing = True
+    step = torch.compile(model, dynamic=True)
+
+    def run(tokens, input_pos, block_table, slot_mapping, logits_at=None):
+        for t in (tokens, input_pos, block_table, slot_mapping, logits_at):
+            if t is not None:
+                mark_unbacked(t, 0, shape_id="rows")
+        mark_unbacked(block_table, 1, shape_id="blocks")
+        return step(tokens, input_pos, block_table, slot_mapping, logits_at=logits_at)
+
+    return run
+
+
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int = 64, max_queue: int = 64, token_budget: int = 2048,
                  max_seq_len: int | None = None, eos_id: int | None = None, stop_ids: Collection[int] = (),
@@ -221,15 +246,10 @@ class Engine:
                                 f"the model's ({model.args.vocab_size}); a draft model must share its tokenizer")
             # The draft's keys and values live in blocks of the same numbers: one block table serves both models.
             draft_model.setup_kv_cache(num_blocks, block_size, cache_dtype or ref.dtype)
+        self.compile_seconds = 0.0  # how long compiling the decode step took, at start-up
         if compile:
-            # Inductor's freezing folds the weights into constants and lays them out for the device's
-            # kernels itself (on CPU, oneDNN's blocked bf16 layout); it cannot lower pre-packed weights.
-            # It must be the global setting: passed as a compile option, the weights are not prepacked.
-            # It applies to graphs compiled without autograd only, so training graphs are unaffected.
-            import torch._inductor.config
-
-            torch._inductor.config.freezing = True
-            self._decode = torch.compile(model, dynamic=True)
+            self._decode = compiled_step(model)
+            self.compile_seconds = self._compile_now()
         else:
             if pack_weights and can_pack(model):
                 pack_linears(model)
@@ -251,6 +271,17 @@ class Engine:
         # Called with the error when the loop dies: a server exits then, so that its supervisor restarts it.
         self.on_death: Callable[[BaseException], None] | None = None
         _ENGINE_OF[model] = weakref.ref(self)
+
+    def _compile_now(self) -> float:
+        """Compile the decode step before the first request comes, which would wait for it otherwise: a step of
+        two padding rows (their keys and values go to the null block). Returns the seconds it took."""
+        size = self.blocks.block_size
+        start = time.perf_counter()
+        with torch.inference_mode():  # as the loop runs it, so that the graph is the one the loop calls
+            self._decode(*(torch.full((2, n), value, dtype=torch.long, device=self.device)
+                           for n, value in ((1, 0), (1, 0), (2, NULL_BLOCK), (1, NULL_BLOCK * size))),
+                         logits_at=torch.zeros(2, dtype=torch.long, device=self.device))
+        return time.perf_counter() - start
 
     # ---- public API (any thread) ----
 

@@ -31,7 +31,6 @@ without timing again.
 from __future__ import annotations
 
 import functools
-import json
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from scalenlp.engine.packing import PackedLinear, onednn_bf16
-from scalenlp.hardware import cache_dir, processor_name, slug, write_cached
+from scalenlp.hardware import cache_dir, cached_record, processor_name, slug
 from scalenlp.models.memory import device_memory
 
 CPU_CANDIDATES = ("float32", "bfloat16")
@@ -133,12 +132,8 @@ def choose_dtype(device: torch.device, requested: str, shapes: LayerShapes,
     threads = torch.get_num_threads()
     path = cache_dir() / (f"dtype-{slug(processor_name(device))}-torch-{slug(torch.__version__)}-{threads}t-"
                           f"{shapes.key()}.json")
-    try:
-        record, where = _valid(json.loads(path.read_text())), f"cached in {path}"
-    except (OSError, ValueError, KeyError, TypeError):  # absent, or not a record this version wrote: measure again
-        record, where = _record((measure or time_layer)(shapes)), f"measured now, cached in {path}"
-        write_cached(path, record)
-    return _explained(record, shapes, threads, where)
+    record, measured = cached_record(path, lambda: _record((measure or time_layer)(shapes)), _valid)
+    return _explained(record, shapes, threads, f"{'measured now, ' if measured else ''}cached in {path}")
 
 
 def _explained(record: dict, shapes: LayerShapes, threads: int, where: str) -> DtypeChoice:
@@ -180,7 +175,7 @@ def _valid(record: dict) -> dict:
 def time_layer(shapes: LayerShapes) -> Timings:
     """Interleaved rounds of a layer's products in each CPU candidate dtype, with this process's threads (see the
     module docstring)."""
-    copies = _copies(shapes)
+    copies = streamed_copies(shapes)
     with torch.no_grad():
         passes = {}
         for name in CPU_CANDIDATES:
@@ -210,7 +205,7 @@ def time_rounds(passes: dict[str, list[Callable[[], None]]],
     return timings
 
 
-def _copies(shapes: LayerShapes) -> int:
+def streamed_copies(shapes: LayerShapes) -> int:
     """Copies of the layer a round's one-row pass runs through: the model's layers, up to four times the
     last-level cache in float32 weights (bf16's then twice it), so that they stream from memory as a decode step's
     do. One for an encoder, whose products read each weight for many rows."""

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from scalenlp.compress.quantized import quantization_of
 from scalenlp.data.chat import end_of_text_id, end_of_turn_ids
+from scalenlp.engine.compile_choice import choose_compile
 from scalenlp.engine.config import EngineConfig
 from scalenlp.engine.decoder_engine import Engine, pick_device
 from scalenlp.engine.dtype import LayerShapes, announce, choose_dtype
@@ -37,9 +38,9 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
     torch_device = pick_device(config.device)
     # On Apple's GPUs the engine runs eagerly (Inductor's Metal kernels are few) in one process (the sharded
     # engine's ranks are CUDA's or the CPU's). config.check has refused --compile with --tp.
-    if torch_device.type == "mps" and (config.compile or config.tp > 1):
+    if torch_device.type == "mps" and (config.compile == "on" or config.tp > 1):
         raise UserError(f"--device {config.device} runs the engine eagerly in one process; drop "
-                        f"{'--compile' if config.compile else '--tp'}")
+                        f"{'--compile' if config.compile == 'on' else '--tp'}")
     pre = read(config.checkpoint)
     if isinstance(pre.args, EncoderArgs):
         raise UserError(f"{config.checkpoint} is an encoder; it embeds and classifies text but does not generate it")
@@ -59,11 +60,18 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
             raise UserError(f"the draft model {config.draft} has another tokenizer than {config.checkpoint}; a "
                             f"draft model must share the model's tokenizer (a smaller model of the same family)")
         draft = instantiate(draft_pre, device=torch_device, dtype=dtype.dtype)
+    # Eager where the compiled step is not supported or not measured (config.check refused --compile on there).
+    # Speculative decoding's verifying forward (several positions a row) breaks the compiled graph in pieces at the
+    # generic attention path, recompiling as draft lengths change (10 graphs for 3 requests of a tiny model).
+    unsupported = ("--tp" if config.tp > 1 else "LoRA adapters" if adapters else
+                   "quantized layers (not measured)" if spec else
+                   "speculative decoding (its verifying step breaks the graph)" if config.speculative_tokens else "")
+    compiling = choose_compile(config.compile, torch_device, pre.args, dtype.dtype, unsupported=unsupported)
     engine = Engine(model, pre.tokenizer, max_batch=config.max_batch, max_queue=config.max_queue,
                     max_seq_len=config.max_seq_len,
                     eos_id=end_of_text_id(pre.tokenizer, pre.tokenizer_config),  # none: runs to max_tokens
                     stop_ids=end_of_turn_ids(pre.tokenizer, pre.tokenizer_config),
-                    tokenizer_config=pre.tokenizer_config, compile=config.compile, adapters=adapters,
+                    tokenizer_config=pre.tokenizer_config, compile=compiling.on, adapters=adapters,
                     kv_cache_tokens=config.kv_cache_tokens, block_size=config.block_size,
                     prefix_caching=not config.no_prefix_caching, token_budget=config.token_budget,
                     speculative_tokens=config.speculative_tokens, draft_model=draft)
@@ -71,7 +79,10 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
         model.followers.on_failure = engine.fail
     # Said by the caller once everything it checks has passed (``announce``): a refused model or tokenizer gets
     # its one error line alone.
-    engine.startup_line = dtype.line() if dtype.reason else None
+    said = [choice.line() for choice in (dtype, compiling) if choice.reason]
+    if compiling.on:
+        said.append(f"compiled the decode step in {engine.compile_seconds:.0f} s")
+    engine.startup_line = "\n".join(said) or None
     return engine.start()
 
 

@@ -16,14 +16,13 @@ says so; a datasheet's or the user's peak stays as given and the MFU is clamped 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from scalenlp.hardware import DEVICES, GPU_NAMES, cache_dir, processor_name, slug, write_cached
+from scalenlp.hardware import DEVICES, GPU_NAMES, cache_dir, cached_record, processor_name, slug, write_cached
 
 # Large enough to reach the peak (a CPU's few cores, a GPU's many), small enough to time 20 of in seconds.
 MATMUL_SIZE = {"cpu": 1024, "cuda": 4096}
@@ -83,23 +82,21 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
                             f"datasheet {key} dense {precision}")
     threads = torch.get_num_threads() if device.type == "cpu" else 1
     path = cache_dir() / f"peak-{slug(name)}-{threads}t-{precision}.json"
-    try:
-        cached = json.loads(path.read_text())
-        return Peak(float(cached["flops"]), cached["source"], path)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    size = MATMUL_SIZE.get(device.type, MATMUL_SIZE["cuda"])
-    flops = measure_matmul_flops(device, dtype, size)
-    if threads > 1:
-        # Threads that wait for each other on busy cores can do worse than one: what one thread does is
-        # a lower bound of what several can (on a loaded 2-core machine, 17 GFLOP/s with 2 threads, 44 with 1).
-        torch.set_num_threads(1)
-        try:
-            flops = max(flops, measure_matmul_flops(device, dtype, size))
-        finally:
-            torch.set_num_threads(threads)
-    source = (f"measured: best of {REPEATS} {size}² {precision} matmuls on {name}, {threads} "
-              f"thread{'s' if threads > 1 else ''} (or one, if faster), cached in {path}")
-    write_cached(path, {"flops": flops, "source": source})
-    return Peak(flops, source, path)
 
+    def measure() -> dict:
+        size = MATMUL_SIZE.get(device.type, MATMUL_SIZE["cuda"])
+        flops = measure_matmul_flops(device, dtype, size)
+        if threads > 1:
+            # Threads that wait for each other on busy cores can do worse than one: what one thread does is
+            # a lower bound of what several can (on a loaded 2-core machine, 17 GFLOP/s with 2 threads, 44 with 1).
+            torch.set_num_threads(1)
+            try:
+                flops = max(flops, measure_matmul_flops(device, dtype, size))
+            finally:
+                torch.set_num_threads(threads)
+        return {"flops": flops, "source": f"measured: best of {REPEATS} {size}² {precision} matmuls on {name}, "
+                                          f"{threads} thread{'s' if threads > 1 else ''} (or one, if faster), "
+                                          f"cached in {path}"}
+
+    record, _ = cached_record(path, measure, lambda r: {"flops": float(r["flops"]), "source": str(r["source"])})
+    return Peak(record["flops"], record["source"], path)
