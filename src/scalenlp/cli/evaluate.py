@@ -20,6 +20,7 @@ from pathlib import Path
 
 from scalenlp.engine.config import LOAD_OPTIONS, EngineConfig
 from scalenlp.errors import UserError
+from scalenlp.evaluation.multiple_choice import EVAL_COMPILE
 
 
 @dataclass
@@ -122,7 +123,7 @@ def chat_accuracy(args) -> int:
 
     questions = read_questions(args.chat)
     start = time.perf_counter()
-    with LLM(EngineConfig.from_args(args, max_batch=min(16, len(questions)))) as llm:
+    with LLM(EngineConfig.from_args(args, max_batch=min(16, len(questions)), compile=EVAL_COMPILE)) as llm:
         answers = llm.chat([q["messages"] for q in questions],
                            SamplingParams(max_tokens=args.max_answer_tokens, temperature=0))
     right = [q["expect"].lower() in a.lower() for q, a in zip(questions, answers)]
@@ -149,7 +150,7 @@ def multiple_choice(args) -> int:
     out = Path(args.out) if args.out else None
     if out is not None and not out.parent.is_dir():
         raise UserError(f"--out {args.out}: the folder {out.parent} does not exist; create it first")
-    with LLM(EngineConfig.from_args(args)) as llm:
+    with LLM(EngineConfig.from_args(args, compile=EVAL_COMPILE)) as llm:
         result = score(llm.engine, questions, args.target_delimiter)
     summary = {key: value for key, value in asdict(result).items() if key != "details"}
     summary.update(tasks=str(args.tasks), checkpoint=str(args.checkpoint), dtype=args.dtype, tp=args.tp,

@@ -36,7 +36,7 @@ from scalenlp.engine.decoder_engine import EngineDead
 from scalenlp.engine.llm import LLM
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.errors import UserError, require
-from scalenlp.evaluation.multiple_choice import prefix_token_id
+from scalenlp.evaluation.multiple_choice import EVAL_COMPILE, prefix_token_id
 
 require("lm_eval", "eval")
 from lm_eval.api.model import TemplateLM  # noqa: E402 - only after the one-line error for a missing extra
@@ -63,6 +63,7 @@ class ScaleNLPLM(TemplateLM):
                             f"any of {', '.join(sorted(fields - {'checkpoint'}))}")
         if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
             device = None  # lm-eval's CLI passes cuda:0 unless told otherwise; its HF backend falls back too
+        options.setdefault("compile", EVAL_COMPILE)  # eager unless model_args asks for it
         self.llm = LLM(EngineConfig(checkpoint, dtype=dtype, device=device, **options))
         self.engine = self.llm.engine
         self.checkpoint = str(checkpoint)

@@ -24,6 +24,9 @@ from scalenlp.data.chat import end_of_text_id, special_token
 from scalenlp.data.text import jsonl_rows
 from scalenlp.errors import UserError
 
+# An evaluation is one batch job of prefills and short answers: compiling the decode step (a minute or more of
+# start-up) never pays it back, so its engine stays eager whatever --compile auto would measure.
+EVAL_COMPILE = "off"
 ROW_FORMAT = '{"context": "...", "choices": ["...", "..."], "answer": index or choice text}'
 
 
