@@ -197,6 +197,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "scalenlp"
 
 
+def engine_cache_path(kind: str, device, key: str) -> Path:
+    """Where a figure the engine measured once for this ``device``, PyTorch version and thread count is cached:
+    ``kind`` (what was measured) and ``key`` (the model shape's) name it further."""
+    import torch
+
+    return cache_dir() / (f"{kind}-{slug(processor_name(device))}-torch-{slug(torch.__version__)}-"
+                          f"{torch.get_num_threads()}t-{key}.json")
+
+
 def processor_name(device) -> str:
     """The GPU's name for a CUDA ``device`` (a torch.device), else the CPU's model name."""
     if device.type == "cuda":

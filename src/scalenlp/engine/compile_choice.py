@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from scalenlp.engine.dtype import MEMORY_SHARE, LayerShapes, name_of, streamed_copies
-from scalenlp.hardware import cache_dir, cached_record, processor_name, slug
+from scalenlp.hardware import cached_record, engine_cache_path
 from scalenlp.models.memory import device_memory
 
 MARGIN = 1.1  # compiling costs every start its compile time and the graph's memory: worth a real gain, not a tie
@@ -65,15 +65,13 @@ def choose_compile(requested: str, device: torch.device, args, dtype: torch.dtyp
         return CompileChoice(False, f"the compiled decode step does not take {unsupported} yet (auto)")
     if device.type not in ("cpu", "cuda"):
         return CompileChoice(False, f"auto measures CPUs and CUDA GPUs, not {device.type}")
-    threads = torch.get_num_threads()
     shapes = LayerShapes.of(args)
     layers = max(MIN_LAYERS, streamed_copies(shapes))
     stack_bytes = 2 * layers * sum(i * o for i, o in shapes.products(fused=False)) * dtype.itemsize
     if stack_bytes * MEMORY_SHARE > device_memory(device):
         return CompileChoice(False, f"a stack of {layers} of this model's layers, eager and compiled, is too large "
                                     f"to time on this {device.type} (auto)")
-    path = cache_dir() / (f"compile-{slug(processor_name(device))}-torch-{slug(torch.__version__)}-{threads}t-"
-                          f"{name_of(dtype)}-{shapes.key()}.json")
+    path = engine_cache_path("compile", device, f"{name_of(dtype)}-{shapes.key()}")
     record, measured = cached_record(path, lambda: _record((measure or time_decode)(args, dtype, layers, device)), _valid)
     gain, ms = record["speedup"], record["ms"]
     figures = (f"{layers} of this model's layers, {' and '.join(map(str, ROWS))} rows: "

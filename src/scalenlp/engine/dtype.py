@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from scalenlp.engine.packing import PackedLinear, onednn_bf16
-from scalenlp.hardware import cache_dir, cached_record, processor_name, slug
+from scalenlp.hardware import cached_record, engine_cache_path
 from scalenlp.models.memory import device_memory
 
 CPU_CANDIDATES = ("float32", "bfloat16")
@@ -130,8 +130,7 @@ def choose_dtype(device: torch.device, requested: str, shapes: LayerShapes,
         # allocate its layer first, terabytes for a model file's absurd widths.
         return DtypeChoice(torch.float32, None)
     threads = torch.get_num_threads()
-    path = cache_dir() / (f"dtype-{slug(processor_name(device))}-torch-{slug(torch.__version__)}-{threads}t-"
-                          f"{shapes.key()}.json")
+    path = engine_cache_path("dtype", device, shapes.key())
     record, measured = cached_record(path, lambda: _record((measure or time_layer)(shapes)), _valid)
     return _explained(record, shapes, threads, f"{'measured now, ' if measured else ''}cached in {path}")
 
