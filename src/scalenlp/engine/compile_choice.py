@@ -34,7 +34,6 @@ ROWS = (1, 16)  # a decode step of one request, and of a busy server's batch
 WARMUP, ROUNDS = 2, 5
 STEPS = 4  # timed steps per round and batch size
 CONTEXT = 64  # positions each row's queries see: the cache's keys read by the paged attention kernel
-CHOICES = ("auto", "on", "off")
 
 # Per mode ("eager", "compiled"), per round: seconds of a step at each of ROWS; and "compile_s", the first
 # compiled steps' time.

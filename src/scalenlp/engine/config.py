@@ -21,7 +21,7 @@ from typing import Any
 from scalenlp.errors import UserError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-COMPILE_CHOICES = ("auto", "on", "off")  # engine.compile_choice.CHOICES, without importing torch for --help
+COMPILE_CHOICES = ("auto", "on", "off")  # engine/compile_choice.py decides auto
 METHOD_CHOICES = ("int8", "int4", "int8dyn")  # compress.quantized.METHODS, without importing torch for --help
 METHOD_HELP = ("int8: int8 weights, a scale per output channel; int4: 4-bit weights, a scale and zero per group of "
                "--group-size inputs; int8dyn: int8 weights and int8 activations")
