@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scalenlp.config import TrainingConfig
+from scalenlp.config import DataConfig, TrainingConfig
 from scalenlp.data.tags import read_tagged, tag_names
 from scalenlp.models.packaged import packaged_model
 from scalenlp.train.optim import build_scheduler, param_groups
@@ -142,7 +142,7 @@ def run_scalenlp(args, train: Path, dev: Path, schedule: TrainingConfig, run_dir
             f"training.min_lr_ratio={schedule.min_lr_ratio}", f"training.weight_decay={schedule.weight_decay}",
             f"training.beta2={schedule.beta2}", f"training.grad_clip={schedule.grad_clip}", f"model.dropout={args.dropout}",
             f"training.seed={args.seed}", f"training.log_every={LOG_EVERY}", f"training.eval_every={schedule.steps}",
-            "checkpoint.every=0", "checkpoint.export=false"]
+            f"data.bucket_batches={args.bucket_batches}", "checkpoint.every=0", "checkpoint.export=false"]
     cmd = [sys.executable, "-m", "scalenlp", "train", "--run-dir", str(run_dir), "--nproc", str(args.nproc)]
     for s in sets:
         cmd += ["--set", s]
@@ -172,6 +172,9 @@ def main() -> None:
     parser.add_argument("--seed", default="1234",
                         help="both sides' seed (head init, dropout, data order), or several comma-separated, each a "
                              "comparison of its own, then the mean over them: F1 moves by points between seeds")
+    parser.add_argument("--bucket-batches", type=int, default=DataConfig.bucket_batches,
+                        help="scalenlp's data.bucket_batches: global batches sorted by length together (1: random "
+                             "batches, as the transformers loop draws them)")
     parser.add_argument("--warmup", type=float, default=0.06, help="warm-up steps, as a fraction of the steps")
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout, both sides")

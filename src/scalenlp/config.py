@@ -65,6 +65,10 @@ class DataConfig:
     shuffle: bool = opt(True, "a new random order of training windows (classification: rows) each epoch; false "
                               "reads them in file order, e.g. data shuffled beforehand or batches replayed from "
                               "another trainer")
+    bucket_batches: int = opt(64, "classification, qa, token_classification: global batches whose rows are sorted "
+                                  "by length together, so that each batch pads less (1: batches drawn at random). "
+                                  "More is faster (less padding) but makes each batch's lengths alike, which can cost "
+                                  "accuracy")
     cache_dir: str = opt("", "where tokenized token files are cached; empty: <run_dir>/../.token_cache")
     reset_positions: bool = opt(False, "training.task=lm: positions restart at 0 at each document of a packed "
                                        "window (at a BOS, or after an EOS), where inference puts a prompt "
@@ -349,7 +353,7 @@ RANGES = {
     "model.vocab_size": COUNT, "model.max_seq_len": COUNT, "model.dropout": FRACTION, "model.hidden": COUNT,
     "model.layers": COUNT, "model.heads": COUNT, "model.kv_heads": COUNT, "model.ffn": COUNT,
     "data.val_fraction": Range(0, 0.5, high_open=True),
-    "data.doc_stride": COUNT, "data.max_answer_len": POSITIVE, "data.n_best": POSITIVE,
+    "data.doc_stride": COUNT, "data.max_answer_len": POSITIVE, "data.bucket_batches": POSITIVE, "data.n_best": POSITIVE,
     "tokenizer.vocab_size": POSITIVE,
     "training.steps": POSITIVE, "training.global_batch_size": POSITIVE, "training.micro_batch_size": COUNT,
     "training.seq_len": POSITIVE, "training.lr": Range(0, 1, low_open=True, high_open=True),

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from scalenlp.config import Config
 from scalenlp.data.labeled import (
     IGNORE_LABEL,
     LabeledLoader,
@@ -241,6 +242,20 @@ def test_length_bucketing_cuts_padding(sst2_head):
     bucketed = padding_fraction(LabeledLoader(sst2_head, 32, 0, 1, seed=0))
     assert random_batches > 0.3
     assert bucketed < random_batches / 4, (bucketed, random_batches)
+
+
+def test_the_bucket_window_is_a_data_option(sst2_head):
+    # data.bucket_batches sets how many batches are sorted together: a wider window pads less, 1 is random batches.
+    cfg = Config()
+    cfg.training.global_batch_size, cfg.training.seed = 32, 0
+    padding = {}
+    for window in (1, 4, 64):
+        cfg.data.bucket_batches = window
+        loader = LabeledLoader.for_run(sst2_head, cfg, 0, 1)
+        assert loader.bucket_batches == window
+        padding[window] = padding_fraction(loader)
+    assert padding[1] == padding_fraction(LabeledLoader(sst2_head, 32, 0, 1, seed=0, bucket_batches=1))
+    assert padding[1] > padding[4] > padding[64], padding
 
 
 def test_batches_are_shuffled_and_deterministic_from_seed_and_epoch(sst2_head):

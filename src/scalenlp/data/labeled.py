@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from scalenlp.config import Config, DataConfig
 from scalenlp.data.dataset import GlobalBatchLoader
 from scalenlp.data.sources import read_tsv, tsv_text_column
 from scalenlp.data.text import jsonl_rows, open_rows, text_problem
@@ -39,9 +40,6 @@ from scalenlp.errors import UserError, require
 LABELED_FORMATS = (".tsv", ".csv", ".jsonl", ".parquet")
 # Rows named one by one in a report of skipped rows; the rest are counted.
 REPORT_ROWS = 5
-# Global batches per bucketing chunk: large enough that a chunk sorted by length yields batches of near-equal
-# lengths, small enough that the chunks, and so the batches, still mix the whole file.
-BUCKET_BATCHES = 64
 # Label of a row that only fills an evaluation batch up to the same size on every rank; scores skip it.
 IGNORE_LABEL = -100
 
@@ -303,7 +301,7 @@ class LabeledLoader(GlobalBatchLoader):
     size_key = "num_rows"
 
     def __init__(self, dataset: LabeledDataset, global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                 shuffle: bool = True, bucket_batches: int = BUCKET_BATCHES):
+                 shuffle: bool = True, bucket_batches: int = DataConfig.bucket_batches):
         super().__init__(len(dataset), global_batch_size, dp_rank, dp_size, seed, shuffle)
         if len(dataset) < global_batch_size:
             raise UserError(f"the training data has {len(dataset)} usable rows, fewer than one global batch of "
@@ -311,6 +309,12 @@ class LabeledLoader(GlobalBatchLoader):
         self.dataset = dataset
         self.bucket_batches = bucket_batches
         self._order: tuple[int, np.ndarray] | None = None
+
+    @classmethod
+    def for_run(cls, dataset: LabeledDataset, cfg: Config, dp_rank: int, dp_size: int) -> LabeledLoader:
+        """The loader a training run's config asks for."""
+        t, d = cfg.training, cfg.data
+        return cls(dataset, t.global_batch_size, dp_rank, dp_size, t.seed, d.shuffle, d.bucket_batches)
 
     def batch_order(self, epoch: int) -> np.ndarray:
         """Row indices of every global batch of ``epoch``, shape (batches, global_batch_size), each batch sorted

@@ -151,8 +151,7 @@ class Classification(Task):
         # Labelled rows are few and quick to tokenize: every rank reads them, nothing is cached.
         self.data = load_classification_data(cfg, pretrained.tokenizer, log)
         self.tokenizer = pretrained.tokenizer
-        t = cfg.training
-        return LabeledLoader(self.data.train, t.global_batch_size, dp_index, dp_size, t.seed, cfg.data.shuffle)
+        return LabeledLoader.for_run(self.data.train, cfg, dp_index, dp_size)
 
     def build_model(self, cfg: Config, pretrained: Pretrained, device: torch.device) -> tuple[EncoderArgs, Encoder]:
         args = classifier_args(cfg, pretrained, self.data.labels)

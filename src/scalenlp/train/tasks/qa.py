@@ -136,8 +136,7 @@ class QuestionAnswering(Task):
         self.allow_empty = any(not e.answers for w in (self.train, self.eval) if w for e in w.examples)
         log(f"qa: {len(self.train.examples):,} training questions in {len(self.train):,} windows"
             + (f", {len(self.eval.examples):,} eval questions in {len(self.eval):,} windows" if self.eval else ""))
-        t = cfg.training
-        return LabeledLoader(self.train.data, t.global_batch_size, dp_index, dp_size, t.seed, cfg.data.shuffle)
+        return LabeledLoader.for_run(self.train.data, cfg, dp_index, dp_size)
 
     def build_model(self, cfg: Config, pretrained: Pretrained, device: torch.device) -> tuple[EncoderArgs, Encoder]:
         self.check_checkpoint(cfg, pretrained.args)

@@ -159,8 +159,7 @@ class TokenClassification(Task):
         # Tagged sentences are few and quick to tokenize: every rank reads them, nothing is cached.
         self.data = load_tagging_data(cfg, pretrained.tokenizer, log)
         self.tokenizer = pretrained.tokenizer
-        t = cfg.training
-        return LabeledLoader(self.data.train.train, t.global_batch_size, dp_index, dp_size, t.seed, cfg.data.shuffle)
+        return LabeledLoader.for_run(self.data.train.train, cfg, dp_index, dp_size)
 
     def build_model(self, cfg: Config, pretrained: Pretrained, device: torch.device) -> tuple[EncoderArgs, Encoder]:
         args = tagger_args(cfg, pretrained, self.data.labels)
