@@ -65,10 +65,11 @@ class DataConfig:
     shuffle: bool = opt(True, "a new random order of training windows (classification: rows) each epoch; false "
                               "reads them in file order, e.g. data shuffled beforehand or batches replayed from "
                               "another trainer")
-    bucket_batches: int = opt(64, "classification, qa, token_classification: global batches whose rows are sorted "
-                                  "by length together, so that each batch pads less (1: batches drawn at random). "
-                                  "More is faster (less padding) but makes each batch's lengths alike, which can cost "
-                                  "accuracy")
+    bucket_batches: int = opt(4, "classification, qa, token_classification: global batches whose rows are sorted "
+                                 "by length together, so that each batch pads less (1: batches drawn at random). "
+                                 "More is faster (less padding) but makes each batch's lengths alike, which can cost "
+                                 "accuracy: on WNUT-17, 64 ran 1.3x as fast as 1 and scored 1.2 entity-F1 points "
+                                 "lower; 4 keeps most of the speed (benchmarks/RESULTS.md)")
     cache_dir: str = opt("", "where tokenized token files are cached; empty: <run_dir>/../.token_cache")
     reset_positions: bool = opt(False, "training.task=lm: positions restart at 0 at each document of a packed "
                                        "window (at a BOS, or after an EOS), where inference puts a prompt "
