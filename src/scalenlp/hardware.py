@@ -197,13 +197,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "scalenlp"
 
 
-def engine_cache_path(kind: str, device, key: str) -> Path:
+def engine_cache_path(kind: str, device, key: str, suffix: str = ".json") -> Path:
     """Where a figure the engine measured once for this ``device``, PyTorch version and thread count is cached:
-    ``kind`` (what was measured) and ``key`` (the model shape's) name it further."""
+    ``kind`` (what was measured) and ``key`` (the model shape's) name it further; ``suffix``, what the file holds
+    (the compiled decode step's artifacts are bytes)."""
     import torch
 
     return cache_dir() / (f"{kind}-{slug(processor_name(device))}-torch-{slug(torch.__version__)}-"
-                          f"{torch.get_num_threads()}t-{key}.json")
+                          f"{torch.get_num_threads()}t-{key}{suffix}")
 
 
 def processor_name(device) -> str:

@@ -41,6 +41,7 @@ import torch
 
 from scalenlp.data.text import check_text
 from scalenlp.data.tokenizer import token_bytes
+from scalenlp.engine import compile_cache
 from scalenlp.engine.grammar import Constraint, GrammarError, Grammars, constrain
 from scalenlp.engine.kv_blocks import NULL_BLOCK, BlockPool, block_keys
 from scalenlp.engine.packing import can_pack, pack_linears
@@ -165,16 +166,15 @@ def compiled_step(model) -> Callable[..., torch.Tensor]:
     """``model``'s forward through torch.compile (taking ``Engine._run``'s arguments), one graph for every batch
     size and block-table width. Marked only dynamic, sizes 1 get graphs of their own (Dynamo specialises them):
     SmolLM2 compiled four graphs, a minute each here, as batch 1 and 16 met short and long contexts. Unbacked sizes
-    are never specialised: one graph serves them all."""
-    import torch._inductor.config
+    are never specialised: one graph serves them all, and they are all the dynamism the step needs. With
+    ``dynamic=True`` Dynamo made float attributes symbols too (the embedding's ``norm_type``), which Inductor then
+    could not turn into tensors: it restarted the whole trace, and every compile traced the model twice.
+
+    Without Inductor's freezing, which folded the weights into the graph as constants, so that the graph is one
+    AOTAutograd's and Inductor's caches keep between starts (engine/compile_cache.py): they refuse frozen graphs."""
     from torch._dynamo.decorators import mark_unbacked
 
-    # Inductor's freezing folds the weights into constants and lays them out for the device's kernels itself (on
-    # CPU, oneDNN's blocked bf16 layout); it cannot lower pre-packed weights. It must be the global setting: passed
-    # as a compile option, the weights are not prepacked. It applies to graphs compiled without autograd only, so
-    # training graphs are unaffected.
-    torch._inductor.config.freezing = True
-    step = torch.compile(model, dynamic=True)
+    step = torch.compile(model)
 
     def run(tokens, input_pos, block_table, slot_mapping, logits_at=None):
         for t in (tokens, input_pos, block_table, slot_mapping, logits_at):
@@ -184,6 +184,13 @@ def compiled_step(model) -> Callable[..., torch.Tensor]:
         return step(tokens, input_pos, block_table, slot_mapping, logits_at=logits_at)
 
     return run
+
+
+def _compile_cache_hits() -> int:
+    """Graphs this process took from AOTAutograd's or Inductor's cache so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
 
 
 class Engine:
@@ -247,9 +254,10 @@ class Engine:
             # The draft's keys and values live in blocks of the same numbers: one block table serves both models.
             draft_model.setup_kv_cache(num_blocks, block_size, cache_dtype or ref.dtype)
         self.compile_seconds = 0.0  # how long compiling the decode step took, at start-up
+        self.compile_line: str | None = None  # how it went, for the start-up line (whether it came from cache)
         if compile:
             self._decode = compiled_step(model)
-            self.compile_seconds = self._compile_now()
+            self._compile_now(cache_dtype or ref.dtype, num_blocks, block_size)
         else:
             if pack_weights and can_pack(model):
                 pack_linears(model)
@@ -272,16 +280,31 @@ class Engine:
         self.on_death: Callable[[BaseException], None] | None = None
         _ENGINE_OF[model] = weakref.ref(self)
 
-    def _compile_now(self) -> float:
+    def _compile_now(self, cache_dtype: torch.dtype, num_blocks: int, block_size: int) -> None:
         """Compile the decode step before the first request comes, which would wait for it otherwise: a step of
-        two padding rows (their keys and values go to the null block). Returns the seconds it took."""
-        size = self.blocks.block_size
-        start = time.perf_counter()
+        two padding rows (their keys and values go to the null block); from the artifacts an earlier start cached
+        for this model and KV cache where there are some, else compiled and cached for the next start. Sets
+        ``compile_seconds`` (reading the cache included) and ``compile_line``."""
+        key = compile_cache.step_key(self.model, cache_dtype, num_blocks, block_size)
+        path = compile_cache.artifacts_path(key, self.device, next(self.model.parameters()).dtype)
+        start, hits = time.perf_counter(), _compile_cache_hits()
+        loaded, unusable = compile_cache.load(path, key)
         with torch.inference_mode():  # as the loop runs it, so that the graph is the one the loop calls
             self._decode(*(torch.full((2, n), value, dtype=torch.long, device=self.device)
-                           for n, value in ((1, 0), (1, 0), (2, NULL_BLOCK), (1, NULL_BLOCK * size))),
+                           for n, value in ((1, 0), (1, 0), (2, NULL_BLOCK), (1, NULL_BLOCK * block_size))),
                          logits_at=torch.zeros(2, dtype=torch.long, device=self.device))
-        return time.perf_counter() - start
+        self.compile_seconds = time.perf_counter() - start
+        said = f"compiled the decode step in {self.compile_seconds:.0f} s"
+        hit = _compile_cache_hits() > hits
+        if hit:
+            said += f" from the artifacts cached in {path}" if loaded else " from Inductor's cache"
+        if unusable:
+            said += f" (the cache file {path} {unusable}: not used)"
+        # Written unless this start was served from it: a file that loaded but missed (the model's code changed)
+        # is replaced by what was compiled now.
+        if not (loaded and hit) and compile_cache.save(path, key):
+            said += f"; cached for later starts in {path}"
+        self.compile_line = said
 
     # ---- public API (any thread) ----
 

@@ -81,7 +81,7 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
     # its one error line alone.
     said = [choice.line() for choice in (dtype, compiling) if choice.reason]
     if compiling.on:
-        said.append(f"compiled the decode step in {engine.compile_seconds:.0f} s")
+        said.append(engine.compile_line)
     engine.startup_line = "\n".join(said) or None
     return engine.start()
 
