@@ -13,8 +13,9 @@ engine compiles its decode step when it is built: the script prints how long tha
 first run at each shape, and how many graphs Dynamo compiled in all (a batch size or a block-table width that cost
 a recompile shows there).
 
-Inductor caches what it compiled on disk (``TORCHINDUCTOR_CACHE_DIR``, default /tmp/torchinductor_$USER): run once
-with a fresh folder for the cold compile time, then again for the warm one.
+The compiled step's artifacts are cached between starts (engine/compile_cache.py: a file in
+``$XDG_CACHE_HOME/scalenlp``, and Inductor's own folder, ``TORCHINDUCTOR_CACHE_DIR``): run once with both folders
+fresh for the cold compile time, then again for the warm one (the start-up line says where the step came from).
 
 Data: none (the prompt is the text of ``benchmarks/serve.py``).
 """
@@ -73,8 +74,8 @@ def main() -> None:
                                    kv_cache_tokens=max(batches) * 2048, compile=compiled).start()
     print(f"SmolLM2-135M, {str(dtype).removeprefix('torch.')}, 1 thread, inductor cache "
           f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')}", flush=True)
-    print(f"compiled engine built (its decode step compiled at start-up) in {engines[True].compile_seconds:.1f} s",
-          flush=True)
+    print(f"compiled engine built (its decode step compiled at start-up) in {engines[True].compile_seconds:.1f} s: "
+          f"{engines[True].compile_line}; load {os.getloadavg()[0]:.1f}", flush=True)
     # First use of each shape: a compiled engine that compiled again here would show new graphs.
     for batch in batches:
         for context in contexts:

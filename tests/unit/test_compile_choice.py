@@ -79,8 +79,11 @@ def test_rounds_slowed_by_neighbours_do_not_decide(cache):
     assert choice.on and "1.32x" in choice.reason  # each mode's fastest round is what counts
 
 
-@pytest.mark.parametrize("content", ["", "{", '{"speedup": 2}', '{"speedup": -1, "ms": {}, "compile_s": 1}'])
-def test_a_corrupt_cache_file_is_measured_again(cache, content):
+@pytest.mark.parametrize("content", ["", "{", '{"speedup": 2}', '{"speedup": -1, "ms": {}, "compile_s": 1}',
+                                     # a record of the step compiled with freezing, before it was cached
+                                     '{"speedup": 2.96, "ms": {"eager": [52, 216], "compiled": [38, 53]}, '
+                                     '"compile_s": 90}'])
+def test_a_corrupt_or_outdated_cache_file_is_measured_again(cache, content):
     timer = Timer(eager=[10e-3, 40e-3], compiled=[8e-3, 30e-3])
     choose_compile("auto", CPU, ARGS, torch.float32, measure=timer)
     [path] = cache.glob("compile-*.json")

@@ -1,6 +1,7 @@
 """Engine: KV cache against a no-cache forward, continuous batching against one-at-a-time,
 seeds, stop strings, sampling settings, queue bound."""
 
+import gc
 import threading
 
 import pytest
@@ -10,8 +11,9 @@ from infer_helpers import make_export, run_request
 from scalenlp.compress.prune import prune
 from scalenlp.compress.quantized import Quantization, build_quantized
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
+from scalenlp.engine import packing
 from scalenlp.engine.decoder_engine import Engine, QueueFull, RequestError
-from scalenlp.engine.packing import can_pack, pack_linears
+from scalenlp.engine.packing import PackedLinear, can_pack, pack_linears, packed_linear_by_number
 from scalenlp.engine.sampling import SamplingBatch, SamplingParams, sample, uniform_from
 from scalenlp.errors import UserError
 from scalenlp.models.io import load_pretrained, save_pretrained
@@ -222,6 +224,21 @@ def test_fused_and_packed_projections_compute_the_same_logits(tmp_path, flavor):
     with torch.no_grad():
         expected, got = plain(tokens).float(), packed(tokens).float()
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max()  # bf16 rounding, summed in another order
+
+
+@needs_onednn_bf16
+def test_a_compiled_step_finds_each_packed_weight_by_its_number():
+    """Under torch.compile a packed linear is an opaque operator given its weight's number (engine/packing.py): it
+    computes the eager forward's product, and the number of a layer dropped is forgotten with it."""
+    packed = PackedLinear(torch.nn.Linear(64, 48).to(torch.bfloat16))
+    other = PackedLinear(torch.nn.Linear(64, 48).to(torch.bfloat16))
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(packed_linear_by_number(x, packed.number, packed.bias, 48), packed(x))
+    assert not torch.equal(packed(x), other(x))
+    number = int(packed.number)
+    del packed
+    gc.collect()
+    assert number not in packing._PACKED and int(other.number) in packing._PACKED
 
 
 @needs_onednn_bf16

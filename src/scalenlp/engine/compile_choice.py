@@ -35,6 +35,9 @@ WARMUP, ROUNDS = 2, 5
 STEPS = 4  # timed steps per round and batch size
 CONTEXT = 64  # positions each row's queries see: the cache's keys read by the paged attention kernel
 
+# Which compiled step a cached figure is for: records written before the step was built for Inductor's caches
+# (engine/compile_cache.py) measured it with freezing, and are measured again.
+STEP = "cacheable"
 # Per mode ("eager", "compiled"), per round: seconds of a step at each of ROWS; and "compile_s", the first
 # compiled steps' time.
 Timings = dict[str, list[list[float]] | float]
@@ -90,12 +93,13 @@ def _record(timings: Timings) -> dict:
     by a server starting beside vLLM's (load 6, two threads), had SmolLM2's compiled batch-1 step at 2.9x eager's
     time, and cached "off" for this machine."""
     ms = {mode: [1e3 * min(r[i] for r in timings[mode]) for i in range(len(ROWS))] for mode in ("eager", "compiled")}
-    return {"speedup": sum(ms["eager"]) / sum(ms["compiled"]), "ms": ms, "compile_s": timings["compile_s"]}
+    return {"speedup": sum(ms["eager"]) / sum(ms["compiled"]), "ms": ms, "compile_s": timings["compile_s"],
+            "step": STEP}
 
 
 def _valid(record: dict) -> dict:
     """``record`` when it is one ``_record`` wrote; ValueError otherwise."""
-    if (not float(record["speedup"]) > 0 or not float(record["compile_s"]) >= 0
+    if (record.get("step") != STEP or not float(record["speedup"]) > 0 or not float(record["compile_s"]) >= 0
             or any(len(record["ms"][mode]) != len(ROWS) for mode in ("eager", "compiled"))):
         raise ValueError(f"not a compile measurement: {record}")
     return record
@@ -117,12 +121,9 @@ def time_decode(args, dtype: torch.dtype, layers: int, device: torch.device) -> 
     for mode in ("eager", "compiled"):
         model = Transformer(small).to(device, dtype).eval()
         model.setup_kv_cache(blocks, block, dtype)
-        if mode == "compiled":
-            steps[mode] = compiled_step(model)
-        else:
-            if can_pack(model):
-                pack_linears(model)
-            steps[mode] = model
+        if can_pack(model):  # as the engine does, compiled or not
+            pack_linears(model)
+        steps[mode] = compiled_step(model) if mode == "compiled" else model
     inputs = {rows: [t.to(device) for t in _step_inputs(rows, block)] for rows in ROWS}
 
     def run(mode: str, rows: int, times: int = 1) -> None:

@@ -170,8 +170,10 @@ def compiled_step(model) -> Callable[..., torch.Tensor]:
     ``dynamic=True`` Dynamo made float attributes symbols too (the embedding's ``norm_type``), which Inductor then
     could not turn into tensors: it restarted the whole trace, and every compile traced the model twice.
 
-    Without Inductor's freezing, which folded the weights into the graph as constants, so that the graph is one
-    AOTAutograd's and Inductor's caches keep between starts (engine/compile_cache.py): they refuse frozen graphs."""
+    Without Inductor's freezing, which folded the weights into the graph as constants (packing bf16 ones for
+    oneDNN), so that the graph is one AOTAutograd's and Inductor's caches keep between starts
+    (engine/compile_cache.py): they refuse frozen graphs. A model whose linears ``pack_linears`` packed calls them
+    as opaque products on its packed weights instead."""
     from torch._dynamo.decorators import mark_unbacked
 
     step = torch.compile(model)
@@ -255,13 +257,12 @@ class Engine:
             draft_model.setup_kv_cache(num_blocks, block_size, cache_dtype or ref.dtype)
         self.compile_seconds = 0.0  # how long compiling the decode step took, at start-up
         self.compile_line: str | None = None  # how it went, for the start-up line (whether it came from cache)
+        if pack_weights and can_pack(model):  # the compiled step calls the packed products too (engine/packing.py)
+            pack_linears(model)
+        self._decode = model
         if compile:
             self._decode = compiled_step(model)
             self._compile_now(cache_dtype or ref.dtype, num_blocks, block_size)
-        else:
-            if pack_weights and can_pack(model):
-                pack_linears(model)
-            self._decode = model
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}
         self._scoring: collections.deque[_Scoring] = collections.deque()

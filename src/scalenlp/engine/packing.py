@@ -10,13 +10,33 @@ numbers faster. A module swap whose forward is one line. Idempotent: packing a p
 
 from __future__ import annotations
 
+import itertools
 import sys
+import weakref
 
 import torch
 from torch import nn
 
 from scalenlp.compress.quantized import CPU_INT4_ROWS, KERNEL_DTYPE, Int8Linear, add_bias, rows_of
 from scalenlp.models.onednn import pack, packed_linear
+
+# The compiled decode step cannot take a packed (opaque mkldnn) weight as an input, and Inductor's caches refuse
+# graphs holding one as a constant. So under torch.compile a PackedLinear is an opaque operator given the number of
+# its packed weight in this process (a one-element tensor, an input like any buffer, so that the graph and its cache
+# key are the same whichever numbers a process gives) and finds the weight here.
+_PACKED: dict[int, weakref.ref] = {}
+_NUMBERS = itertools.count()
+
+
+@torch.library.custom_op("scalenlp::packed_linear", mutates_args=())
+def packed_linear_by_number(x: torch.Tensor, number: torch.Tensor, bias: torch.Tensor | None,
+                            out_features: int) -> torch.Tensor:
+    return packed_linear(x, _PACKED[int(number)]().packed, bias)
+
+
+@packed_linear_by_number.register_fake
+def _(x: torch.Tensor, number: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 class PackedLinear(nn.Module):
@@ -28,8 +48,13 @@ class PackedLinear(nn.Module):
         # batch_size=1 tunes the layout for decode; any other batch (prefill) still computes correctly.
         self.register_buffer("packed", pack(linear.weight, 1), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+        number = next(_NUMBERS)
+        self.register_buffer("number", torch.tensor(number), persistent=False)
+        _PACKED[number] = weakref.ref(self, lambda _: _PACKED.pop(number, None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return packed_linear_by_number(x, self.number, self.bias, self.out_features)
         return packed_linear(x, self.packed, self.bias)
 
 
