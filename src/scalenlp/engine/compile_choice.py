@@ -3,9 +3,10 @@
 A decode step of a small model on a CPU is a few hundred operator calls, whose fixed cost is as large as the
 arithmetic: SmolLM2-135M at one thread decoded 1.1-1.2x as fast compiled at batch 1 and 1.3-1.5x at batch 16
 (benchmarks/compile_decode.py). A large model's step is its weights streaming from memory, which compiling does not
-change, while compiling costs the start-up a minute or more. So ``auto`` measures, per machine and per model shape:
+change, while compiling costs the first start a minute or more (later ones take the compiled step from the cache,
+engine/compile_cache.py, in seconds). So ``auto`` measures, per machine and per model shape:
 a stack of this model's layers (as many as ``engine.dtype`` streams from memory, never fewer than
-``MIN_LAYERS``) decodes a step of 1 and of 16 rows, eagerly (its weights packed as the engine packs them) and
+``MIN_LAYERS``) decodes a step of 1 and of 16 rows (its weights packed as the engine packs them), eagerly and
 compiled, in interleaved rounds; compiling is chosen when the compiled steps take at most 1 / ``MARGIN`` of the
 eager ones' time, each mode's fastest round counted. The figure is cached as the dtype's is, so later starts decide without timing.
 
@@ -28,7 +29,8 @@ from scalenlp.engine.dtype import MEMORY_SHARE, LayerShapes, name_of, streamed_c
 from scalenlp.hardware import cached_record, engine_cache_path
 from scalenlp.models.memory import device_memory
 
-MARGIN = 1.1  # compiling costs every start its compile time and the graph's memory: worth a real gain, not a tie
+MARGIN = 1.1  # compiling costs a first start its compile time, every start a trace and the graph's memory: worth a
+# real gain, not a tie
 MIN_LAYERS = 4
 ROWS = (1, 16)  # a decode step of one request, and of a busy server's batch
 WARMUP, ROUNDS = 2, 5
@@ -83,7 +85,7 @@ def choose_compile(requested: str, device: torch.device, args, dtype: torch.dtyp
     if gain >= MARGIN:
         return CompileChoice(True, f"the decode step measured {gain:.2f}x as fast compiled ({figures}) (auto)")
     return CompileChoice(False, f"the decode step measured {gain:.2f}x as fast compiled, under the {MARGIN}x that "
-                                f"pays for compiling at every start ({figures}) (auto)")
+                                f"pays for compiling ({figures}) (auto)")
 
 
 def _record(timings: Timings) -> dict:
