@@ -170,7 +170,8 @@ def test_counter_based_uniforms_are_uniform():
 
 @pytest.mark.slow  # Inductor compiles the decode step: 25-35 s here for the first dtype, 6-8 s for the second
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_decode_step_matches_eager(tiny_export, dtype):
+def test_compiled_decode_step_matches_eager(tiny_export, dtype, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the compiled step's cache file: not the user's folder
     export = tiny_export
     # A prompt of 40 tokens holds 3 blocks, the others 1: block tables of widths 1 to 4 as the outputs grow.
     prompts = ["hello", "the quick brown", "a", "the quick brown fox jumps over the lazy dog " * 4]
