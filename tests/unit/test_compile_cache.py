@@ -83,30 +83,34 @@ def test_a_second_start_compiles_from_the_cached_artifacts(cache, tiny_export, t
     tokenizer = load_tokenizer(tiny_export)
     prompts = ["hello", "the quick brown fox jumps over the lazy dog " * 3]
 
-    def run(compile: bool, inductor_dir: str) -> tuple[list[list[int]], Engine]:
-        # Inductor's own on-disk cache emptied for each start, and Dynamo's in-memory one: only our file can serve.
+    def run(compile: bool, inductor_dir: str, new_process: bool = True) -> tuple[list[str], Engine]:
+        # As a new process: Inductor's own on-disk cache emptied, and Dynamo's in-memory one; only our file can serve.
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / inductor_dir))
-        torch._dynamo.reset()
+        if new_process:
+            torch._dynamo.reset()
         engine = Engine(load_pretrained(tiny_export), tokenizer, max_batch=2, eos_id=find_eos_token_id(tokenizer),
                         compile=compile).start()
         try:
-            return [o for o in engine.generate(prompts, GREEDY)], engine
+            return engine.generate(prompts, GREEDY), engine
         finally:
             engine.stop()
 
     expected, _ = run(False, "eager")
-    cold_tokens, cold = run(True, "cold")
+    cold_texts, cold = run(True, "cold")
     [path] = cache.glob("compiled-step-*.bin")
+    written = path.read_bytes()
     assert cold.compile_line == f"compiled the decode step in {cold.compile_seconds:.0f} s; cached for later " \
                                 f"starts in {path}"
-    warm_tokens, warm = run(True, "warm")
+    again_texts, again = run(True, "cold", new_process=False)  # a second engine of the same process
+    assert again.compile_line.endswith(" s (this process had compiled it)") and again_texts == expected
+    assert path.read_bytes() == written
+    warm_texts, warm = run(True, "warm")
     assert warm.compile_line.endswith(f"s from the artifacts cached in {path}")
-    assert cold_tokens == warm_tokens == expected
-    written = path.read_bytes()
+    assert cold_texts == warm_texts == expected
     path.write_bytes(written[:-100] + bytes(100))  # the payload's last bytes lost
-    damaged_tokens, damaged = run(True, "damaged")
+    damaged_texts, damaged = run(True, "damaged")
     assert damaged.compile_line.endswith(f"s (the cache file {path} is damaged (its checksum does not match): not "
                                          f"used); cached for later starts in {path}")
-    assert damaged_tokens == expected
+    assert damaged_texts == expected
     assert compile_cache.load(path, step_key(load_pretrained(tiny_export), torch.float32,
                                              damaged.blocks.capacity + 1, damaged.blocks.block_size))[0]

@@ -188,11 +188,12 @@ def compiled_step(model) -> Callable[..., torch.Tensor]:
     return run
 
 
-def _compile_cache_hits() -> int:
-    """Graphs this process took from AOTAutograd's or Inductor's cache so far."""
+def _compile_counts() -> tuple[int, int]:
+    """Graphs this process compiled so far, and those of them it took from AOTAutograd's or Inductor's cache."""
     from torch._dynamo.utils import counters
 
-    return counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+    return (counters["stats"]["unique_graphs"],
+            counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"])
 
 
 class Engine:
@@ -288,7 +289,7 @@ class Engine:
         ``compile_seconds`` (reading the cache included) and ``compile_line``."""
         key = compile_cache.step_key(self.model, cache_dtype, num_blocks, block_size)
         path = compile_cache.artifacts_path(key, self.device, next(self.model.parameters()).dtype)
-        start, hits = time.perf_counter(), _compile_cache_hits()
+        start, (graphs, hits) = time.perf_counter(), _compile_counts()
         loaded, unusable = compile_cache.load(path, key)
         with torch.inference_mode():  # as the loop runs it, so that the graph is the one the loop calls
             self._decode(*(torch.full((2, n), value, dtype=torch.long, device=self.device)
@@ -296,7 +297,11 @@ class Engine:
                          logits_at=torch.zeros(2, dtype=torch.long, device=self.device))
         self.compile_seconds = time.perf_counter() - start
         said = f"compiled the decode step in {self.compile_seconds:.0f} s"
-        hit = _compile_cache_hits() > hits
+        graphs_now, hits_now = _compile_counts()
+        if graphs_now == graphs:  # Dynamo's guards passed: another engine of this process compiled the same step
+            self.compile_line = said + " (this process had compiled it)"
+            return
+        hit = hits_now > hits
         if hit:
             said += f" from the artifacts cached in {path}" if loaded else " from Inductor's cache"
         if unusable:
