@@ -229,13 +229,13 @@ def test_fused_and_packed_projections_compute_the_same_logits(tmp_path, flavor):
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max()  # bf16 rounding, summed in another order
 
 
-@needs_onednn_bf16
-def test_a_compiled_step_finds_each_packed_weight_by_its_number():
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_onednn_bf16)])
+def test_a_compiled_step_finds_each_packed_weight_by_its_number(dtype):
     """Under torch.compile a packed linear is an opaque operator given its weight's number (engine/packing.py): it
     computes the eager forward's product, and the number of a layer dropped is forgotten with it."""
-    packed = PackedLinear(torch.nn.Linear(64, 48).to(torch.bfloat16))
-    other = PackedLinear(torch.nn.Linear(64, 48).to(torch.bfloat16))
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    packed = PackedLinear(torch.nn.Linear(64, 48).to(dtype))
+    other = PackedLinear(torch.nn.Linear(64, 48).to(dtype))
+    x = torch.randn(3, 64, dtype=dtype)
     assert torch.equal(packed_linear_by_number(x, packed.number, packed.bias, 48), packed(x))
     assert not torch.equal(packed(x), other(x))
     number = int(packed.number)
@@ -244,18 +244,23 @@ def test_a_compiled_step_finds_each_packed_weight_by_its_number():
     assert number not in packing._PACKED and int(other.number) in packing._PACKED
 
 
-@needs_onednn_bf16
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_onednn_bf16)])
 @pytest.mark.parametrize("flavor", ["debug-gpt2", "debug"])  # biases; grouped-query attention (q/k/v fused unequal)
-def test_packed_bf16_weights_match_plain_bf16(tmp_path, flavor):
+def test_packed_weights_match_plain_ones(tmp_path, flavor, dtype):
+    """bf16: every linear packed (q/k/v and SwiGLU's gate/up fused first); float32: the output projection alone."""
     export = make_export(tmp_path, flavor)
     tok = load_tokenizer(export)
-    plain = load_pretrained(export, dtype=torch.bfloat16)
-    engine = Engine(load_pretrained(export, dtype=torch.bfloat16), tok, max_batch=2).start()
+    plain = load_pretrained(export, dtype=dtype)
+    engine = Engine(load_pretrained(export, dtype=dtype), tok, max_batch=2).start()
     try:
-        assert not any(type(m) is torch.nn.Linear for m in engine.model.modules())  # all packed
-        assert all(block.attention.wqkv is not None for block in engine.model.layers.values())
-        assert all((block.feed_forward.w13 is not None) == (flavor == "debug")  # SwiGLU's w1/w3 fused too
-                   for block in engine.model.layers.values())
+        assert type(engine.model.output) is PackedLinear
+        if dtype == torch.bfloat16:
+            assert not any(type(m) is torch.nn.Linear for m in engine.model.modules())  # all packed
+            assert all(block.attention.wqkv is not None for block in engine.model.layers.values())
+            assert all((block.feed_forward.w13 is not None) == (flavor == "debug")  # SwiGLU's w1/w3 fused too
+                       for block in engine.model.layers.values())
+        else:
+            assert sum(type(m) is PackedLinear for m in engine.model.modules()) == 1
         tokens = engine.encode("the quick brown")
         n = len(tokens)
         with torch.no_grad():

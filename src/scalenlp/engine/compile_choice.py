@@ -111,7 +111,7 @@ def time_decode(args, dtype: torch.dtype, layers: int, device: torch.device) -> 
     """Interleaved rounds of decode steps of a ``layers``-layer model of ``args``' widths (random weights, a small
     vocabulary: the output projection is the same product either way) at each of ROWS, eager and compiled."""
     from scalenlp.engine.decoder_engine import compiled_step
-    from scalenlp.engine.packing import can_pack, pack_linears
+    from scalenlp.engine.packing import pack_for_inference
     from scalenlp.models.decoder import Transformer
 
     local = tuple(i for i in args.local_layers if i < layers)
@@ -123,8 +123,7 @@ def time_decode(args, dtype: torch.dtype, layers: int, device: torch.device) -> 
     for mode in ("eager", "compiled"):
         model = Transformer(small).to(device, dtype).eval()
         model.setup_kv_cache(blocks, block, dtype)
-        if can_pack(model):  # as the engine does, compiled or not
-            pack_linears(model)
+        pack_for_inference(model)  # as the engine does, compiled or not
         steps[mode] = compiled_step(model) if mode == "compiled" else model
     inputs = {rows: [t.to(device) for t in _step_inputs(rows, block)] for rows in ROWS}
 

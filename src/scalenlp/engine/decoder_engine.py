@@ -44,7 +44,7 @@ from scalenlp.data.tokenizer import token_bytes
 from scalenlp.engine import compile_cache
 from scalenlp.engine.grammar import Constraint, GrammarError, Grammars, constrain
 from scalenlp.engine.kv_blocks import NULL_BLOCK, BlockPool, block_keys
-from scalenlp.engine.packing import can_pack, pack_linears
+from scalenlp.engine.packing import pack_for_inference
 from scalenlp.engine.sampling import InvalidParam, SamplingBatch, SamplingParams, sample
 from scalenlp.engine.speculative import propose
 from scalenlp.errors import UserError
@@ -212,8 +212,9 @@ class Engine:
         speculative_tokens: draft tokens proposed per request and step by prompt lookup (engine.speculative) and
         verified in the decode step's forward; 0: none. draft_model: a smaller model with the same vocabulary that
         proposes them instead (greedily, with its own KV cache in the same blocks), or None.
-        pack_weights: on CPU with bf16 weights, pre-pack the linear layers for oneDNN (the model
-        is changed in place and is for inference only afterwards). tokenizer_config: the checkpoint's
+        pack_weights: on CPU, pre-pack for oneDNN the linear layers of a bf16 model, the output projection of a
+        float32 one (engine.packing.pack_for_inference; the model is changed in place and is for inference only
+        afterwards). tokenizer_config: the checkpoint's
         special tokens and chat template, for whoever renders conversations into prompts. adapters: the
         LoRA adapters served on this model (an engine.lora.LoraSlots built on it before this engine), or None.
         max_overtaken: how many cheaper requests that arrived later may be admitted before a waiting one, which
@@ -258,8 +259,8 @@ class Engine:
             draft_model.setup_kv_cache(num_blocks, block_size, cache_dtype or ref.dtype)
         self.compile_seconds = 0.0  # how long compiling the decode step took, at start-up
         self.compile_line: str | None = None  # how it went, for the start-up line (whether it came from cache)
-        if pack_weights and can_pack(model):  # the compiled step calls the packed products too (engine/packing.py)
-            pack_linears(model)
+        if pack_weights:  # the compiled step calls the packed products too (engine/packing.py)
+            pack_for_inference(model)
         self._decode = model
         if compile:
             self._decode = compiled_step(model)
