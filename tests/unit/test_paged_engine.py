@@ -9,7 +9,7 @@ import torch
 
 from infer_helpers import count_calls, generate, wait
 from scalenlp.data.tokenizer import load_tokenizer
-from scalenlp.engine.decoder_engine import Engine, RequestError
+from scalenlp.engine.decoder_engine import PREFILL_PADDING, Engine, RequestError, padding_groups
 from scalenlp.engine.kv_blocks import BlockPool, block_keys
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.models import paged_attention
@@ -121,6 +121,38 @@ def test_greedy_text_is_the_same_with_or_without_prefix_caching_chunking_and_roo
     # Room for one sequence at a time (8 blocks): the others are preempted and computed again, text unchanged.
     squeezed, _, preempted = run(kv_cache_tokens=8 * BLOCK, max_batch=8)
     assert squeezed == expected and preempted
+
+
+def test_prompts_of_very_different_lengths_are_not_padded_to_the_longest(tok, monkeypatch):
+    """Prompts computed in the same step go into one forward only while its padding stays within PREFILL_PADDING:
+    a 40-token and a 6-token prompt in one forward computed 2 x 40 positions for 46 prompt tokens. The text is
+    what each prompt gets alone."""
+    long, short = list(range(20, 60)), [7, 8, 9, 10, 11, 12]
+    engine = make_engine(tok, token_budget=64)
+    prefills = []
+    forward = engine._forward
+
+    def recording(requests, counts, model, drafts=None):
+        if max(counts) > 1:  # a decode step computes one position a request (no speculative tokens here)
+            prefills.append(counts)
+        return forward(requests, counts, model, drafts)
+
+    monkeypatch.setattr(engine, "_forward", recording)
+    try:
+        together = generate(engine, [long, short], GREEDY)
+        alone = [generate(engine, [p], GREEDY)[0] for p in (long, short)]
+    finally:
+        engine.stop()
+    assert sorted(prefills[:2]) == [[6], [40]]  # the two prompts together: two forwards
+    assert all(len(c) * max(c) <= PREFILL_PADDING * sum(c) for c in prefills)
+    assert together == alone
+
+
+def test_padding_groups_batch_similar_lengths_and_put_the_cheapest_first():
+    assert padding_groups([32, 35, 30, 33]) == [[0, 1, 2, 3]]  # 4 x 35 positions for 130 tokens: one forward
+    assert padding_groups([1500, 532]) == [[1], [0]]  # together: 3,000 positions for 2,032 tokens
+    assert padding_groups([1500, 30, 1400, 31]) == [[1, 3], [0, 2]]
+    assert padding_groups([]) == []
 
 
 def test_a_request_larger_than_the_whole_cache_is_refused_in_one_line(tok):
