@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from scalenlp.compress.quantized import CPU_INT4_ROWS, KERNEL_DTYPE, Int8Linear, add_bias, rows_of
+from scalenlp.models.adapters import unpackable
 from scalenlp.models.onednn import pack, packed_linear
 
 # The compiled decode step cannot take a packed (opaque mkldnn) weight as an input, and Inductor's caches refuse
@@ -128,8 +129,7 @@ def pack_for_inference(model: nn.Module) -> int:
     if can_pack(model):
         return pack_linears(model)
     output = getattr(model, "output", None)
-    if (type(output) is nn.Linear and type(output.weight) is nn.Parameter and output.weight.device.type == "cpu"
-            and output.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()):
+    if type(output) is nn.Linear and unpackable(output.weight) is None:  # as LoRA's frozen base packs: float32, CPU
         model.output = PackedLinear(output, rows=None)  # oneDNN's own layout: at 1 row as fast as one tuned for it
         return 1
     return 0
