@@ -231,9 +231,9 @@ class Engine:
         speculative_tokens: draft tokens proposed per request and step by prompt lookup (engine.speculative) and
         verified in the decode step's forward; 0: none. draft_model: a smaller model with the same vocabulary that
         proposes them instead (greedily, with its own KV cache in the same blocks), or None.
-        pack_weights: on CPU, pre-pack for oneDNN the linear layers of a bf16 model, the output projection of a
-        float32 one (engine.packing.pack_for_inference; the model is changed in place and is for inference only
-        afterwards). tokenizer_config: the checkpoint's
+        pack_weights: on CPU, pre-pack for oneDNN the linear layers of a float32 model, or of a bf16 one where
+        oneDNN computes in bf16 (engine.packing.pack_for_inference; the model is changed in place and is for
+        inference only afterwards). tokenizer_config: the checkpoint's
         special tokens and chat template, for whoever renders conversations into prompts. adapters: the
         LoRA adapters served on this model (an engine.lora.LoraSlots built on it before this engine), or None.
         max_overtaken: how many cheaper requests that arrived later may be admitted before a waiting one, which

@@ -21,6 +21,14 @@ from scalenlp.compress.quantized import CPU_INT4_ROWS, KERNEL_DTYPE, Int8Linear,
 from scalenlp.models.adapters import unpackable
 from scalenlp.models.onednn import pack, packed_linear
 
+# The rows float32 weights are packed for. SmolLM2's 30 blocks and output projection as a decode step reads them
+# (each weight streamed from memory once a step; benchmarks/RESULTS.md): packed for 32 rows, as vLLM's CPU build
+# packs, the products took 0.37-0.97x the plain ``F.linear``'s time at 1, 4, 16 and 64 rows on one and two threads
+# (two threads, 1 row: 22.1 against 38.5 ms; 16 rows: 50.3 against 83.9), packed for 1 row 0.60-1.05x. One weight
+# timed from the cache, as first measured, made packing look slower at 1 row; a decode step does not read so.
+# bf16 keeps the 1-row layout it was measured with.
+FLOAT32_ROWS = 32
+
 # The compiled decode step cannot take a packed (opaque mkldnn) weight as an input, and Inductor's caches refuse
 # graphs holding one as a constant. So under torch.compile a PackedLinear is an opaque operator given the number of
 # its packed weight in this process (a one-element tensor, an input like any buffer, so that the graph and its cache
@@ -43,10 +51,11 @@ def _(x: torch.Tensor, number: torch.Tensor, bias: torch.Tensor | None, out_feat
 class PackedLinear(nn.Module):
     packed_for_inference = True  # read by compress.prune, which refuses packed models without importing the engine
 
-    def __init__(self, linear: nn.Linear, rows: int | None = 1):
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # rows=1 tunes the layout for decode; any other batch (prefill) still computes correctly.
+        # A layout tuned for decode's rows; any other batch (prefill) still computes correctly.
+        rows = FLOAT32_ROWS if linear.weight.dtype == torch.float32 else 1
         self.register_buffer("packed", pack(linear.weight, rows), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
         number = next(_NUMBERS)
@@ -115,24 +124,17 @@ def onednn_bf16() -> bool:
 
 
 def can_pack(model: nn.Module) -> bool:
-    """Plain (not sharded) bf16 weights on a CPU whose oneDNN computes in bf16."""
+    """Plain (not sharded) CPU weights: float32 where this PyTorch has oneDNN, bf16 where oneDNN computes in bf16."""
     ref = next(model.parameters())
-    return (isinstance(model, nn.Module) and ref.device.type == "cpu" and ref.dtype == torch.bfloat16
-            and type(ref) is nn.Parameter and onednn_bf16())
+    if ref.dtype == torch.bfloat16:
+        return ref.device.type == "cpu" and type(ref) is nn.Parameter and onednn_bf16()
+    return unpackable(ref) is None  # as LoRA's frozen base packs: float32, CPU, unsharded, oneDNN
 
 
 def pack_for_inference(model: nn.Module) -> int:
-    """What the engine packs for its CPU products, compiled or not: every linear of a bf16 model (pack_linears); of
-    a float32 model, the output projection alone. In float32 only that product gains at every batch: SmolLM2's
-    576 -> 49,152 ran 1.12-1.17x faster packed at 1 row, 1.6-2.8x at 4-16 rows, 1.3-1.8x at 64 (one and two
-    threads), where its blocks' products ran 0.67-0.98x at 1 row (benchmarks/RESULTS.md). Returns how many."""
-    if can_pack(model):
-        return pack_linears(model)
-    output = getattr(model, "output", None)
-    if type(output) is nn.Linear and unpackable(output.weight) is None:  # as LoRA's frozen base packs: float32, CPU
-        model.output = PackedLinear(output, rows=None)  # oneDNN's own layout: at 1 row as fast as one tuned for it
-        return 1
-    return 0
+    """What the engine packs for its CPU products, compiled or not: every linear of a model ``can_pack`` takes
+    (``pack_linears``). Returns how many."""
+    return pack_linears(model) if can_pack(model) else 0
 
 
 def _fusable(linear: nn.Module) -> bool:
