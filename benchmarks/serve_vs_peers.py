@@ -6,7 +6,7 @@
 Serving: one Hugging Face folder (default: the packaged SmolLM2-135M-Instruct, exported by `scalenlp export
 --format hf` into --workdir) served by `scalenlp serve` and by vLLM's OpenAI server (`python -m
 vllm.entrypoints.openai.api_server`, run by --vllm-python or $VLLM_PYTHON; skipped, and said so, when neither is
-set), both in float32 with 2,048 positions per sequence (--scalenlp-args / --vllm-args are appended to each
+set), both in float32 with 2,048 positions per sequence and the same KV cache memory (--scalenlp-args / --vllm-args are appended to each
 command, so they can override that). Each server keeps its own thread default (OMP_NUM_THREADS is taken out of
 their environment): on a 2-core machine vLLM binds its engine to one core and leaves the other to its HTTP front
 end; scalenlp's torch computes on both. Every cell, a workload at a concurrency, sends the same streamed
@@ -57,6 +57,7 @@ from serve import CORPUS, latencies, one_request, quantile
 WORKLOADS = ("short", "shared", "mixed")
 METRICS = ("tok_s", "ttft_med_ms", "ttft_p90_ms", "tpot_med_ms", "tpot_p90_ms")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+VLLM_KV_GIB = 2  # vLLM's KV cache memory here, and so scalenlp's
 
 
 # ---- prompts ----
@@ -171,20 +172,32 @@ def vllm_python(args) -> str | None:
     return path
 
 
+def kv_positions(folder: Path, gib: int) -> int:
+    """The float32 key and value positions ``gib`` GiB hold for the model in ``folder``, in whole 16-position
+    blocks: scalenlp's KV cache is given the memory vLLM's is (VLLM_CPU_KVCACHE_SPACE)."""
+    config = json.loads((folder / "config.json").read_text())
+    layers, heads = config.get("num_hidden_layers", config.get("n_layer")), config.get("num_attention_heads",
+                                                                                       config.get("n_head"))
+    head_dim = config.get("head_dim") or config.get("hidden_size", config.get("n_embd")) // heads
+    per_position = 2 * layers * config.get("num_key_value_heads", heads) * head_dim * 4
+    return gib * 2**30 // per_position // 16 * 16
+
+
 def server_commands(args, folder: Path) -> dict[str, tuple[list[str], dict, int]]:
     """name -> (command, environment, port) of each server there is."""
     from scalenlp.parallel.mesh import free_port
 
     port = {"scalenlp": free_port(), "vLLM": free_port()}
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # each server's own thread default
+    python = vllm_python(args)
+    same_kv = ["--kv-cache-tokens", str(kv_positions(folder, VLLM_KV_GIB))] if python else []
     commands = {"scalenlp": ([sys.executable, "-m", "scalenlp", "serve", "--checkpoint", str(folder),
                               "--port", str(port["scalenlp"]), "--dtype", "float32", "--max-seq-len", "2048",
-                              *shlex.split(args.scalenlp_args)], env, port["scalenlp"])}
-    python = vllm_python(args)
+                              *same_kv, *shlex.split(args.scalenlp_args)], env, port["scalenlp"])}
     if python:
         commands["vLLM"] = ([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                              "--port", str(port["vLLM"]), "--dtype", "float32", "--max-model-len", "2048",
-                             *shlex.split(args.vllm_args)], {"VLLM_CPU_KVCACHE_SPACE": "2", **env}, port["vLLM"])
+                             *shlex.split(args.vllm_args)], {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_GIB), **env}, port["vLLM"])
     return commands
 
 

@@ -3,6 +3,10 @@ as `scalenlp serve` builds it (float32, the decode step compiled unless --compil
 C requests of ~32-token prompts decoding --tokens greedy tokens each, --rounds times:
 
   python benchmarks/step_overhead.py [--concurrency 16] [--tokens 64] [--rounds 3] [--compile on|off] [--ops 15]
+                                    [--quantize int4 --group-size 32]
+
+(--quantize: the GGUF file's weights quantized as `scalenlp serve --quantize` does, int4 at group 32 taking its
+Q4_1 codes as they are; the step then runs eagerly, as the engine runs quantized layers.)
 
 Each step of the engine loop is timed, and inside it the parts: the model's forward (the compiled step or the eager
 model), building its inputs (token, position, block-table and slot tensors), sampling, and emitting (detokenizing,
@@ -30,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from scalenlp.compress.quantized import quantization_of
 from scalenlp.engine.decoder_engine import Engine
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.loader import instantiate, read
@@ -111,15 +116,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", choices=("on", "off"), default="on")
     parser.add_argument("--ops", type=int, default=0, help="profile the last round: the N costliest operators")
+    parser.add_argument("--quantize", choices=("int4", "int8"), help="quantized weights (the step runs eagerly)")
+    parser.add_argument("--group-size", type=int, default=32)
     args = parser.parse_args()
+    if args.quantize:
+        args.compile = "off"
     if min(args.concurrency, args.tokens, args.rounds) < 1:
         parser.error("--concurrency, --tokens and --rounds must be 1 or more")
     pre = read(packaged_model("smollm2"))
-    model = instantiate(pre, device=torch.device("cpu"), dtype=torch.float32)
+    model = instantiate(pre, device=torch.device("cpu"), dtype=torch.float32,
+                        quantize=quantization_of(args.quantize, args.group_size))
     built = time.perf_counter()
     engine = Engine(model, pre.tokenizer, max_batch=max(64, args.concurrency), max_seq_len=2048,
                     compile=args.compile == "on").start()
-    print(f"SmolLM2-135M, float32, {torch.get_num_threads()} threads, compile {args.compile} "
+    print(f"SmolLM2-135M, {args.quantize or 'float32'}, {torch.get_num_threads()} threads, compile {args.compile} "
           f"(engine built in {time.perf_counter() - built:.0f} s)", flush=True)
     words = pre.tokenizer.encode(Path(__file__).with_name("serve.py").read_text()).ids
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
