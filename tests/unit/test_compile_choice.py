@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from scalenlp.cli import main
+from scalenlp.compress.quantized import Quantization
 from scalenlp.engine import compile_choice
 from scalenlp.engine.compile_choice import MARGIN, ROUNDS, choose_compile
 from scalenlp.engine.config import EngineConfig
@@ -28,8 +29,9 @@ class Timer:
         self.timings = {"eager": [eager] * ROUNDS, "compiled": [compiled] * ROUNDS, "compile_s": compile_s}
         self.calls = 0
 
-    def __call__(self, args, dtype, layers, device):
+    def __call__(self, args, dtype, layers, device, quantize):
         self.calls += 1
+        self.quantize = quantize
         assert layers >= compile_choice.MIN_LAYERS and device == CPU
         return self.timings
 
@@ -55,6 +57,42 @@ def test_measured_once_then_read_from_the_cache(cache):
     choose_compile("auto", CPU, ARGS, torch.bfloat16, measure=timer)
     choose_compile("auto", CPU, ModelArgs(dim=128, n_layers=2, n_heads=4), torch.float32, measure=timer)
     assert timer.calls == 3 and len(list(cache.glob("compile-*.json"))) == 3
+
+
+def test_a_quantized_model_is_measured_quantized_and_cached_apart(cache):
+    timer = Timer(eager=[10e-3, 40e-3], compiled=[8e-3, 30e-3])
+    plain = choose_compile("auto", CPU, ARGS, torch.float32, measure=timer)
+    assert timer.quantize is None
+    int4 = Quantization("int4", 32)
+    quantized = choose_compile("auto", CPU, ARGS, torch.float32, quantize=int4, measure=timer)
+    assert timer.calls == 2 and timer.quantize == int4 and quantized.on and plain.on
+    assert len(list(cache.glob("compile-*-float32-int432-*.json"))) == 1 and len(list(cache.glob("compile-*.json"))) == 2
+
+
+def test_int8dyn_stays_eager_and_refuses_compile_on(tiny_export, cache, monkeypatch, capsys):
+    """int8dyn's per-token activation scales break the compiled graph: auto stays eager untimed, on is one line."""
+    monkeypatch.setattr(compile_choice, "time_decode", never)
+    argv = ["generate", "--checkpoint", str(tiny_export), "--prompt", "the", "--max-tokens", "2", "--device", "cpu",
+            "--dtype", "float32", "--quantize", "int8dyn"]
+    assert main([*argv, "--compile", "auto"]) == 0
+    assert "compile off: the compiled decode step does not take int8dyn layers" in capsys.readouterr().err
+    assert main([*argv, "--compile", "on"]) != 0
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --compile on does not take int8dyn layers (their per-token activation scales break the compiled "
+        "graph); drop --compile, or quantize with int8 or int4")
+
+
+def test_the_stack_it_times_is_quantized_as_the_model_is(monkeypatch):
+    """time_decode builds the layers it times with the model's quantized kernels (here without compiling: the
+    compiled step is the engine's own, tested in test_engine)."""
+    built = []
+    monkeypatch.setattr(compile_choice, "WARMUP", 0)
+    monkeypatch.setattr(compile_choice, "ROUNDS", 1)
+    monkeypatch.setattr("scalenlp.engine.decoder_engine.compiled_step", lambda model: built.append(model) or model)
+    timings = compile_choice.time_decode(ARGS, torch.float32, compile_choice.MIN_LAYERS, CPU, Quantization("int8"))
+    assert len(timings["eager"]) == len(timings["compiled"]) == 1
+    [model] = built
+    assert {type(m).__name__ for m in model.modules()} >= {"Int8Linear"}
 
 
 @pytest.mark.parametrize("eager_ms, compiled_ms, on", [

@@ -35,8 +35,11 @@ MAGIC = b"scalenlp compiled decode step\n"
 def step_key(model, cache_dtype: torch.dtype, num_blocks: int, block_size: int) -> str:
     """What the compiled decode step of ``model`` (a Transformer) with this KV cache is built for, as text."""
     weights = sorted({name_of(p.dtype) for p in model.parameters()})
+    # The kinds of layer tell a quantized or packed model from a plain one of the same widths and dtype.
+    layers = sorted({type(m).__qualname__ for m in model.modules()})
     return json.dumps({"model": type(model).__qualname__, "args": dataclasses.asdict(model.args), "weights": weights,
-                       "kv_cache": [name_of(cache_dtype), num_blocks, block_size]}, sort_keys=True, default=str)
+                       "layers": layers, "kv_cache": [name_of(cache_dtype), num_blocks, block_size]}, sort_keys=True,
+                      default=str)
 
 
 def artifacts_path(key: str, device: torch.device, dtype: torch.dtype) -> Path:

@@ -63,10 +63,16 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
     # Eager where the compiled step is not supported or not measured (config.check refused --compile on there).
     # Speculative decoding's verifying forward (several positions a row) breaks the compiled graph in pieces at the
     # generic attention path, recompiling as draft lengths change (10 graphs for 3 requests of a tiny model).
+    quantized = spec or pre.quantization
+    dynamic = quantized is not None and quantized.method == "int8dyn"
+    if dynamic and config.compile == "on":
+        raise UserError("--compile on does not take int8dyn layers (their per-token activation scales break the "
+                        "compiled graph); drop --compile, or quantize with int8 or int4")
     unsupported = ("--tp" if config.tp > 1 else "LoRA adapters" if adapters else
-                   "quantized layers (not measured)" if spec else
+                   "int8dyn layers (their activation scales break the graph)" if dynamic else
                    "speculative decoding (its verifying step breaks the graph)" if config.speculative_tokens else "")
-    compiling = choose_compile(config.compile, torch_device, pre.args, dtype.dtype, unsupported=unsupported)
+    compiling = choose_compile(config.compile, torch_device, pre.args, dtype.dtype, unsupported=unsupported,
+                               quantize=quantized)
     engine = Engine(model, pre.tokenizer, max_batch=config.max_batch, max_queue=config.max_queue,
                     max_seq_len=config.max_seq_len,
                     eos_id=end_of_text_id(pre.tokenizer, pre.tokenizer_config),  # none: runs to max_tokens
