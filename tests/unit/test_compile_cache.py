@@ -112,5 +112,8 @@ def test_a_second_start_compiles_from_the_cached_artifacts(cache, tiny_export, t
     assert damaged.compile_line.endswith(f"s (the cache file {path} is damaged (its checksum does not match): not "
                                          f"used); cached for later starts in {path}")
     assert damaged_texts == expected
-    assert compile_cache.load(path, step_key(load_pretrained(tiny_export), torch.float32,
+    # The key of the model as the engine ran it (packed: the kinds of its layers are part of the key).
+    assert compile_cache.load(path, step_key(damaged.model, torch.float32,
                                              damaged.blocks.capacity + 1, damaged.blocks.block_size))[0]
+    assert not compile_cache.load(path, step_key(load_pretrained(tiny_export), torch.float32,
+                                                 damaged.blocks.capacity + 1, damaged.blocks.block_size))[0]
