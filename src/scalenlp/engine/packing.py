@@ -124,7 +124,10 @@ def onednn_bf16() -> bool:
 
 
 def can_pack(model: nn.Module) -> bool:
-    """Plain (not sharded) CPU weights: float32 where this PyTorch has oneDNN, bf16 where oneDNN computes in bf16."""
+    """Plain (not sharded) CPU weights: float32 where this PyTorch has oneDNN, bf16 where oneDNN computes in bf16.
+    A tensor-parallel engine's model (engine/sharded.py, not an nn.Module) packs nothing: its ranks run the shards."""
+    if not isinstance(model, nn.Module):
+        return False
     ref = next(model.parameters())
     if ref.dtype == torch.bfloat16:
         return ref.device.type == "cpu" and type(ref) is nn.Parameter and onednn_bf16()
