@@ -23,8 +23,8 @@ from scalenlp.models.onednn import pack, packed_linear
 
 # The rows float32 weights are packed for. SmolLM2's 30 blocks and output projection as a decode step reads them
 # (each weight streamed from memory once a step; benchmarks/RESULTS.md): packed for 32 rows, as vLLM's CPU build
-# packs, the products took 0.37-0.97x the plain ``F.linear``'s time at 1, 4, 16 and 64 rows on one and two threads
-# (two threads, 1 row: 22.1 against 38.5 ms; 16 rows: 50.3 against 83.9), packed for 1 row 0.60-1.05x. One weight
+# packs, the products took 0.39-0.97x the plain ``F.linear``'s time at 1, 4, 16 and 64 rows on one and two threads
+# (two threads, 1 row: 23.6 against 38.3 ms; 16 rows: 49.7 against 85.6), packed for 1 row 0.61-1.03x. One weight
 # timed from the cache, as first measured, made packing look slower at 1 row; a decode step does not read so.
 # bf16 keeps the 1-row layout it was measured with.
 FLOAT32_ROWS = 32
