@@ -11,8 +11,7 @@ model's layers fastest in, and why.
 
 The measurement runs a layer's linear products as the engine calls them (packed for oneDNN, with q/k/v and
 gate/up fused, where the engine packs them: float32 always, bf16 where oneDNN computes in it) for one request of
-``PREFILL_ROWS``
-prompt tokens and as many output tokens: a prefill of that many rows, then that many one-row decode steps (an
+``PREFILL_ROWS`` prompt tokens and as many output tokens: a prefill of that many rows, then that many one-row decode steps (an
 encoder's request is its prefill alone). The products are most of a step's time at serving's lengths, and the
 rest of the step runs in the same dtype. A decode step streams every layer's weights from memory, which one
 layer timed again and again does not (SmolLM2's fits in a 32 MiB L3 cache): a round's one-row pass runs through

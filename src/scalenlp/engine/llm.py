@@ -44,6 +44,12 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
     pre = read(config.checkpoint)
     if isinstance(pre.args, EncoderArgs):
         raise UserError(f"{config.checkpoint} is an encoder; it embeds and classifies text but does not generate it")
+    # Refused before the dtype is timed and the weights are loaded.
+    quantized = spec or pre.quantization
+    dynamic = quantized is not None and quantized.method == "int8dyn"
+    if dynamic and config.compile == "on":
+        raise UserError("--compile on does not take int8dyn layers (their per-token activation scales break the "
+                        "compiled graph); drop --compile, or quantize with int8 or int4")
     # Chosen once here, for every rank under --tp: ranks that each measured could disagree.
     dtype = choose_dtype(torch_device, config.dtype, LayerShapes.of(pre.args, config.tp))
     if config.tp > 1:
@@ -63,11 +69,6 @@ def engine_from_checkpoint(config: EngineConfig) -> Engine:
     # Eager where the compiled step is not supported or not measured (config.check refused --compile on there).
     # Speculative decoding's verifying forward (several positions a row) breaks the compiled graph in pieces at the
     # generic attention path, recompiling as draft lengths change (10 graphs for 3 requests of a tiny model).
-    quantized = spec or pre.quantization
-    dynamic = quantized is not None and quantized.method == "int8dyn"
-    if dynamic and config.compile == "on":
-        raise UserError("--compile on does not take int8dyn layers (their per-token activation scales break the "
-                        "compiled graph); drop --compile, or quantize with int8 or int4")
     unsupported = ("--tp" if config.tp > 1 else "LoRA adapters" if adapters else
                    "int8dyn layers (their activation scales break the graph)" if dynamic else
                    "speculative decoding (its verifying step breaks the graph)" if config.speculative_tokens else "")
