@@ -185,7 +185,10 @@ def test_zero1_shards_optimizer_state_under_tensor_parallelism():
 
 # -- end to end: a few steps of every layout against one process -------------------------------------
 
-STEPS = 5  # each step costs alike; the first update already shows a wrong reduction, shard or schedule
+# Each step costs alike; the first update already shows a wrong reduction, shard or schedule, and the second and
+# third a wrong optimizer state. Four, not three: over three of the harness's batches one process's loss barely
+# falls (6.004 -> 6.000), over four it falls by 2% (5.949 -> 5.825; over five, 2.3%).
+STEPS = 4
 
 
 @pytest.fixture(scope="module")
