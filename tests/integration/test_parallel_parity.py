@@ -202,11 +202,13 @@ UNSTACKED = " unstacked"
 def _assert_parity(names, reference, unstacked=False):
     """Each layout's losses and gradient norms against one process; with ``unstacked``, each layout also runs with
     its q/k/v and gate/up projections one by one (training.stack_projections=false), which must match the stacked
-    run within 1e-5 (issue 16: the fused training path changes no result on any layout)."""
+    run within 1e-5 (issue 16: the fused training path changes no result on any layout). Not the layouts with
+    tensor parallelism: their weights are DTensors, which stacked_linear declines (models/decoder.py), so their
+    stacked run already takes the one-by-one path and a second run would repeat it step for step."""
     layouts = {n: parity.LAYOUTS[n] for n in names}
     if unstacked:
         layouts |= {n + UNSTACKED: (world, {**parallel, "training.stack_projections": False})
-                    for n, (world, parallel) in list(layouts.items())}
+                    for n, (world, parallel) in list(layouts.items()) if parallel.get("tp", 1) == 1}
     results = parity.run_layouts(list(layouts), steps=STEPS, layouts=layouts)
     for name in layouts:
         got = results[name]
@@ -224,7 +226,7 @@ def _assert_parity(names, reference, unstacked=False):
 def test_two_process_layouts_match_single_process(single_process):
     """ddp, zero1, zero2, zero3, tp (with the vocabulary-parallel loss, or full logits), tp + sequence parallel, pp
     gpipe / 1f1b / interleaved 1f1b / interleaved zero bubble (2 stages per rank), some with activation
-    checkpointing; each also with projections unstacked. Under tp2 the losses and gradient norms with
+    checkpointing; those without tp also with projections unstacked. Under tp2 the losses and gradient norms with
     parallel.loss_parallel on and off agree within 1e-5."""
     results = _assert_parity([n for n, (world, _) in parity.LAYOUTS.items() if world == 2], single_process,
                              unstacked=True)
@@ -234,7 +236,7 @@ def test_two_process_layouts_match_single_process(single_process):
 
 def test_four_process_layouts_match_single_process(single_process):
     """zero3 x4, hsdp 2x2, dp2 x tp2 (FSDP, DDP and ZeRO-1), dp2 x pp2 (DDP and ZeRO-1), tp2 x pp2 (with and
-    without sequence parallel); each also with projections unstacked."""
+    without sequence parallel); those without tp also with projections unstacked."""
     _assert_parity([n for n, (world, _) in parity.LAYOUTS.items() if world == 4], single_process, unstacked=True)
 
 
