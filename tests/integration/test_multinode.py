@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from scalenlp.testing.hosts import RDZV_PORT, Host, start_train, unavailable, virtual_hosts
-from train_helpers import HANG_GUARD_S, TINY, cli_env, last_step, read_metrics, run_train
+from train_helpers import HANG_GUARD_S, TINY, cli_env, last_step, read_metrics, train_here
 
 
 def need_hosts() -> None:
@@ -72,7 +72,7 @@ STEPS = 3
 def one_process(tmp_path_factory, corpus):
     """The metrics of STEPS steps in one process: what every layout on any number of machines must reproduce."""
     run = tmp_path_factory.mktemp("one-process") / "run"
-    run_train(run, *TINY, f"data.path={corpus}", f"training.steps={STEPS}")
+    train_here(run, *TINY, f"data.path={corpus}", f"training.steps={STEPS}")  # in this process: no interpreter to start
     return read_metrics(run)
 
 
@@ -114,7 +114,7 @@ def test_losing_a_node_continues_from_the_checkpoint_with_nothing_lost(tmp_path,
     lost.wait(timeout=HANG_GUARD_S)
     assert "on 2 x cpu" in out  # the second attempt ran on the remaining node's 2 processes
 
-    run_train(tmp_path / "reference", *sets)
+    train_here(tmp_path / "reference", *sets)  # one process, this one
     reference = {r["step"]: r for r in read_metrics(tmp_path / "reference")}
     records = read_metrics(run)
     resumed = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
