@@ -1,18 +1,20 @@
 """Weight quantization for inference, as a module swap (gpt-fast style): every ``nn.Linear`` of a decoder or
-encoder becomes a quantized linear whose forward is one call to one of PyTorch's low-bit kernels.
+encoder becomes a quantized linear whose forward is one call to one of PyTorch's low-bit kernels, or for int4 on
+x86 CPUs, scalenlp's own (int4_linear.cpp).
 
 Methods: ``int8`` (weight-only, a scale per output channel), ``int4`` (weight-only, a scale and zero point per
 group of ``group_size`` inputs; a decoder's output projection stays int8, ``spec_of``) and ``int8dyn`` (int8
 activations too). The token embedding table is int8 with a scale per row (``Int8Embedding``). An export holds
 each weight (int8, or int4 two to a byte, even column in the high nibble) and its bfloat16 scales in a layout no
 device owns (``quantization.json`` names the method); ``prepare`` builds each device's kernel layout at load.
-Weight-only kernels compute in bfloat16, and weights are rounded against the stored scales, so the dequantized
-weight is exactly ``q * scale``. docs/compression.md describes the methods for users.
+PyTorch's weight-only kernels compute in bfloat16 (scalenlp's int4 kernel in integers, its activations to 14
+bits), and weights are rounded against the stored scales, so the dequantized weight is exactly ``q * scale``. docs/compression.md describes the methods for users.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalenlp.errors import UserError
+from scalenlp.models.cpu_attention import cpu_model, load_native
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.gguf import GGUF_BLOCK, GGUF_INT4, q4_blocks
@@ -35,6 +38,24 @@ GROUP_SIZES = (32, 64, 128)
 QUANTIZATION = "quantization.json"  # the method, beside model_args.json in an export folder
 KERNEL_DTYPE = torch.bfloat16
 CPU_INT4_ROWS = 16  # PyTorch's CPU int4 kernel takes weights in tiles of this many output rows
+INT4_KERNEL = Path(__file__).with_name("int4_linear.cpp")
+INT4_BLOCK = 32  # inputs per activation scale in scalenlp's CPU int4 kernel
+INT4_NATIVE = "scalenlp_int4.linear"  # its operator
+_int4_built: bool | None = None
+
+
+def int4_kernel_available() -> bool:
+    """Builds (or loads the cached build of) scalenlp's AVX2 int4 kernel (int4_linear.cpp) once per process; False
+    on CPUs without AVX2, where it cannot be built, or where ``SCALENLP_INT4_KERNEL=0`` turns it off (PyTorch's
+    CPU int4 kernel then runs instead)."""
+    global _int4_built
+    if _int4_built is None:
+        _int4_built = (os.environ.get("SCALENLP_INT4_KERNEL", "1") != "0" and "avx2" in cpu_model().split()
+                       and load_native("scalenlp_int4_linear", INT4_KERNEL))
+        if _int4_built:
+            torch.library.register_fake("scalenlp_int4::linear")(
+                lambda x, weight, block_scales: x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32))
+    return _int4_built
 
 
 @dataclass(frozen=True)
@@ -242,9 +263,10 @@ class Int8Linear(QuantizedLinear):
 
 
 class Int4Linear(QuantizedLinear):
-    """4-bit weights with a bf16 scale and zero per group of inputs; products in bf16 (tinygemm on CUDA,
-    PyTorch's AVX kernel on CPU). ``packed`` is the kernel's layout of ``weight``; once it is built, memory holds
-    it alone and ``state_dict`` rebuilds the portable layout from it."""
+    """4-bit weights with a bf16 scale and zero per group of inputs. On x86 CPUs with AVX2, scalenlp's kernel reads
+    the stored layout as it is (``block_scales``: the scales and zeros per block of 32 inputs). Elsewhere products
+    in bf16 (tinygemm on CUDA, PyTorch's AVX kernel on other CPUs): ``packed`` is that kernel's layout of
+    ``weight``; once it is built, memory holds it alone and ``state_dict`` rebuilds the portable layout from it."""
 
     shard_dims = {"weight": (0, 1), "scales_and_zeros": (1, 0), "bias": (0, None)}
 
@@ -255,10 +277,19 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", torch.empty(in_features // group_size, out_features, 2,
                                                              dtype=KERNEL_DTYPE, device=device))
         self.register_buffer("packed", None, persistent=False)
+        self.register_buffer("block_scales", None, persistent=False)
         self.matmul = self.dequantized_matmul
 
     def prepare_kernel(self) -> str:
         device = self.weight.device
+        if (device.type == "cpu" and self.in_features % INT4_BLOCK == 0 and self.group_size % INT4_BLOCK == 0
+                and int4_kernel_available()):
+            # The weight stays as stored; each block of 32 inputs gets its group's scale and zero.
+            self.weight = self.weight.contiguous()  # a tensor-parallel shard is a slice
+            self.block_scales = self.scales_and_zeros.transpose(0, 1).repeat_interleave(
+                self.group_size // INT4_BLOCK, dim=1).contiguous()
+            self.matmul, self.kernel = self.native_matmul, INT4_NATIVE
+            return self.kernel
         if device.type == "cpu" and self.out_features % CPU_INT4_ROWS == 0:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.weight), 1)
             self.int4_mm, self.kernel = torch.ops.aten._weight_int4pack_mm_for_cpu, "aten._weight_int4pack_mm_for_cpu"
@@ -273,6 +304,23 @@ class Int4Linear(QuantizedLinear):
         # A zero-stride stand-in keeps the weight's shape, which the KV cache's setup reads.
         self.weight = torch.zeros((), dtype=torch.uint8, device=device).expand(self.weight.shape)
         return self.kernel
+
+    @classmethod
+    def stacked(cls, parts: tuple[Int4Linear, ...]) -> Int4Linear:
+        """One int4 linear whose output is the parts' outputs side by side (inference packing fuses q/k/v and
+        gate/up with it), for parts on scalenlp's kernel, whose weights stay in the stored layout: rows stack with
+        their scales and zeros, so the products are the parts' exactly."""
+        first = parts[0]
+        fused = cls(first.in_features, sum(p.out_features for p in parts), first.bias is not None, first.group_size)
+        fused.weight = torch.cat([p.weight for p in parts])
+        fused.scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim=1)
+        if fused.bias is not None:
+            fused.bias = torch.cat([p.bias for p in parts])
+        fused.prepare()
+        return fused
+
+    def native_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.scalenlp_int4.linear(x.reshape(-1, self.in_features), self.weight, self.block_scales)
 
     def kernel_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         return self.int4_mm(x2d, self.packed, self.group_size, self.scales_and_zeros)
@@ -298,7 +346,8 @@ class Int4Linear(QuantizedLinear):
         return x2d @ dequantize_int4(self.weight, self.scales_and_zeros).T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(rows_of(x, self.in_features))
+        # scalenlp's kernel takes float32 or bf16 rows as they come; PyTorch's take bf16.
+        y = self.matmul(x if self.block_scales is not None else rows_of(x, self.in_features))
         return add_bias(y.view(*x.shape[:-1], self.out_features).to(x.dtype), self.bias)
 
 

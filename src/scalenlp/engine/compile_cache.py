@@ -37,8 +37,10 @@ def step_key(model, cache_dtype: torch.dtype, num_blocks: int, block_size: int) 
     weights = sorted({name_of(p.dtype) for p in model.parameters()})
     # The kinds of layer tell a quantized or packed model from a plain one of the same widths and dtype.
     layers = sorted({type(m).__qualname__ for m in model.modules()})
+    # And a quantized layer's kernel (an int4 layer runs scalenlp's or PyTorch's), which the graph calls.
+    kernels = sorted({m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None), str)})
     return json.dumps({"model": type(model).__qualname__, "args": dataclasses.asdict(model.args), "weights": weights,
-                       "layers": layers, "kv_cache": [name_of(cache_dtype), num_blocks, block_size]}, sort_keys=True,
+                       "layers": layers, "kernels": kernels, "kv_cache": [name_of(cache_dtype), num_blocks, block_size]}, sort_keys=True,
                       default=str)
 
 

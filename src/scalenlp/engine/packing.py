@@ -17,7 +17,15 @@ import weakref
 import torch
 from torch import nn
 
-from scalenlp.compress.quantized import CPU_INT4_ROWS, KERNEL_DTYPE, Int8Linear, add_bias, rows_of
+from scalenlp.compress.quantized import (
+    CPU_INT4_ROWS,
+    INT4_NATIVE,
+    KERNEL_DTYPE,
+    Int4Linear,
+    Int8Linear,
+    add_bias,
+    rows_of,
+)
 from scalenlp.models.adapters import unpackable
 from scalenlp.models.onednn import pack, packed_linear
 
@@ -141,14 +149,16 @@ def pack_for_inference(model: nn.Module) -> int:
 
 
 def _fusable(linear: nn.Module) -> bool:
-    return type(linear) is nn.Linear or type(linear) is Int8Linear
+    # An int4 linear on PyTorch's kernels keeps only that kernel's layout, which does not stack.
+    return (type(linear) is nn.Linear or type(linear) is Int8Linear
+            or type(linear) is Int4Linear and linear.kernel == INT4_NATIVE)
 
 
 def _stacked(parts: tuple[nn.Linear, ...]) -> nn.Module:
     """One linear whose output is the parts' outputs side by side."""
     first = parts[0]
-    if type(first) is Int8Linear:
-        return Int8Linear.stacked(parts)
+    if type(first) in (Int8Linear, Int4Linear):
+        return type(first).stacked(parts)
     fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
                       device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():

@@ -25,7 +25,7 @@ HEAD_SIZES = (16, 32)  # measured faster than SDPA; at 64 and 128 it was not, on
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """This CPU's model and instruction sets (what -march=native compiles for)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -60,7 +60,7 @@ def load_native(name: str, source: Path) -> bool:
     from torch.utils import cpp_extension
 
     # -march=native code must not be loaded on another CPU from a shared cache: the name carries the CPU.
-    tag = hashlib.sha1((_cpu_model() + torch.__version__).encode()).hexdigest()[:10]
+    tag = hashlib.sha1((cpu_model() + torch.__version__).encode()).hexdigest()[:10]
     # ATen's parallel_for is inlined into the kernel: under an OpenMP build of torch it is an `omp parallel`
     # region, which without -fopenmp compiles to one thread.
     openmp = ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
