@@ -21,6 +21,7 @@ from scalenlp.cli import main
 from scalenlp.compress import quantized
 from scalenlp.compress.quantized import (
     INT4_NATIVE,
+    INT8_NATIVE,
     METHODS,
     QUANTIZATION,
     Int4Linear,
@@ -46,27 +47,28 @@ from scalenlp.serving.limits import ServeLimits
 torch.set_num_threads(1)
 U_BF16 = 2.0 ** -8  # bf16's unit roundoff: 8 significant bits, round to nearest
 U_FP32 = 2.0 ** -24
-ATEN_INT4 = "aten._weight_int4pack_mm_for_cpu"
+ATEN_INT4, ATEN_INT8 = "aten._weight_int4pack_mm_for_cpu", "aten._weight_int8pack_mm"
 
 
 @pytest.fixture(params=["scalenlp", "aten"])
-def int4_cpu_kernel(request, monkeypatch) -> str:
-    """Runs the test on scalenlp's int4 kernel and on PyTorch's; returns the name of the one in use."""
+def native(request, monkeypatch) -> bool:
+    """Runs the test on scalenlp's int4 and int8 CPU kernels and on PyTorch's; whether scalenlp's run."""
     if request.param == "aten":
-        monkeypatch.setattr(quantized, "_int4_built", False)
-        return ATEN_INT4
-    if not quantized.int4_kernel_available():
-        pytest.skip("scalenlp's int4 kernel needs an x86 CPU with AVX2 and a C++ compiler")
-    return INT4_NATIVE
+        monkeypatch.setattr(quantized, "_lowbit_built", False)
+        return False
+    if not quantized.lowbit_kernels_available():
+        pytest.skip("scalenlp's int4 and int8 kernels need an x86 CPU with AVX2 and a C++ compiler")
+    return True
 
 
-def int4_active_kernel() -> str:
-    return INT4_NATIVE if quantized.int4_kernel_available() else ATEN_INT4
+def active_kernels() -> tuple[str, str]:
+    """The (int4, int8) kernels a CPU model gets here."""
+    return (INT4_NATIVE, INT8_NATIVE) if quantized.lowbit_kernels_available() else (ATEN_INT4, ATEN_INT8)
 
 
 def block_steps(x: torch.Tensor) -> torch.Tensor:
-    """scalenlp's int4 kernel's activation rounding step for each element of ``x``: a 128th of max |x| / 127 over
-    its block of 32 inputs (two int8 parts)."""
+    """scalenlp's kernels' activation rounding step for each element of ``x``: a 128th of max |x| / 127 over its
+    block of 32 inputs (two int8 parts)."""
     steps = x.unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True) / (127 * 128)
     return steps.expand(*x.shape[:-1], -1, 32).flatten(-2)
 
@@ -111,7 +113,7 @@ def activation_steps(x: torch.Tensor, spec: Quantization) -> torch.Tensor:
 
 @pytest.mark.parametrize("spec", [Quantization("int8"), Quantization("int4", 32), Quantization("int4", 64),
                                   Quantization("int4", 128), Quantization("int8dyn")], ids=lambda s: s.describe())
-def test_each_quantized_linear_is_within_its_rounding_bound(spec, int4_cpu_kernel):
+def test_each_quantized_linear_is_within_its_rounding_bound(spec, native):
     """Bounds, element by element. int8 rounds to the nearest step, leaving each weight within half a step of the
     original (the test checks that first: it is what the stored scales promise); int4 picks each group's grid by
     its squared error, which must then be no larger than the plain min/max grid's. Then, for y = x W^T and the
@@ -120,12 +122,12 @@ def test_each_quantized_linear_is_within_its_rounding_bound(spec, int4_cpu_kerne
       sum_k |x_k w_k|: the activations cast to bf16, the weights dequantized in bf16, the output rounded to
       bf16 (3 u), and float32 accumulation (K u_fp32);
     - int8dyn: also the activations' own rounding, half their step times sum_k |w_k|; products are exact in
-      int32, the rescale is float32. scalenlp's int4 kernel likewise, its step per block of 32 inputs, and no
-      bf16 roundings (it takes float32 activations and dequantizes in float32).
-    Checked on a batch of tokens and on one token (a decode step, which int8dyn sends to another kernel). int4 on
-    both CPU kernels (the fixture); the others ignore it."""
-    if spec.method != "int4" and int4_cpu_kernel != INT4_NATIVE:
-        pytest.skip("the int4 kernel's choice is int4's alone: checked once")
+      int32, the rescale is float32. scalenlp's int4 and int8 kernels likewise, their step per block of 32 inputs,
+      and no bf16 roundings (they take float32 activations and dequantize in float32).
+    Checked on a batch of tokens and on one token (a decode step, which int8dyn sends to another kernel). int4 and
+    int8 on both CPU kernels (the fixture); int8dyn has PyTorch's alone."""
+    if spec.method == "int8dyn" and native:
+        pytest.skip("int8dyn runs PyTorch's kernels whichever the weight-only ones are: checked once")
     torch.manual_seed(0)
     K, N = 512, 192
     linear = nn.Linear(K, N, bias=True)
@@ -147,7 +149,7 @@ def test_each_quantized_linear_is_within_its_rounding_bound(spec, int4_cpu_kerne
         y, y_q = linear(x).detach(), module(x)
         assert y_q.shape == y.shape and y_q.dtype == x.dtype
         magnitude = x.abs() @ w_q.abs().T
-        native = getattr(module, "kernel", None) == INT4_NATIVE
+        assert (module.kernel in (INT4_NATIVE, INT8_NATIVE)) is native or spec.method == "int8dyn"
         bf16 = 0 if spec.method == "int8dyn" or native else 3 * U_BF16
         bound = x.abs() @ rounding.T + (K * U_FP32 + bf16) * magnitude
         variance = (x ** 2) @ (rounding ** 2).T
@@ -171,17 +173,21 @@ def test_each_quantized_linear_is_within_its_rounding_bound(spec, int4_cpu_kerne
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_scalenlp_int4_kernel_is_the_exact_product_of_its_roundings(dtype, int4_cpu_kernel):
-    """scalenlp's int4 kernel against its own arithmetic redone in float64: activations rounded per block of 32 to
-    (d / 128)(128 q1 + q2), q1 = round(x / d), d = max |x| / 127, q2 the remainder's 128ths; weights dequantized
-    in float32 from their bf16 scales and zeros. Equal up to float32 sums, for every group size, output counts that
-    are not a multiple of the kernel's 4-row tile, one and many rows (threads split rows), a block of zeros."""
-    if int4_cpu_kernel != INT4_NATIVE:
-        pytest.skip("PyTorch's kernel rounds otherwise: test_each_quantized_linear_is_within_its_rounding_bound")
+def test_scalenlp_kernels_are_the_exact_products_of_their_roundings(dtype, native):
+    """scalenlp's int4 and int8 kernels against their own arithmetic redone in float64: activations rounded per
+    block of 32 to (d / 128)(128 q1 + q2), q1 = round(x / d), d = max |x| / 127, q2 the remainder's 128ths; weights
+    dequantized in float32 from their bf16 scales (and zeros). Equal up to float32 sums, for every int4 group size,
+    output counts that are not a multiple of the kernels' 4-row tile, one and many rows (threads split rows), a
+    block of zeros."""
+    if not native:
+        pytest.skip("PyTorch's kernels round otherwise: test_each_quantized_linear_is_within_its_rounding_bound")
     torch.manual_seed(0)
-    for group, (N, K), M in [(32, (37, 96), 1), (64, (64, 128), 5), (128, (130, 256), 33)]:
-        module = quantized_copy(nn.Linear(K, N, bias=False), Quantization("int4", group))
-        assert module.kernel == INT4_NATIVE
+    cases = [(Quantization("int4", 32), (37, 96), 1), (Quantization("int4", 64), (64, 128), 5),
+             (Quantization("int4", 128), (130, 256), 33), (Quantization("int8"), (37, 96), 1),
+             (Quantization("int8"), (66, 256), 33)]
+    for spec, (N, K), M in cases:
+        module = quantized_copy(nn.Linear(K, N, bias=False), spec)
+        assert module.kernel == (INT4_NATIVE if spec.method == "int4" else INT8_NATIVE)
         w_q, _ = dequantized(module)
         x = torch.randn(M, K).to(dtype)
         x[0, :32] = 0
@@ -199,20 +205,21 @@ def test_scalenlp_int4_kernel_is_the_exact_product_of_its_roundings(dtype, int4_
         assert ((y.double() - expected).abs() <= tolerance).all()
 
 
-def test_int8_packed_for_cpu_inference_computes_what_the_int8_kernel_does(decoder, capsys):
-    """The engine's packing fuses int8 projections that share an input (exactly: scales stack with their rows)
-    and can run one on the CPU int4 kernel as two 4-bit halves, whose products are the int8 kernel's exactly; only
-    the order of float32 sums differs, so the two bf16 outputs differ by at most a rounding of each."""
+def test_int8_packed_for_cpu_inference_computes_what_the_int8_kernel_does(decoder, capsys, native):
+    """The engine's packing fuses int8 projections that share an input (exactly: scales stack with their rows).
+    On PyTorch's kernels it runs the output projection on the CPU int4 kernel as two 4-bit halves, whose products
+    are the int8 kernel's exactly; only the order of float32 sums differs, so the two bf16 outputs differ by at
+    most a rounding of each. Where scalenlp's int8 kernel runs (faster than the halves), nothing is split."""
     torch.manual_seed(0)
     K = 576  # SmolLM2's width: the halves' scales come per group of 64 inputs
     parts = [quantized_copy(nn.Linear(K, n), Quantization("int8")) for n in (576, 192, 192)]
     fused = Int8Linear.stacked(parts)
-    packed = PackedInt8Linear(fused)
     for x in (torch.randn(4, 3, K), torch.randn(1, 1, K)):
         y = fused(x)
         assert torch.equal(y, torch.cat([p(x) for p in parts], dim=-1))
-        magnitude = x.abs() @ dequantized(fused)[0].abs().T
-        assert ((packed(x) - y).abs() <= 2 * U_BF16 * y.abs() + 2 * K * U_FP32 * magnitude).all()
+        if not native:
+            magnitude = x.abs() @ dequantized(fused)[0].abs().T
+            assert ((PackedInt8Linear(fused)(x) - y).abs() <= 2 * U_BF16 * y.abs() + 2 * K * U_FP32 * magnitude).all()
 
     model = instantiate(read(decoder), dtype=torch.bfloat16, quantize=Quantization("int8"))
     tokens = torch.randint(0, 320, (2, 9))
@@ -220,13 +227,16 @@ def test_int8_packed_for_cpu_inference_computes_what_the_int8_kernel_does(decode
     pack_linears(model)
     for block in model.layers.values():  # q/k/v and gate/up fused, still on the int8 kernel
         assert type(block.attention.wqkv) is Int8Linear and type(block.feed_forward.w13) is Int8Linear
-    assert sum(isinstance(m, PackedInt8Linear) for m in model.modules()) == 1  # the output projection alone
-    assert isinstance(model.output, PackedInt8Linear)
-    assert "int8 output projection packed for CPU inference" in capsys.readouterr().err
+    halves = sum(isinstance(m, PackedInt8Linear) for m in model.modules())
+    if native:
+        assert halves == 0 and model.output.kernel == INT8_NATIVE
+    else:
+        assert halves == 1 and isinstance(model.output, PackedInt8Linear)  # the output projection alone
+        assert "int8 output projection packed for CPU inference" in capsys.readouterr().err
     assert (model(tokens).float() - expected).abs().max() < 0.02 * expected.abs().max()
 
 
-def test_int4_projections_fuse_on_scalenlps_kernel_alone(decoder, int4_cpu_kernel):
+def test_int4_projections_fuse_on_scalenlps_kernel_alone(decoder, native):
     """Packing fuses int4 q/k/v and gate/up where they run on scalenlp's kernel (the stored layout stacks with its
     scales and zeros: the same logits, bit for bit); on PyTorch's kernel, whose layout does not stack, it leaves
     them as they are."""
@@ -234,15 +244,14 @@ def test_int4_projections_fuse_on_scalenlps_kernel_alone(decoder, int4_cpu_kerne
     tokens = torch.randint(0, 320, (2, 9))
     expected = model(tokens)
     pack_linears(model)
-    fused = int4_cpu_kernel == INT4_NATIVE
     for block in model.layers.values():
-        assert (block.attention.wqkv is not None) is fused and (block.feed_forward.w13 is not None) is fused
-    if fused:
+        assert (block.attention.wqkv is not None) is native and (block.feed_forward.w13 is not None) is native
+    if native:
         assert torch.equal(model(tokens), expected)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_gguf_4bit_blocks_map_onto_int4_without_rounding_their_codes(kind, int4_cpu_kernel):
+def test_gguf_4bit_blocks_map_onto_int4_without_rounding_their_codes(kind, native):
     """A GGUF Q4_0/Q4_1 weight taken as it is: the codes the module multiplies by, with the file's own d and m
     in float32, give gguf's dequantized weight bit for bit; the kernel's weight differs only by d and m + 8d
     rounded to bf16; and the outputs stay within those roundings plus the kernel's own: PyTorch's bf16 arithmetic,
@@ -261,7 +270,7 @@ def test_gguf_4bit_blocks_map_onto_int4_without_rounding_their_codes(kind, int4_
     module = empty_linear(Quantization("int4", 32), nn.Linear(K, N, bias=False))
     weight, scales_and_zeros = int4_from_gguf(kind, torch.from_numpy(raw))
     module.load_state_dict({"weight": weight, "scales_and_zeros": scales_and_zeros}, assign=True)
-    assert module.prepare() == int4_cpu_kernel
+    assert module.prepare() == (INT4_NATIVE if native else ATEN_INT4)
     q = unpack_int4(module.state_dict()["weight"]).view(N, K // 32, 32).float()
     exact = d[..., None] * q + m[..., None] if kind == "Q4_1" else d[..., None] * (q - 8)
     assert torch.equal(exact.view(N, K), w_file)
@@ -272,7 +281,7 @@ def test_gguf_4bit_blocks_map_onto_int4_without_rounding_their_codes(kind, int4_
     assert ((w_q - w_file).abs() <= step).all()
     x = torch.randn(5, K)
     error = (module(x) - x @ w_file.T).abs()
-    if int4_cpu_kernel == INT4_NATIVE:
+    if native:
         bound = x.abs() @ step.T + (block_steps(x) / 2) @ w_q.abs().T + (K + 4) * U_FP32 * (x.abs() @ w_q.abs().T)
     else:
         bound = x.abs() @ step.T + (K * U_FP32 + 3 * U_BF16) * (x.abs() @ w_q.abs().T)
@@ -309,7 +318,8 @@ def test_a_gguf_models_q4_blocks_are_taken_as_they_are_at_load(tmp_path, capsys)
     err = capsys.readouterr().err.splitlines()
     int8_output = "1 Q4_1 linears dequantized and rounded to int8 again (int8 has no layout of their own)"
     assert err[0] == f"int4 (group 32) from GGUF: 14 linears take the file's Q4_1 blocks as they are; {int8_output}"
-    assert err[1] == f"int4 (group 32): {int4_active_kernel()} on 14 linears, aten._weight_int8pack_mm on 1 linears"
+    int4, int8 = active_kernels()
+    assert err[1] == f"int4 (group 32): {int4} on 14 linears, {int8} on 1 linears"
     assert err[2] == ("int4 (group 64) from GGUF: 14 Q4_1 linears dequantized and rounded to int4 (group 64) again "
                       f"(--group-size 32 would take them as they are); {int8_output}")
     assert err[4] == ("int8 from GGUF: 14 Q4_1 linears dequantized and rounded to int8 again (int8 has no layout of "
@@ -344,7 +354,7 @@ def test_quantize_save_load_round_trips_bitwise(tmp_path, decoder, method, capsy
     assert saved.tok_embeddings.weight is saved.output.weight
     assert not any(k.startswith("tok_embeddings.") for k in load_file(tmp_path / "q" / "model.safetensors"))
     assert sum(isinstance(m, QuantizedLinear) for m in saved.modules()) == 2 * 7 + 1
-    kernels = "on 14 linears, aten._weight_int8pack_mm on 1 linears" if method == "int4" else "on 15 linears"
+    kernels = f"on 14 linears, {active_kernels()[1]} on 1 linears" if method == "int4" else "on 15 linears"
     assert kernels in capsys.readouterr().err  # the line saying which kernel runs
 
 
@@ -368,13 +378,12 @@ def test_an_export_with_a_floating_embedding_table_loads_as_a_new_one(tmp_path):
         shutil.rmtree(tmp_path / "q")
 
 
-def test_an_encoder_quantizes_and_a_head_no_kernel_tiles_falls_back(tmp_path, capsys, int4_cpu_kernel):
+def test_an_encoder_quantizes_and_a_head_no_kernel_tiles_falls_back(tmp_path, capsys, native):
     """The 3-class head: scalenlp's int4 kernel takes any number of outputs; without it, the head falls back to
     dequantizing its weight."""
     export = tiny_classifier(tmp_path)
     float_model, _ = load(export, dtype=torch.float32)
     model, _ = load(export, dtype=torch.float32, quantize=Quantization("int4", 64))
-    native = int4_cpu_kernel == INT4_NATIVE
     head = INT4_NATIVE if native else "dequantize-then-matmul"
     assert type(model.classifier) is Int4Linear and model.classifier.kernel == head
     assert f"{head} on {14 if native else 1} linears" in capsys.readouterr().err
@@ -382,7 +391,7 @@ def test_an_encoder_quantizes_and_a_head_no_kernel_tiles_falls_back(tmp_path, ca
     p, p_q = (m(ids, torch.ones_like(ids)).softmax(-1) for m in (float_model, model))
     assert (p - p_q).abs().max() < 0.05
     assert main(["classify", "--checkpoint", str(export), "--quantize", "int8", "--text", "hello"]) == 0
-    assert "int8: aten._weight_int8pack_mm on" in capsys.readouterr().err
+    assert f"int8: {INT8_NATIVE if native else ATEN_INT8} on" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -481,7 +490,7 @@ def test_a_quantized_replica_answers_as_the_local_engine(decoder):
     backend = EngineReplica.local_backend(pickle.loads(pickle.dumps(config)), ServeLimits(), "m")
     try:
         # 7 a block, or 4 where q/k/v and gate/up fuse (on scalenlp's kernel)
-        fused = int4_active_kernel() == INT4_NATIVE
+        fused = active_kernels()[0] == INT4_NATIVE
         assert sum(isinstance(m, Int4Linear) for m in backend.engine.model.modules()) == 2 * (4 if fused else 7)
         assert backend.engine.generate(["the quick brown fox"], params) == expected
     finally:

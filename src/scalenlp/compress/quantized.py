@@ -1,13 +1,13 @@
 """Weight quantization for inference, as a module swap (gpt-fast style): every ``nn.Linear`` of a decoder or
 encoder becomes a quantized linear whose forward is one call to one of PyTorch's low-bit kernels, or for int4 on
-x86 CPUs, scalenlp's own (int4_linear.cpp).
+x86 CPUs, scalenlp's own (lowbit_linear.cpp).
 
 Methods: ``int8`` (weight-only, a scale per output channel), ``int4`` (weight-only, a scale and zero point per
 group of ``group_size`` inputs; a decoder's output projection stays int8, ``spec_of``) and ``int8dyn`` (int8
 activations too). The token embedding table is int8 with a scale per row (``Int8Embedding``). An export holds
 each weight (int8, or int4 two to a byte, even column in the high nibble) and its bfloat16 scales in a layout no
 device owns (``quantization.json`` names the method); ``prepare`` builds each device's kernel layout at load.
-PyTorch's weight-only kernels compute in bfloat16 (scalenlp's int4 kernel in integers, its activations to 14
+PyTorch's weight-only kernels compute in bfloat16 (scalenlp's kernels in integers, their activations to 14
 bits), and weights are rounded against the stored scales, so the dequantized weight is exactly ``q * scale``. docs/compression.md describes the methods for users.
 """
 
@@ -38,24 +38,25 @@ GROUP_SIZES = (32, 64, 128)
 QUANTIZATION = "quantization.json"  # the method, beside model_args.json in an export folder
 KERNEL_DTYPE = torch.bfloat16
 CPU_INT4_ROWS = 16  # PyTorch's CPU int4 kernel takes weights in tiles of this many output rows
-INT4_KERNEL = Path(__file__).with_name("int4_linear.cpp")
-INT4_BLOCK = 32  # inputs per activation scale in scalenlp's CPU int4 kernel
-INT4_NATIVE = "scalenlp_int4.linear"  # its operator
-_int4_built: bool | None = None
+LOWBIT_KERNELS = Path(__file__).with_name("lowbit_linear.cpp")
+LOWBIT_BLOCK = 32  # inputs per activation scale in scalenlp's CPU int4 and int8 kernels
+INT4_NATIVE, INT8_NATIVE = "scalenlp_lowbit.int4_linear", "scalenlp_lowbit.int8_linear"  # their operators
+_lowbit_built: bool | None = None
 
 
-def int4_kernel_available() -> bool:
-    """Builds (or loads the cached build of) scalenlp's AVX2 int4 kernel (int4_linear.cpp) once per process; False
-    on CPUs without AVX2, where it cannot be built, or where ``SCALENLP_INT4_KERNEL=0`` turns it off (PyTorch's
-    CPU int4 kernel then runs instead)."""
-    global _int4_built
-    if _int4_built is None:
-        _int4_built = (os.environ.get("SCALENLP_INT4_KERNEL", "1") != "0" and "avx2" in cpu_model().split()
-                       and load_native("scalenlp_int4_linear", INT4_KERNEL))
-        if _int4_built:
-            torch.library.register_fake("scalenlp_int4::linear")(
-                lambda x, weight, block_scales: x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32))
-    return _int4_built
+def lowbit_kernels_available() -> bool:
+    """Builds (or loads the cached build of) scalenlp's AVX2 int4 and int8 kernels (lowbit_linear.cpp) once per
+    process; False on CPUs without AVX2, where they cannot be built, or where ``SCALENLP_LOWBIT_KERNELS=0`` turns
+    them off (PyTorch's CPU kernels then run instead)."""
+    global _lowbit_built
+    if _lowbit_built is None:
+        _lowbit_built = (os.environ.get("SCALENLP_LOWBIT_KERNELS", "1") != "0" and "avx2" in cpu_model().split()
+                         and load_native("scalenlp_lowbit_linear", LOWBIT_KERNELS))
+        if _lowbit_built:
+            for op in ("int4_linear", "int8_linear"):
+                torch.library.register_fake(f"scalenlp_lowbit::{op}")(
+                    lambda x, weight, scales: x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32))
+    return _lowbit_built
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,8 @@ class QuantizedLinear(nn.Module):
 
 
 class Int8Linear(QuantizedLinear):
-    """int8 weights, one bf16 scale per output channel; products in bf16."""
+    """int8 weights, one bf16 scale per output channel; products in bf16 (PyTorch's kernel), or on x86 CPUs with
+    AVX2 in integers (scalenlp's)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
         super().__init__(in_features, out_features, bias, device)
@@ -242,7 +244,11 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", torch.empty(out_features, dtype=KERNEL_DTYPE, device=device))
 
     def prepare_kernel(self) -> str:
-        self.kernel = "aten._weight_int8pack_mm"
+        native = (self.weight.device.type == "cpu" and self.in_features % LOWBIT_BLOCK == 0
+                  and lowbit_kernels_available())
+        if native:
+            self.weight, self.scales = self.weight.contiguous(), self.scales.contiguous()
+        self.kernel = INT8_NATIVE if native else "aten._weight_int8pack_mm"
         return self.kernel
 
     @classmethod
@@ -258,7 +264,10 @@ class Int8Linear(QuantizedLinear):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(rows_of(x, self.in_features), self.weight, self.scales)
+        if self.kernel == INT8_NATIVE:
+            y = torch.ops.scalenlp_lowbit.int8_linear(x.reshape(-1, self.in_features), self.weight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(rows_of(x, self.in_features), self.weight, self.scales)
         return add_bias(y.view(*x.shape[:-1], self.out_features).to(x.dtype), self.bias)
 
 
@@ -282,12 +291,12 @@ class Int4Linear(QuantizedLinear):
 
     def prepare_kernel(self) -> str:
         device = self.weight.device
-        if (device.type == "cpu" and self.in_features % INT4_BLOCK == 0 and self.group_size % INT4_BLOCK == 0
-                and int4_kernel_available()):
+        if (device.type == "cpu" and self.in_features % LOWBIT_BLOCK == 0 and self.group_size % LOWBIT_BLOCK == 0
+                and lowbit_kernels_available()):
             # The weight stays as stored; each block of 32 inputs gets its group's scale and zero.
             self.weight = self.weight.contiguous()  # a tensor-parallel shard is a slice
             self.block_scales = self.scales_and_zeros.transpose(0, 1).repeat_interleave(
-                self.group_size // INT4_BLOCK, dim=1).contiguous()
+                self.group_size // LOWBIT_BLOCK, dim=1).contiguous()
             self.matmul, self.kernel = self.native_matmul, INT4_NATIVE
             return self.kernel
         if device.type == "cpu" and self.out_features % CPU_INT4_ROWS == 0:
@@ -320,7 +329,7 @@ class Int4Linear(QuantizedLinear):
         return fused
 
     def native_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.scalenlp_int4.linear(x.reshape(-1, self.in_features), self.weight, self.block_scales)
+        return torch.ops.scalenlp_lowbit.int4_linear(x.reshape(-1, self.in_features), self.weight, self.block_scales)
 
     def kernel_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         return self.int4_mm(x2d, self.packed, self.group_size, self.scales_and_zeros)

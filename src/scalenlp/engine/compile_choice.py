@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scalenlp.compress.quantized import Quantization, int4_kernel_available
+from scalenlp.compress.quantized import Quantization, lowbit_kernels_available
 from scalenlp.engine.dtype import MEMORY_SHARE, LayerShapes, name_of, streamed_copies
 from scalenlp.hardware import cached_record, engine_cache_path
 from scalenlp.models.memory import device_memory
@@ -84,8 +84,9 @@ def choose_compile(requested: str, device: torch.device, args, dtype: torch.dtyp
         return CompileChoice(False, f"a stack of {layers} of this model's layers, eager and compiled, is too large "
                                     f"to time on this {device.type} (auto)")
     quantized = "" if quantize is None else f"{quantize.method}{quantize.group_size or ''}-"
-    if quantize is not None and quantize.method == "int4" and device.type == "cpu" and int4_kernel_available():
-        quantized += "avx2-"  # scalenlp's int4 kernel, not PyTorch's: another step to time
+    if (quantize is not None and quantize.method in ("int4", "int8") and device.type == "cpu"
+            and lowbit_kernels_available()):
+        quantized += "avx2-"  # scalenlp's kernels, not PyTorch's: another step to time
     path = engine_cache_path("compile", device, f"{name_of(dtype)}-{quantized}{shapes.key()}")
     measure = measure or time_decode
     record, measured = cached_record(path, lambda: _record(measure(args, dtype, layers, device, quantize)), _valid)

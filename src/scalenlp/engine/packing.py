@@ -20,6 +20,7 @@ from torch import nn
 from scalenlp.compress.quantized import (
     CPU_INT4_ROWS,
     INT4_NATIVE,
+    INT8_NATIVE,
     KERNEL_DTYPE,
     Int4Linear,
     Int8Linear,
@@ -121,8 +122,10 @@ def halves_group(in_features: int) -> int | None:
 
 
 def can_pack_int8(linear: nn.Module) -> bool:
-    # The CPU int4 kernel's tiles of output rows, and whole groups of inputs.
-    return (type(linear) is Int8Linear and linear.weight.device.type == "cpu"
+    # The CPU int4 kernel's tiles of output rows, and whole groups of inputs; not where scalenlp's int8 kernel runs
+    # (SmolLM2's output projection, one row, one thread: 1.84 ms against the halves' 8.11 and
+    # _weight_int8pack_mm's 4.90).
+    return (type(linear) is Int8Linear and linear.kernel != INT8_NATIVE and linear.weight.device.type == "cpu"
             and linear.out_features % CPU_INT4_ROWS == 0 and halves_group(linear.in_features) is not None)
 
 

@@ -38,20 +38,20 @@ inline float bf16_to_float(uint16_t bits) {
   return f;
 }
 
-// One row of activations, per block: two int8 vectors in the weights' order (even inputs, then odd), q1 rounded to
-// d = max |x| / 127 (as llama.cpp rounds activations, Q8_1) and q2 the remainder to a 128th of that step, so that
-// x ~ (d / 128)(128 q1 + q2): 14 bits, as fine as bf16 or finer. One pass (8 bits) was 7% faster at one row, but
-// 2-5x further from the float products on SmolLM2, whose int4 model then answered "What is the capital of
-// France?" wrongly (as llama.cpp does on the same file). Also the unit d / 128 of the block's integers, and the
-// unit times their sum (the zeros' part of the product).
-template <typename T>
+// One row of activations, per block: two int8 vectors in the weights' order (int4's: even inputs, then odd), q1
+// rounded to d = max |x| / 127 (as llama.cpp rounds activations, Q8_1) and q2 the remainder to a 128th of that
+// step, so that x ~ (d / 128)(128 q1 + q2): 14 bits, as fine as bf16 or finer. One pass (8 bits) was 7% faster
+// at one row, but 2-5x further from the float products on SmolLM2, whose int4 model then answered "What is the
+// capital of France?" wrongly (as llama.cpp does on the same file). Also the unit d / 128 of the block's integers,
+// and the unit times their sum (the zeros' part of the int4 product).
+template <bool NIBBLE_ORDER, typename T>
 void quantize_row(const T* x, int64_t K, int8_t* q, float* unit, float* sum) {
   for (int64_t b = 0; b < K / BLOCK; ++b) {
     const T* xb = x + b * BLOCK;
     float v[BLOCK], amax = 0.0f;
     for (int64_t i = 0; i < BLOCK / 2; ++i) {
-      v[i] = static_cast<float>(xb[2 * i]);
-      v[BLOCK / 2 + i] = static_cast<float>(xb[2 * i + 1]);
+      v[NIBBLE_ORDER ? i : 2 * i] = static_cast<float>(xb[2 * i]);
+      v[NIBBLE_ORDER ? BLOCK / 2 + i : 2 * i + 1] = static_cast<float>(xb[2 * i + 1]);
     }
     for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -136,63 +136,117 @@ void rows_dot(const uint8_t* w, const uint16_t* sz, int64_t n0, int64_t K, const
   for (int r = 0; r < R; ++r) out[n0 + r] = lanes_sum(acc[r]) + zero_part[r];
 }
 
-template <typename T>
-at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& block_scales) {
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), blocks = K / BLOCK;
+// out[n0 + r] for R rows of int8 weights (a scale per row) against one quantized activation row: |w| times the
+// activations with w's sign (vpmaddubsw takes one unsigned operand), as llama.cpp multiplies Q8_0 blocks.
+template <int R>
+void int8_rows_dot(const int8_t* w, const uint16_t* scales, int64_t n0, int64_t K, const int8_t* xq,
+                   const float* xunit, float* out) {
+  const int64_t blocks = K / BLOCK;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int8_t* next = w + (n0 + R) * K;  // as rows_dot: the next tile, fetched while this one computes
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b % 2 == 0)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + b * BLOCK), _MM_HINT_T0);
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 2 * b * BLOCK));
+    const __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (2 * b + 1) * BLOCK));
+    const __m256 unit = _mm256_broadcast_ss(xunit + b);
+    for (int r = 0; r < R; ++r) {
+      const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n0 + r) * K + b * BLOCK));
+      const __m256i magnitude = _mm256_abs_epi8(wb);  // -128 becomes 128, read unsigned
+      const __m256i coarse = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x1, wb)),
+                                               _mm256_set1_epi16(128));
+      const __m256i fine = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x2, wb)),
+                                             _mm256_set1_epi16(1));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(coarse, fine)), unit, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[n0 + r] = lanes_sum(acc[r]) * bf16_to_float(scales[n0 + r]);
+}
+
+// The (M, N) float32 products of x's rows (float32 or bf16, quantized here) and N rows of weights: tile(n0, rows,
+// quantized row, its units, their sums, output row) computes rows n0 .. n0 + rows - 1 of one activation row.
+template <bool NIBBLE_ORDER, typename T, typename Tile>
+at::Tensor run(const at::Tensor& x, int64_t N, const Tile& tile) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / BLOCK;
   auto xq = at::empty({M, 2 * K}, x.options().dtype(at::kChar));
-  auto xscale = at::empty({M, blocks}, x.options().dtype(at::kFloat));
+  auto xunit = at::empty({M, blocks}, x.options().dtype(at::kFloat));
   auto xsum = at::empty({M, blocks}, x.options().dtype(at::kFloat));
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
   const T* xp = x.data_ptr<T>();
   int8_t* qp = xq.data_ptr<int8_t>();
-  float *sp = xscale.data_ptr<float>(), *up = xsum.data_ptr<float>(), *op = out.data_ptr<float>();
+  float *sp = xunit.data_ptr<float>(), *up = xsum.data_ptr<float>(), *op = out.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
-      quantize_row(xp + m * K, K, qp + 2 * m * K, sp + m * blocks, up + m * blocks);
+      quantize_row<NIBBLE_ORDER>(xp + m * K, K, qp + 2 * m * K, sp + m * blocks, up + m * blocks);
   });
-  const uint8_t* w = weight.data_ptr<uint8_t>();
-  const uint16_t* sz = reinterpret_cast<const uint16_t*>(block_scales.data_ptr<at::BFloat16>());
   // Threads split the output rows, ROWS at a time; each tile of rows stays in cache while every activation row
   // is multiplied with it, so the weights are read from memory once per call.
   at::parallel_for(0, (N + ROWS - 1) / ROWS, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * ROWS;
-      for (int64_t m = 0; m < M; ++m) {
-        const int8_t* xm = qp + 2 * m * K;
-        const float *sm = sp + m * blocks, *um = up + m * blocks;
-        float* om = op + m * N;
-        if (n0 + ROWS <= N)
-          rows_dot<ROWS>(w, sz, n0, K, xm, sm, um, om);
-        else
-          for (int64_t n = n0; n < N; ++n) rows_dot<1>(w, sz, n, K, xm, sm, um, om);
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t m = 0; m < M; ++m)
+        tile(t * ROWS, std::min(ROWS, N - t * ROWS), qp + 2 * m * K, sp + m * blocks, up + m * blocks, op + m * N);
   });
   return out;
+}
+
+// x's rows checked and made contiguous; K / 32 blocks of them.
+at::Tensor rows(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % BLOCK == 0 && x.size(1) / BLOCK <= MAX_BLOCKS, op, ": x (M, K), K a "
+              "multiple of 32 and at most 32768");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x float32 or bfloat16");
+  return x.contiguous();
 }
 
 // x: (M, K) float32 or bfloat16 rows; weight: (N, K/2) uint8; block_scales: (N, K/32, 2) bf16, the scale and zero
 // of each block of 32 inputs (a group's, repeated over its blocks). Returns (M, N) float32.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& block_scales) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && block_scales.dim() == 3, "int4 linear: x (M, K), weight "
-              "(N, K/2), block_scales (N, K/32, 2)");
-  const int64_t K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(K % BLOCK == 0 && K / BLOCK <= MAX_BLOCKS, "int4 linear: the inputs must be a multiple of 32, at "
-              "most 32768");
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.size(1) * 2 == K && weight.is_contiguous(),
-              "int4 linear: weight (N, K/2) contiguous uint8");
-  TORCH_CHECK(block_scales.scalar_type() == at::kBFloat16 && block_scales.is_contiguous() &&
-                  block_scales.size(0) == N && block_scales.size(1) == K / BLOCK && block_scales.size(2) == 2,
+  const auto xc = rows(x, "int4 linear");
+  const int64_t K = xc.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.size(1) * 2 == K &&
+                  weight.is_contiguous(), "int4 linear: weight (N, K/2) contiguous uint8");
+  TORCH_CHECK(block_scales.dim() == 3 && block_scales.scalar_type() == at::kBFloat16 && block_scales.is_contiguous()
+                  && block_scales.size(0) == N && block_scales.size(1) == K / BLOCK && block_scales.size(2) == 2,
               "int4 linear: block_scales (N, K/32, 2) contiguous bf16");
-  const auto xc = x.contiguous();
-  TORCH_CHECK(xc.scalar_type() == at::kFloat || xc.scalar_type() == at::kBFloat16, "int4 linear: x float32 or "
-              "bfloat16");
-  return xc.scalar_type() == at::kFloat ? run<float>(xc, weight, block_scales)
-                                        : run<at::BFloat16>(xc, weight, block_scales);
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(block_scales.data_ptr<at::BFloat16>());
+  auto tile = [&](int64_t n0, int64_t n, const int8_t* xq, const float* unit, const float* sum, float* out) {
+    if (n == ROWS)
+      rows_dot<ROWS>(w, sz, n0, K, xq, unit, sum, out);
+    else
+      for (int64_t i = n0; i < n0 + n; ++i) rows_dot<1>(w, sz, i, K, xq, unit, sum, out);
+  };
+  return xc.scalar_type() == at::kFloat ? run<true, float>(xc, N, tile) : run<true, at::BFloat16>(xc, N, tile);
+}
+
+// x: (M, K) float32 or bfloat16 rows; weight: (N, K) int8; scales: (N,) bf16, one per output. Returns (M, N)
+// float32.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  const auto xc = rows(x, "int8 linear");
+  const int64_t K = xc.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.size(1) == K &&
+                  weight.is_contiguous(), "int8 linear: weight (N, K) contiguous int8");
+  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() &&
+                  scales.size(0) == N, "int8 linear: scales (N,) contiguous bf16");
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  auto tile = [&](int64_t n0, int64_t n, const int8_t* xq, const float* unit, const float*, float* out) {
+    if (n == ROWS)
+      int8_rows_dot<ROWS>(w, s, n0, K, xq, unit, out);
+    else
+      for (int64_t i = n0; i < n0 + n; ++i) int8_rows_dot<1>(w, s, i, K, xq, unit, out);
+  };
+  return xc.scalar_type() == at::kFloat ? run<false, float>(xc, N, tile) : run<false, at::BFloat16>(xc, N, tile);
 }
 
 }  // namespace
 
-TORCH_LIBRARY(scalenlp_int4, m) { m.def("linear(Tensor x, Tensor weight, Tensor block_scales) -> Tensor"); }
+TORCH_LIBRARY(scalenlp_lowbit, m) {
+  m.def("int4_linear(Tensor x, Tensor weight, Tensor block_scales) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(scalenlp_int4, CPU, m) { m.impl("linear", int4_linear); }
+TORCH_LIBRARY_IMPL(scalenlp_lowbit, CPU, m) {
+  m.impl("int4_linear", int4_linear);
+  m.impl("int8_linear", int8_linear);
+}
