@@ -123,8 +123,8 @@ def halves_group(in_features: int) -> int | None:
 
 def can_pack_int8(linear: nn.Module) -> bool:
     # The CPU int4 kernel's tiles of output rows, and whole groups of inputs; not where scalenlp's int8 kernel runs
-    # (SmolLM2's output projection, one row, one thread: 1.84 ms against the halves' 8.11 and
-    # _weight_int8pack_mm's 4.90).
+    # (SmolLM2's output projection, one row, one thread: 3.01 ms against the halves' 8.88 and
+    # _weight_int8pack_mm's 6.18; benchmarks/lowbit_products.py).
     return (type(linear) is Int8Linear and linear.kernel != INT8_NATIVE and linear.weight.device.type == "cpu"
             and linear.out_features % CPU_INT4_ROWS == 0 and halves_group(linear.in_features) is not None)
 
