@@ -33,12 +33,14 @@ def pytest_configure(config):
     workers at once, one waiting on the other's build lock) and the fast tier's --max-test-seconds would fail."""
     if hasattr(config, "workerinput"):  # an xdist worker: the controller has built them
         return
+    from scalenlp.compress import quantized
     from scalenlp.engine import lora
     from scalenlp.models import cpu_attention, paged_attention
 
     cpu_attention.available()
     paged_attention.available()
     lora.kernel_available()
+    quantized.lowbit_kernels_available()
 
 
 # The files whose tests took longest in the last timed run (seconds of call phase, summed over their tests; CI's
