@@ -32,6 +32,27 @@ from scalenlp.serving.protocol import (
 LARGE_BODY_BYTES = 1 << 20
 
 
+class ApiKey:
+    """ASGI middleware: every route but /health needs ``Authorization: Bearer KEY``, or gets 401 in OpenAI's shape.
+    Plain ASGI rather than Starlette's ``@app.middleware("http")``, whose wrapped ``receive`` raises if anything but
+    a disconnect arrives after the body was read: a stream's disconnect listener then collapses and closes the
+    stream. Suspected (not reproduced) in two CI runs where a live stream was cancelled while its client read it
+    (tests/unit/test_openai_server.py::test_client_disconnect_frees_slot)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        from fastapi.responses import JSONResponse
+
+        if scope["type"] == "http" and scope["path"] != "/health":
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+            if not authorized(header, self.api_key):
+                e = APIError(401, "missing or wrong API key; send `Authorization: Bearer KEY`", code="invalid_api_key")
+                return await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 class BodyLimit:
     """ASGI middleware: a body over ``max_bytes`` gets 413 in OpenAI's shape, by its Content-Length
     before it is read, or as soon as the chunks received pass the limit (a chunked upload has no
@@ -117,13 +138,8 @@ def create_app(backend, api_key: str | None = None, max_body_bytes: int = DEFAUL
             message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
         return error_response(APIError(400, message, param=loc[0] if loc else None))
 
-    @app.middleware("http")
-    async def require_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            if not authorized(request.headers.get("authorization", ""), api_key):
-                return error_response(APIError(401, "missing or wrong API key; send `Authorization: Bearer KEY`",
-                                               code="invalid_api_key"))
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(ApiKey, api_key=api_key)
 
     health_schema = {"type": "object", "required": ["status", "detail"],
                      "properties": {"status": {"enum": ["ok", "unhealthy"]}, "detail": {"type": "string"}}}
