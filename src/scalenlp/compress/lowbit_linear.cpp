@@ -126,7 +126,8 @@ void rows_dot(const uint8_t* w, const uint16_t* sz, int64_t n0, int64_t K, const
   const uint8_t* next = w + (n0 + R) * row_bytes;  // the next tile's codes, fetched while this one computes
   for (int64_t b = 0; b < blocks; ++b) {
     if (b % 4 == 0)
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * row_bytes + b * BLOCK / 2), _MM_HINT_T0);
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * row_bytes + b * BLOCK / 2), _MM_HINT_T0);
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 2 * b * BLOCK));
     const __m256i x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (2 * b + 1) * BLOCK));
     for (int r = 0; r < R; ++r)

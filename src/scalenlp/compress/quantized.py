@@ -1,6 +1,6 @@
 """Weight quantization for inference, as a module swap (gpt-fast style): every ``nn.Linear`` of a decoder or
-encoder becomes a quantized linear whose forward is one call to one of PyTorch's low-bit kernels, or for int4 on
-x86 CPUs, scalenlp's own (lowbit_linear.cpp).
+encoder becomes a quantized linear whose forward is one call to one of PyTorch's low-bit kernels, or for int4 and
+int8 on x86 CPUs with AVX2, scalenlp's own (lowbit_linear.cpp).
 
 Methods: ``int8`` (weight-only, a scale per output channel), ``int4`` (weight-only, a scale and zero point per
 group of ``group_size`` inputs; a decoder's output projection stays int8, ``spec_of``) and ``int8dyn`` (int8
@@ -8,7 +8,8 @@ activations too). The token embedding table is int8 with a scale per row (``Int8
 each weight (int8, or int4 two to a byte, even column in the high nibble) and its bfloat16 scales in a layout no
 device owns (``quantization.json`` names the method); ``prepare`` builds each device's kernel layout at load.
 PyTorch's weight-only kernels compute in bfloat16 (scalenlp's kernels in integers, their activations to 14
-bits), and weights are rounded against the stored scales, so the dequantized weight is exactly ``q * scale``. docs/compression.md describes the methods for users.
+bits), and weights are rounded against the stored scales, so the dequantized weight is exactly ``q * scale``.
+docs/compression.md describes the methods for users.
 """
 
 from __future__ import annotations
@@ -233,6 +234,27 @@ class QuantizedLinear(nn.Module):
     def prepare_kernel(self) -> str:
         raise NotImplementedError
 
+    def lowbit_kernel_takes(self) -> bool:
+        """Whether scalenlp's CPU kernels take this layer: on a CPU, whole blocks of their 32 inputs, and built."""
+        return (self.weight.device.type == "cpu" and self.in_features % LOWBIT_BLOCK == 0
+                and lowbit_kernels_available())
+
+    def empty_like(self, out_features: int) -> QuantizedLinear:
+        """An empty layer of this kind and these inputs, with ``out_features`` outputs."""
+        return type(self)(self.in_features, out_features, self.bias is not None)
+
+    @classmethod
+    def stacked(cls, parts: tuple[QuantizedLinear, ...]) -> QuantizedLinear:
+        """One linear whose output is the parts' outputs side by side (inference packing fuses q/k/v and gate/up
+        with it): each stored tensor stacks along its output dimension (``shard_dims``), so the products are the
+        parts' exactly. Int4 only for parts on scalenlp's kernel, whose weights stay in the stored layout."""
+        fused = parts[0].empty_like(sum(p.out_features for p in parts))
+        for name, (out_dim, _) in cls.shard_dims.items():
+            if getattr(fused, name) is not None:
+                setattr(fused, name, torch.cat([getattr(p, name) for p in parts], dim=out_dim))
+        fused.prepare()
+        return fused
+
 
 class Int8Linear(QuantizedLinear):
     """int8 weights, one bf16 scale per output channel; products in bf16 (PyTorch's kernel), or on x86 CPUs with
@@ -244,24 +266,11 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", torch.empty(out_features, dtype=KERNEL_DTYPE, device=device))
 
     def prepare_kernel(self) -> str:
-        native = (self.weight.device.type == "cpu" and self.in_features % LOWBIT_BLOCK == 0
-                  and lowbit_kernels_available())
+        native = self.lowbit_kernel_takes()
         if native:
             self.weight, self.scales = self.weight.contiguous(), self.scales.contiguous()
         self.kernel = INT8_NATIVE if native else "aten._weight_int8pack_mm"
         return self.kernel
-
-    @classmethod
-    def stacked(cls, parts: tuple[Int8Linear, ...]) -> Int8Linear:
-        """One int8 linear whose output is the parts' outputs side by side (inference packing fuses q/k/v and
-        gate/up with it): per-channel scales stack with their rows, so the products are the parts' exactly."""
-        first = parts[0]
-        fused = cls(first.in_features, sum(p.out_features for p in parts), first.bias is not None)
-        fused.weight, fused.scales = torch.cat([p.weight for p in parts]), torch.cat([p.scales for p in parts])
-        if fused.bias is not None:
-            fused.bias = torch.cat([p.bias for p in parts])
-        fused.prepare()
-        return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == INT8_NATIVE:
@@ -291,8 +300,7 @@ class Int4Linear(QuantizedLinear):
 
     def prepare_kernel(self) -> str:
         device = self.weight.device
-        if (device.type == "cpu" and self.in_features % LOWBIT_BLOCK == 0 and self.group_size % LOWBIT_BLOCK == 0
-                and lowbit_kernels_available()):
+        if self.group_size % LOWBIT_BLOCK == 0 and self.lowbit_kernel_takes():
             # The weight stays as stored; each block of 32 inputs gets its group's scale and zero.
             self.weight = self.weight.contiguous()  # a tensor-parallel shard is a slice
             self.block_scales = self.scales_and_zeros.transpose(0, 1).repeat_interleave(
@@ -314,19 +322,8 @@ class Int4Linear(QuantizedLinear):
         self.weight = torch.zeros((), dtype=torch.uint8, device=device).expand(self.weight.shape)
         return self.kernel
 
-    @classmethod
-    def stacked(cls, parts: tuple[Int4Linear, ...]) -> Int4Linear:
-        """One int4 linear whose output is the parts' outputs side by side (inference packing fuses q/k/v and
-        gate/up with it), for parts on scalenlp's kernel, whose weights stay in the stored layout: rows stack with
-        their scales and zeros, so the products are the parts' exactly."""
-        first = parts[0]
-        fused = cls(first.in_features, sum(p.out_features for p in parts), first.bias is not None, first.group_size)
-        fused.weight = torch.cat([p.weight for p in parts])
-        fused.scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim=1)
-        if fused.bias is not None:
-            fused.bias = torch.cat([p.bias for p in parts])
-        fused.prepare()
-        return fused
+    def empty_like(self, out_features: int) -> Int4Linear:
+        return type(self)(self.in_features, out_features, self.bias is not None, self.group_size)
 
     def native_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.scalenlp_lowbit.int4_linear(x.reshape(-1, self.in_features), self.weight, self.block_scales)
@@ -356,7 +353,7 @@ class Int4Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # scalenlp's kernel takes float32 or bf16 rows as they come; PyTorch's take bf16.
-        y = self.matmul(x if self.block_scales is not None else rows_of(x, self.in_features))
+        y = self.matmul(x if self.kernel == INT4_NATIVE else rows_of(x, self.in_features))
         return add_bias(y.view(*x.shape[:-1], self.out_features).to(x.dtype), self.bias)
 
 

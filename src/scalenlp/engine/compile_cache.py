@@ -40,8 +40,8 @@ def step_key(model, cache_dtype: torch.dtype, num_blocks: int, block_size: int) 
     # And a quantized layer's kernel (an int4 layer runs scalenlp's or PyTorch's), which the graph calls.
     kernels = sorted({m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None), str)})
     return json.dumps({"model": type(model).__qualname__, "args": dataclasses.asdict(model.args), "weights": weights,
-                       "layers": layers, "kernels": kernels, "kv_cache": [name_of(cache_dtype), num_blocks, block_size]}, sort_keys=True,
-                      default=str)
+                       "layers": layers, "kernels": kernels,
+                       "kv_cache": [name_of(cache_dtype), num_blocks, block_size]}, sort_keys=True, default=str)
 
 
 def artifacts_path(key: str, device: torch.device, dtype: torch.dtype) -> Path:
