@@ -27,8 +27,8 @@ tokens over the cell's wall time; the median of the rounds) and TTFT and TPOT me
 all rounds; the ratio scalenlp/vLLM of each. One markdown table and one JSON line.
 
 Batch-1 decode (when llama-cpp-python is installed; --decode-rounds 0 skips it): greedy, one sequence,
---decode-tokens tokens after a one-line prompt, --decode-threads threads each, in llama.cpp and in scalenlp (the
-engine in this process, benchmarks/compression.py's timing) on the same GGUF file: the packaged Q4_1 file (scalenlp
+--decode-tokens tokens after a one-line prompt, --decode-threads threads each, in llama.cpp (in a process of its
+own) and in scalenlp (the engine in this process, benchmarks/compression.py's timing) on the same GGUF file: the packaged Q4_1 file (scalenlp
 --quantize int4 --group-size 32, which takes its 4-bit codes as they are) and that file written as float32 GGUF by
 `scalenlp export --format gguf --type f32` (scalenlp --dtype float32). Rounds interleaved, the median kept.
 """
@@ -38,7 +38,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
+import multiprocessing
 import os
 import random
 import shlex
@@ -287,10 +289,21 @@ def llama_tokens_per_sec(llama, prompt: str, n: int) -> float:
     return n / (time.perf_counter() - start)
 
 
+def llama_worker(path: str, threads: int, prompt: str, pipe) -> None:
+    """llama.cpp in a process of its own, timing a decode of the number of tokens each message asks for (None ends
+    it). Not in scalenlp's process: both use GNU OpenMP, and a library loaded twice shares one runtime, whose
+    threads then spin less (hardware.release_openmp_workers) and slow both sides down."""
+    from llama_cpp import Llama
+
+    llama = Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+    llama_tokens_per_sec(llama, prompt, 2)  # warm-up
+    pipe.send("ready")
+    while (n := pipe.recv()) is not None:
+        pipe.send(llama_tokens_per_sec(llama, prompt, n))
+
+
 def decode(args, workdir: Path) -> dict:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
+    if importlib.util.find_spec("llama_cpp") is None:
         print("batch-1 decode: skipped (llama-cpp-python is not installed: pip install llama-cpp-python)")
         return {}
     import torch
@@ -306,17 +319,21 @@ def decode(args, workdir: Path) -> dict:
              "float32 (f32 file)": (f32, {"dtype": "float32"})}
     prompt = "The history of the city begins"  # decode_tokens_per_sec's prompt
     speeds = {(kind, side): [] for kind in pairs for side in ("llama.cpp", "scalenlp")}
+    spawn = multiprocessing.get_context("spawn")
     for kind, (path, options) in pairs.items():
-        llama = Llama(str(path), n_threads=args.decode_threads, n_threads_batch=args.decode_threads, n_ctx=512,
-                      verbose=False)
+        pipe, theirs = spawn.Pipe()
+        worker = spawn.Process(target=llama_worker, args=(str(path), args.decode_threads, prompt, theirs))
+        worker.start()
         with LLM(str(path), max_batch=1, max_seq_len=512, **options) as ours:
-            llama_tokens_per_sec(llama, prompt, 2)  # warm-up
+            pipe.recv()  # llama.cpp has loaded and warmed up
             for rnd in range(args.decode_rounds):
-                speeds[kind, "llama.cpp"].append(llama_tokens_per_sec(llama, prompt, args.decode_tokens))
+                pipe.send(args.decode_tokens)
+                speeds[kind, "llama.cpp"].append(pipe.recv())
                 speeds[kind, "scalenlp"].append(decode_tokens_per_sec(ours, 1, args.decode_tokens))
                 print(f"decode round {rnd + 1} {kind}: llama.cpp {speeds[kind, 'llama.cpp'][-1]:.1f} tok/s, "
                       f"scalenlp {speeds[kind, 'scalenlp'][-1]:.1f} tok/s", flush=True)
-        del llama
+        pipe.send(None)
+        worker.join()
     out = {}
     for kind in pairs:
         theirs, mine = (statistics.median(speeds[kind, side]) for side in ("llama.cpp", "scalenlp"))

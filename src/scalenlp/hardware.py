@@ -1,6 +1,7 @@
 """Hardware facts that training and planning both read: the accelerator table (each value overridable from
 the command line), the CUDA names that map onto it, this process's resident memory, and where figures measured
-on this machine are cached (training's MFU peak, serving's dtype).
+on this machine are cached (training's MFU peak, serving's dtype); and the one OpenMP fact an engine's thread
+needs (``release_openmp_workers``).
 
 Peaks and memory are datasheet values. Bandwidths are what collectives achieve, not link maxima:
 ``intra_node_bw`` is the all-reduce bus bandwidth NCCL reaches over NVLink inside one 8-GPU node,
@@ -12,6 +13,7 @@ one per-device constant calibrated from published training runs (see scalenlp.pl
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import math
@@ -248,3 +250,17 @@ def write_cached(path: Path, value: dict) -> None:
         write_file(path, json.dumps(value), shared=True)
     except OSError:
         pass
+
+
+def release_openmp_workers() -> bool:
+    """End the calling thread's idle OpenMP workers, before another thread (an engine's loop) takes over the
+    model's work: GNU OpenMP (PyTorch's on Linux) keeps a team of workers for every thread that ever ran a parallel
+    region, and once it manages more threads than there are CPUs its workers spin only ~100 times before sleeping.
+    With the loading thread's team still there, each of a batch-1 step's short parallel products then waited for a
+    sleeping worker: on 2 cores an int4 product took as long on 2 threads as on 1 (77 against 79 us). Returns
+    whether there was a libgomp to ask; other OpenMP runtimes (Intel's, LLVM's) are left as they are."""
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)  # the copy torch loaded, not a new one
+    except OSError:
+        return False
+    return gomp.omp_pause_resource_all(1) == 0  # omp_pause_soft: the threads end, the next region starts new ones

@@ -48,6 +48,7 @@ from scalenlp.engine.packing import pack_for_inference
 from scalenlp.engine.sampling import InvalidParam, SamplingBatch, SamplingParams, sample
 from scalenlp.engine.speculative import propose
 from scalenlp.errors import UserError
+from scalenlp.hardware import release_openmp_workers
 from scalenlp.models.memory import DEFAULT_CACHED_SEQUENCES, check_kv_cache, kv_cache_blocks
 from scalenlp.parallel.mesh import device_type
 
@@ -335,6 +336,7 @@ class Engine:
     # ---- public API (any thread) ----
 
     def start(self) -> Engine:
+        release_openmp_workers()  # this thread's workers would otherwise keep the loop's from spinning
         self._thread = threading.Thread(target=self._loop, name="scalenlp-engine", daemon=True)
         self._thread.start()
         return self
