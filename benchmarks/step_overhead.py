@@ -6,7 +6,7 @@ C requests of ~32-token prompts decoding --tokens greedy tokens each, --rounds t
                                     [--quantize int4 --group-size 32]
 
 (--quantize: the GGUF file's weights quantized as `scalenlp serve --quantize` does, int4 at group 32 taking its
-Q4_1 codes as they are; the step then runs eagerly, as the engine runs quantized layers.)
+Q4_1 codes as they are; compiled or not as --compile says, as for float32.)
 
 Each step of the engine loop is timed, and inside it the parts: the model's forward (the compiled step or the eager
 model), building its inputs (token, position, block-table and slot tensors), sampling, and emitting (detokenizing,
@@ -116,11 +116,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", choices=("on", "off"), default="on")
     parser.add_argument("--ops", type=int, default=0, help="profile the last round: the N costliest operators")
-    parser.add_argument("--quantize", choices=("int4", "int8"), help="quantized weights (the step runs eagerly)")
+    parser.add_argument("--quantize", choices=("int4", "int8"), help="quantized weights")
     parser.add_argument("--group-size", type=int, default=32)
     args = parser.parse_args()
-    if args.quantize:
-        args.compile = "off"
     if min(args.concurrency, args.tokens, args.rounds) < 1:
         parser.error("--concurrency, --tokens and --rounds must be 1 or more")
     pre = read(packaged_model("smollm2"))
