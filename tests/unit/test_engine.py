@@ -255,6 +255,31 @@ def test_fused_and_packed_projections_compute_the_same_logits(tmp_path, flavor, 
     assert (got - expected).abs().max() <= tolerance * expected.abs().max()  # rounding, summed in another order
 
 
+@pytest.mark.slow  # Inductor compiles two 2-layer steps: about 30 s here
+def test_compiled_steps_of_two_models_of_one_shape_keep_their_own_weights():
+    # compiled_step skips Dynamo's guards on the model's modules, parameters included: sound only because each
+    # step is a function of its own model. Two models of one class and shapes with different weights, and one
+    # with a layer fewer, compiled in one process: each step must give its own model's logits.
+    from scalenlp.engine.compile_choice import _step_inputs
+    from scalenlp.engine.decoder_engine import compiled_step
+    from scalenlp.models.flavors import build_model, model_args
+
+    block, inputs = 16, _step_inputs(2, 16)
+    models = []
+    for seed, layers in ((0, 2), (1, 2), (2, 1)):
+        torch.manual_seed(seed)
+        model = build_model(model_args("debug", vocab_size=320, n_layers=layers)).eval()
+        model.setup_kv_cache(2 * 4 + 1, block, torch.float32)
+        models.append(model)
+    with torch.no_grad():
+        expected = [model(*inputs) for model in models]
+        steps = [compiled_step(model) for model in models]
+        got = [step(*inputs) for step in steps] + [steps[0](*inputs)]
+    assert not torch.allclose(expected[0], expected[1])
+    for out, want in zip(got, expected + expected[:1]):
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_onednn_bf16)])
 def test_a_compiled_step_finds_each_packed_weight_by_its_number(dtype):
     """Under torch.compile a packed linear is an opaque operator given its weight's number (engine/packing.py): it
