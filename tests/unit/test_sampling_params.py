@@ -111,8 +111,27 @@ def test_the_engine_counts_each_requests_tokens_across_steps(engine, tiny_export
     plain = load_pretrained(tiny_export)
     expected = [greedy_by_hand(plain, p, steps, *s) for p, s in zip(prompts, settings)]
     assert expected[0] != expected[2]  # the penalty changes what this prompt decodes to
-    done = [[] for _ in prompts]
-    finished = [threading.Event() for _ in prompts]
+    assert decode_together(engine, [
+        (p, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, presence_penalty=pres,
+                           frequency_penalty=freq)) for p, (pres, freq) in zip(prompts, settings)]) == expected
+
+
+def test_plain_greedy_rows_pick_what_the_full_sampler_picks(engine, tiny_export):
+    """A step whose rows are all plain greedy takes the argmax without building the sampler's settings
+    (SamplingParams.argmax_only); a row asking for logprobs makes the step run the full sampler."""
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    full = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    assert plain.argmax_only and not full.argmax_only
+    prompts = [engine.encode("the quick brown"), engine.encode("hello")]
+    expected = [greedy_by_hand(load_pretrained(tiny_export), p, 12, 0.0, 0.0) for p in prompts]
+    assert decode_together(engine, [(p, plain) for p in prompts]) == expected
+    assert decode_together(engine, [(p, full) for p in prompts]) == expected
+
+
+def decode_together(engine, items: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    """The token ids each (prompt ids, params) generates, all submitted at once (one continuous batch)."""
+    done = [[] for _ in items]
+    finished = [threading.Event() for _ in items]
 
     def collector(i):
         def on_event(d):
@@ -121,14 +140,11 @@ def test_the_engine_counts_each_requests_tokens_across_steps(engine, tiny_export
                 finished[i].set()
         return on_event
 
-    engine.submit_many(
-        [(p, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, presence_penalty=pres,
-                            frequency_penalty=freq)) for p, (pres, freq) in zip(prompts, settings)],
-        [collector(i) for i in range(len(prompts))])
+    engine.submit_many(items, [collector(i) for i in range(len(items))])
     for event in finished:
         while not event.wait(1.0):
             assert engine.alive
-    assert done == expected
+    return done
 
 
 def test_the_engine_refuses_logit_bias_outside_the_vocabulary(engine):

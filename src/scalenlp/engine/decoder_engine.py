@@ -706,23 +706,21 @@ class Engine:
         through the requests' block tables. Returns the logits at each row's last input, (B, vocab), or at
         every position, (B, T, vocab)."""
         size, T = self.blocks.block_size, max(map(len, inputs))
-        tokens = torch.zeros(len(requests), T, dtype=torch.long)
-        positions = torch.zeros(len(requests), T, dtype=torch.long)
-        slot_mapping = torch.full((len(requests), T), NULL_BLOCK * size, dtype=torch.long)
         width = max(len(r.blocks) for r in requests)
-        table = torch.full((len(requests), width), NULL_BLOCK, dtype=torch.long)
-        for i, (r, row, start) in enumerate(zip(requests, inputs, starts)):
-            n = len(row)
-            tokens[i, :n] = torch.tensor(row)
-            pos = torch.arange(start, start + n)
-            positions[i, :n], positions[i, n:] = pos, pos[-1]
-            blocks = torch.tensor(r.blocks)
-            table[i, :len(r.blocks)] = blocks
-            slot_mapping[i, :n] = blocks[pos // size] * size + pos % size
+        # Built as lists, one tensor each at the end: per-row tensor operations cost more than a batch-1 decode
+        # step's whole host side.
+        tokens, positions, slot_mapping, table = [], [], [], []
+        for r, row, start in zip(requests, inputs, starts):
+            pad, pos = T - len(row), range(start, start + len(row))
+            tokens.append(row + [0] * pad)
+            positions.append([*pos] + [pos[-1]] * pad)
+            slot_mapping.append([r.blocks[p // size] * size + p % size for p in pos] + [NULL_BLOCK * size] * pad)
+            table.append(r.blocks + [NULL_BLOCK] * (width - len(r.blocks)))
+        tokens, positions, slot_mapping, table = (torch.tensor(rows, dtype=torch.long, device=self.device)
+                                                  for rows in (tokens, positions, slot_mapping, table))
         self._select_adapters([r.adapter for r in requests])
-        lasts = None if every_position else torch.tensor([len(row) - 1 for row in inputs]).to(self.device)
-        logits = model(tokens.to(self.device), positions.to(self.device), table.to(self.device),
-                       slot_mapping.to(self.device), logits_at=lasts)
+        lasts = None if every_position else torch.tensor([len(row) - 1 for row in inputs], device=self.device)
+        logits = model(tokens, positions, table, slot_mapping, logits_at=lasts)
         return logits if every_position else logits[:, -1]
 
     def _count_computed(self, r: Request, n: int) -> None:
@@ -923,6 +921,8 @@ class Engine:
         (B, T, vocab), each request's at its last token and its draft tokens: each position is sampled as if the
         drafts before it had been generated (its step, its penalty counts), with its draft token proposed to
         ``sample``, and a list of those picks is returned for each request, up to the first that is not its draft."""
+        if not drafts and all(r.params.argmax_only for r in requests):  # no settings tensors to build
+            return [(token, None, None) for token in logits.argmax(dim=-1).tolist()]
         for r in requests:
             if r.token_counts is None and (r.params.presence_penalty or r.params.frequency_penalty):
                 r.token_counts = torch.zeros(logits.shape[-1], device=self.device)

@@ -45,6 +45,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy, with nothing that changes the logits or reports them: the token is their argmax alone."""
+        return (self.temperature == 0 and self.logprobs is None and self.grammar is None and not self.logit_bias
+                and not self.presence_penalty and not self.frequency_penalty)
+
     def check(self) -> None:
         """Raise InvalidParam naming the first out-of-range field. Written so that NaN fails every
         range (a comparison with NaN is false), and so that no value can overflow the int64 tensors
