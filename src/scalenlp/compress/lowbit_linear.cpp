@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -44,27 +45,70 @@ inline float bf16_to_float(uint16_t bits) {
 // at one row, but 2-5x further from the float products on SmolLM2, whose int4 model then answered "What is the
 // capital of France?" wrongly (as llama.cpp does on the same file). Also the unit d / 128 of the block's integers,
 // and the unit times their sum (the zeros' part of the int4 product).
+// 8 consecutive inputs as floats.
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const at::BFloat16* x) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// The even inputs of a (8) and b (the next 8) in order, or with ODD the odd ones.
+template <bool ODD>
+inline __m256 alternate(__m256 a, __m256 b) {
+  const __m256 picked = _mm256_shuffle_ps(a, b, ODD ? 0xDD : 0x88);  // per 128-bit lane: a's two, then b's two
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(picked), 0xD8));
+}
+
+// Four vectors of 8 int32 (each within int8) as 32 int8 in their order.
+inline __m256i narrow(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // undo the lane split
+}
+
+inline float lanes_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int32_t lanes_sum_int(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
 template <bool NIBBLE_ORDER, typename T>
 void quantize_row(const T* x, int64_t K, int8_t* q, float* unit, float* sum) {
+  // Rounded to nearest, ties to even (as nearbyint and torch.round); products and differences unfused, as the
+  // tests' float64 reference computes them.
+  constexpr int ROUND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t b = 0; b < K / BLOCK; ++b) {
     const T* xb = x + b * BLOCK;
-    float v[BLOCK], amax = 0.0f;
-    for (int64_t i = 0; i < BLOCK / 2; ++i) {
-      v[NIBBLE_ORDER ? i : 2 * i] = static_cast<float>(xb[2 * i]);
-      v[NIBBLE_ORDER ? BLOCK / 2 + i : 2 * i + 1] = static_cast<float>(xb[2 * i + 1]);
+    __m256 v[4] = {load8(xb), load8(xb + 8), load8(xb + 16), load8(xb + 24)};
+    if (NIBBLE_ORDER) {
+      const __m256 even0 = alternate<false>(v[0], v[1]), even1 = alternate<false>(v[2], v[3]);
+      const __m256 odd0 = alternate<true>(v[0], v[1]), odd1 = alternate<true>(v[2], v[3]);
+      v[0] = even0, v[1] = even1, v[2] = odd0, v[3] = odd1;
     }
-    for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m256 largest = _mm256_and_ps(v[0], magnitude);
+    for (int i = 1; i < 4; ++i) largest = _mm256_max_ps(largest, _mm256_and_ps(v[i], magnitude));
+    const float amax = lanes_max(largest);
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i coarse[4], fine[4], total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      const __m256 scaled = _mm256_mul_ps(v[i], inv), rounded = _mm256_round_ps(scaled, ROUND);
+      const __m256 rest = _mm256_mul_ps(_mm256_sub_ps(scaled, rounded), _mm256_set1_ps(128.0f));
+      coarse[i] = _mm256_cvtps_epi32(rounded);
+      fine[i] = _mm256_cvtps_epi32(  // within +-64; clamped as int8
+          _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(rest, ROUND), _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f)));
+      total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_slli_epi32(coarse[i], 7), fine[i]));
+    }
     int8_t* qb = q + 2 * b * BLOCK;
-    int32_t total = 0;
-    for (int64_t i = 0; i < BLOCK; ++i) {
-      const float coarse = std::nearbyint(v[i] * inv), fine = std::nearbyint((v[i] * inv - coarse) * 128.0f);
-      qb[i] = static_cast<int8_t>(coarse);
-      qb[BLOCK + i] = static_cast<int8_t>(std::clamp(fine, -127.0f, 127.0f));  // within +-64
-      total += 128 * qb[i] + qb[BLOCK + i];
-    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), narrow(coarse[0], coarse[1], coarse[2], coarse[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + BLOCK), narrow(fine[0], fine[1], fine[2], fine[3]));
     unit[b] = amax / (127.0f * 128.0f);
-    sum[b] = unit[b] * static_cast<float>(total);
+    sum[b] = unit[b] * static_cast<float>(lanes_sum_int(total));
   }
 }
 
@@ -170,13 +214,17 @@ void int8_rows_dot(const int8_t* w, const uint16_t* scales, int64_t n0, int64_t 
 template <bool NIBBLE_ORDER, typename T, typename Tile>
 at::Tensor run(const at::Tensor& x, int64_t N, const Tile& tile) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / BLOCK;
-  auto xq = at::empty({M, 2 * K}, x.options().dtype(at::kChar));
-  auto xunit = at::empty({M, blocks}, x.options().dtype(at::kFloat));
-  auto xsum = at::empty({M, blocks}, x.options().dtype(at::kFloat));
+  // The rounded activations in buffers of the calling thread, kept between calls: three tensors allocated a call
+  // were a third of a batch-1 call's fixed cost (about 5 us at K = 576), 120 calls a SmolLM2 step.
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xunit, xsum;
+  xq.resize(std::max<size_t>(xq.size(), M * 2 * K));
+  xunit.resize(std::max<size_t>(xunit.size(), M * blocks));
+  xsum.resize(std::max<size_t>(xsum.size(), M * blocks));
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
   const T* xp = x.data_ptr<T>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  float *sp = xunit.data_ptr<float>(), *up = xsum.data_ptr<float>(), *op = out.data_ptr<float>();
+  int8_t* qp = xq.data();
+  float *sp = xunit.data(), *up = xsum.data(), *op = out.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       quantize_row<NIBBLE_ORDER>(xp + m * K, K, qp + 2 * m * K, sp + m * blocks, up + m * blocks);
