@@ -2,7 +2,9 @@
 seeds, stop strings, sampling settings, queue bound."""
 
 import gc
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,6 +255,25 @@ def test_fused_and_packed_projections_compute_the_same_logits(tmp_path, flavor, 
     with torch.no_grad():
         expected, got = plain(tokens).float(), packed(tokens).float()
     assert (got - expected).abs().max() <= tolerance * expected.abs().max()  # rounding, summed in another order
+
+
+def test_ending_a_threads_openmp_workers_leaves_parallel_products_right():
+    # Engine.start ends the starting thread's OpenMP workers (hardware.release_openmp_workers) so that the loop's
+    # own spin; that thread's next parallel region starts new ones, and other threads keep theirs.
+    from scalenlp.hardware import release_openmp_workers
+
+    a, b = torch.randn(256, 512), torch.randn(512, 384)
+    expected = (a.double() @ b.double()).float()
+    close = dict(rtol=1e-4, atol=1e-4)  # float32 sums of 512 products, against float64
+    torch.testing.assert_close(a @ b, expected, **close)  # a parallel region: this thread has workers now
+    gomp = sys.platform == "linux" and "libgomp" in Path("/proc/self/maps").read_text()
+    assert release_openmp_workers() == gomp  # GNU OpenMP (PyTorch's on Linux) is asked; others are left alone
+    products = []
+    worker = threading.Thread(target=lambda: products.append(a @ b))
+    worker.start()
+    worker.join()
+    for got in products + [a @ b]:
+        torch.testing.assert_close(got, expected, **close)
 
 
 @pytest.mark.slow  # Inductor compiles two 2-layer steps: about 30 s here
