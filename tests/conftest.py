@@ -34,13 +34,14 @@ def pytest_configure(config):
     if hasattr(config, "workerinput"):  # an xdist worker: the controller has built them
         return
     from scalenlp.compress import quantized
-    from scalenlp.engine import lora
+    from scalenlp.engine import lora, packing
     from scalenlp.models import cpu_attention, paged_attention
 
     cpu_attention.available()
     paged_attention.available()
     lora.kernel_available()
     quantized.lowbit_kernels_available()
+    packing.native_lookup()
 
 
 # The files whose tests took longest in the last timed run (seconds of call phase, summed over their tests; CI's

@@ -301,19 +301,30 @@ def test_compiled_steps_of_two_models_of_one_shape_keep_their_own_weights():
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["cpp", "python"])
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_onednn_bf16)])
-def test_a_compiled_step_finds_each_packed_weight_by_its_number(dtype):
-    """Under torch.compile a packed linear is an opaque operator given its weight's number (engine/packing.py): it
-    computes the eager forward's product, and the number of a layer dropped is forgotten with it."""
+def test_a_compiled_step_finds_each_packed_weight_by_its_number(dtype, native, monkeypatch):
+    """Under torch.compile a packed linear is an opaque operator given its weight's number (engine/packing.py), found
+    in C++ (packed_linear.cpp) or, where that does not build, in Python: it computes the eager forward's product,
+    and the number of a layer dropped is forgotten with it."""
+    if native and not packing.native_lookup():
+        pytest.skip("packed_linear.cpp did not build here (a warning said why)")
+    monkeypatch.setattr(packing, "_native", native)
+    by_number = torch.ops.scalenlp_packed.linear if native else packed_linear_by_number
     packed = PackedLinear(torch.nn.Linear(64, 48).to(dtype))
     other = PackedLinear(torch.nn.Linear(64, 48).to(dtype))
     x = torch.randn(3, 64, dtype=dtype)
-    assert torch.equal(packed_linear_by_number(x, packed.number, packed.bias, 48), packed(x))
+    assert torch.equal(by_number(x, packed.number, packed.bias, 48), packed(x))
     assert not torch.equal(packed(x), other(x))
-    number = int(packed.number)
+    number = packed.number
     del packed
     gc.collect()
-    assert number not in packing._PACKED and int(other.number) in packing._PACKED
+    if native:
+        with pytest.raises(RuntimeError, match=f"no weight is kept under number {int(number)}"):
+            by_number(x, number, None, 48)
+    else:
+        assert int(number) not in packing._PACKED
+    assert torch.equal(by_number(x, other.number, other.bias, 48), other(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_onednn_bf16)])

@@ -11,8 +11,10 @@ numbers faster. A module swap whose forward is one line. Idempotent: packing a p
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import weakref
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,6 +30,7 @@ from scalenlp.compress.quantized import (
     rows_of,
 )
 from scalenlp.models.adapters import unpackable
+from scalenlp.models.cpu_attention import load_native
 from scalenlp.models.onednn import pack, packed_linear
 
 # The rows float32 weights are packed for. SmolLM2's 30 blocks and output projection as a decode step reads them
@@ -41,9 +44,25 @@ FLOAT32_ROWS = 32
 # The compiled decode step cannot take a packed (opaque mkldnn) weight as an input, and Inductor's caches refuse
 # graphs holding one as a constant. So under torch.compile a PackedLinear is an opaque operator given the number of
 # its packed weight in this process (a one-element tensor, an input like any buffer, so that the graph and its cache
-# key are the same whichever numbers a process gives) and finds the weight here.
+# key are the same whichever numbers a process gives) that finds the weight: in C++ (packed_linear.cpp) where that
+# builds, else here.
 _PACKED: dict[int, weakref.ref] = {}
 _NUMBERS = itertools.count()
+PACKED_LOOKUP = Path(__file__).with_name("packed_linear.cpp")
+_native: bool | None = None
+
+
+def native_lookup() -> bool:
+    """Builds (or loads the cached build of) packed_linear.cpp's operators once per process; False where that fails
+    or ``SCALENLP_PACKED_LOOKUP=0``, and the Python operator below runs instead (36 us a call more)."""
+    global _native
+    if _native is None:
+        _native = (os.environ.get("SCALENLP_PACKED_LOOKUP", "1") != "0"
+                   and load_native("scalenlp_packed_linear", PACKED_LOOKUP))
+        if _native:
+            torch.library.register_fake("scalenlp_packed::linear")(
+                lambda x, number, bias, out_features: x.new_empty(*x.shape[:-1], out_features))
+    return _native
 
 
 @torch.library.custom_op("scalenlp::packed_linear", mutates_args=())
@@ -69,11 +88,17 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
         number = next(_NUMBERS)
         self.register_buffer("number", torch.tensor(number), persistent=False)
-        _PACKED[number] = weakref.ref(self, lambda _: _PACKED.pop(number, None))
+        self.native = native_lookup()
+        if self.native:  # kept until this layer is collected
+            torch.ops.scalenlp_packed.keep(number, self.packed)
+            weakref.finalize(self, torch.ops.scalenlp_packed.forget, number)
+        else:
+            _PACKED[number] = weakref.ref(self, lambda _: _PACKED.pop(number, None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return packed_linear_by_number(x, self.number, self.bias, self.out_features)
+            lookup = torch.ops.scalenlp_packed.linear if self.native else packed_linear_by_number
+            return lookup(x, self.number, self.bias, self.out_features)
         return packed_linear(x, self.packed, self.bias)
 
 
