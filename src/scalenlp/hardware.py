@@ -258,9 +258,11 @@ def release_openmp_workers() -> bool:
     region, and once it manages more threads than there are CPUs its workers spin only ~100 times before sleeping.
     With the loading thread's team still there, each of a batch-1 step's short parallel products then waited for a
     sleeping worker: on 2 cores an int4 product took as long on 2 threads as on 1 (77 against 79 us). Returns
-    whether there was a libgomp to ask; other OpenMP runtimes (Intel's, LLVM's) are left as they are."""
+    whether a libgomp ended them; other OpenMP runtimes (Intel's, LLVM's) and older libgomps are left as they
+    are."""
     try:
         gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)  # the copy torch loaded, not a new one
     except OSError:
         return False
-    return gomp.omp_pause_resource_all(1) == 0  # omp_pause_soft: the threads end, the next region starts new ones
+    pause = getattr(gomp, "omp_pause_resource_all", None)  # OpenMP 5.0: GCC 9 and later
+    return pause is not None and pause(1) == 0  # omp_pause_soft: the threads end; the next region starts new ones
