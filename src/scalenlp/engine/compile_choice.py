@@ -83,11 +83,15 @@ def choose_compile(requested: str, device: torch.device, args, dtype: torch.dtyp
     if stack_bytes * MEMORY_SHARE > device_memory(device):
         return CompileChoice(False, f"a stack of {layers} of this model's layers, eager and compiled, is too large "
                                     f"to time on this {device.type} (auto)")
-    quantized = "" if quantize is None else f"{quantize.method}{quantize.group_size or ''}-"
-    if (quantize is not None and quantize.method in ("int4", "int8") and device.type == "cpu"
-            and lowbit_kernels_available()):
-        quantized += "avx2-"  # scalenlp's kernels, not PyTorch's: another step to time
-    path = engine_cache_path("compile", device, f"{name_of(dtype)}-{quantized}{shapes.key()}")
+    # The kernels the step would run are part of the record's name: another stack is another step to time.
+    kernels = "" if quantize is None else f"{quantize.method}{quantize.group_size or ''}-"
+    if device.type == "cpu" and quantize is not None and quantize.method in ("int4", "int8"):
+        kernels += "avx2-" if lowbit_kernels_available() else ""  # scalenlp's kernels, not PyTorch's
+    elif device.type == "cpu" and quantize is None:
+        from scalenlp.engine.packing import native_lookup
+
+        kernels += "packed-cpp-" if native_lookup() else ""  # packed weights found in C++, not Python
+    path = engine_cache_path("compile", device, f"{name_of(dtype)}-{kernels}{shapes.key()}")
     measure = measure or time_decode
     record, measured = cached_record(path, lambda: _record(measure(args, dtype, layers, device, quantize)), _valid)
     gain, ms = record["speedup"], record["ms"]
