@@ -28,9 +28,10 @@ all rounds; the ratio scalenlp/vLLM of each. One markdown table and one JSON lin
 
 Batch-1 decode (when llama-cpp-python is installed; --decode-rounds 0 skips it): greedy, one sequence,
 --decode-tokens tokens after a one-line prompt, --decode-threads threads each, in llama.cpp (in a process of its
-own) and in scalenlp (the engine in this process, benchmarks/compression.py's timing) on the same GGUF file: the packaged Q4_1 file (scalenlp
---quantize int4 --group-size 32, which takes its 4-bit codes as they are) and that file written as float32 GGUF by
-`scalenlp export --format gguf --type f32` (scalenlp --dtype float32). Rounds interleaved, the median kept.
+own) and in scalenlp (the engine in this process, benchmarks/compression.py's timing) on the same GGUF file: the
+packaged Q4_1 file (scalenlp --quantize int4 --group-size 32, which takes its 4-bit codes as they are) and that file
+written as float32 GGUF by `scalenlp export --format gguf --type f32` (scalenlp --dtype float32). Rounds
+interleaved, the median kept.
 """
 
 from __future__ import annotations

@@ -39,12 +39,6 @@ inline float bf16_to_float(uint16_t bits) {
   return f;
 }
 
-// One row of activations, per block: two int8 vectors in the weights' order (int4's: even inputs, then odd), q1
-// rounded to d = max |x| / 127 (as llama.cpp rounds activations, Q8_1) and q2 the remainder to a 128th of that
-// step, so that x ~ (d / 128)(128 q1 + q2): 14 bits, as fine as bf16 or finer. One pass (8 bits) was 7% faster
-// at one row, but 2-5x further from the float products on SmolLM2, whose int4 model then answered "What is the
-// capital of France?" wrongly (as llama.cpp does on the same file). Also the unit d / 128 of the block's integers,
-// and the unit times their sum (the zeros' part of the int4 product).
 // 8 consecutive inputs as floats.
 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
 inline __m256 load8(const at::BFloat16* x) {
@@ -77,6 +71,12 @@ inline int32_t lanes_sum_int(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
+// One row of activations, per block: two int8 vectors in the weights' order (int4's: even inputs, then odd), q1
+// rounded to d = max |x| / 127 (as llama.cpp rounds activations, Q8_1) and q2 the remainder to a 128th of that
+// step, so that x ~ (d / 128)(128 q1 + q2): 14 bits, as fine as bf16 or finer. One pass (8 bits) was 7% faster
+// at one row, but 2-5x further from the float products on SmolLM2, whose int4 model then answered "What is the
+// capital of France?" wrongly (as llama.cpp does on the same file). Also the unit d / 128 of the block's integers,
+// and the unit times their sum (the zeros' part of the int4 product).
 template <bool NIBBLE_ORDER, typename T>
 void quantize_row(const T* x, int64_t K, int8_t* q, float* unit, float* sum) {
   // Rounded to nearest, ties to even (as nearbyint and torch.round); products and differences unfused, as the

@@ -32,11 +32,12 @@ void forget(int64_t number) {
 // x (..., in) times the weight kept under `number`, plus bias: oneDNN's product, as models.onednn.packed_linear.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& number, const std::optional<at::Tensor>& bias,
                   int64_t out_features) {
+  const int64_t n = number.item<int64_t>();
   at::Tensor packed;
   {
     std::lock_guard<std::mutex> guard(lock);
-    const auto found = weights.find(number.item<int64_t>());
-    TORCH_CHECK(found != weights.end(), "packed linear: no weight is kept under number ", number.item<int64_t>());
+    const auto found = weights.find(n);
+    TORCH_CHECK(found != weights.end(), "packed linear: no weight is kept under number ", n);
     packed = found->second;
   }
   static const auto product = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -44,8 +45,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& number, const std::opti
                           c10::IValue()};
   product.callBoxed(&stack);
   auto out = stack[0].toTensor();
-  TORCH_CHECK(out.size(-1) == out_features, "packed linear: the weight kept under number ", number.item<int64_t>(),
-              " has ", out.size(-1), " outputs, not ", out_features);
+  TORCH_CHECK(out.size(-1) == out_features, "packed linear: the weight kept under number ", n, " has ", out.size(-1),
+              " outputs, not ", out_features);
   return out;
 }
 
