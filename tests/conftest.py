@@ -51,7 +51,7 @@ def pytest_configure(config):
 # which put the one-test 150 s file near the end), so these start early and the last minutes do not leave one
 # worker running a long file alone.
 LONGEST_FILES = (
-    "test_sft_teaches_smollm2_a_fact.py",  # ~167 (191 with rows of 65 tokens)
+    "test_sft_teaches_smollm2_a_fact.py",  # ~100 at 8 steps (138 at 12)
     "test_parallel_parity.py",  # ~135+ (163+ at 5 steps, the TP layouts rerun unstacked)
     "test_checkpoint_resharding.py",  # 129 (216 with the pp2 -> single and zero1x2 -> pp2 pairs)
     "test_ray_join.py",  # 109
