@@ -1,4 +1,4 @@
-"""What packing the float32 weights for oneDNN buys a decode step (engine/packing.py), two ways:
+"""What packing the float32 weights buys a decode step (engine/packing.py), two ways:
 
   python benchmarks/packed_products.py products [--threads 1,2] [--rows 1,4,16,64]
   python benchmarks/packed_products.py engine [--threads 2] [--compile] [--rounds 3]
@@ -6,7 +6,8 @@
 ``products``: the products of one SmolLM2-135M decode step as the step reads its weights: 30 blocks' fused q/k/v,
 output, fused gate/up and down projections, each block its own weights (540 MB in all, so each is streamed from
 memory, not reused from the cache), then the 576 -> 49,152 output projection; timed plain (``F.linear``), packed for
-1 row and for 32 rows, and, when this Python has vLLM's CPU build, through vLLM's own oneDNN product
+oneDNN for 1 row and for 32 rows, in scalenlp's panels (panel_linear.cpp, what the engine runs where it builds),
+and, when this Python has vLLM's CPU build, through vLLM's own oneDNN product
 (``create_onednn_mm`` with its 32-row hint), the way vLLM serves float32. Best of 4 interleaved rounds, ms a step.
 
 ``engine``: the packaged SmolLM2 through ``Engine`` with ``pack_weights`` off (plain products), with the output
@@ -39,6 +40,14 @@ def product_variants(weights: list[torch.Tensor]) -> dict[str, list]:
 
     variants = {"plain": [(lambda w: lambda x: F.linear(x, w))(w) for w in weights],
                 "packed for 1 row": packed(1), "packed for 32 rows": packed(32)}
+    from scalenlp.engine.packing import PanelLinear, panel_kernel
+
+    if panel_kernel():
+        variants["panels"] = []
+        for w in weights:
+            linear = torch.nn.utils.skip_init(torch.nn.Linear, w.shape[1], w.shape[0], bias=False)
+            linear.weight.data = w
+            variants["panels"].append(PanelLinear(linear))
     try:
         import vllm._custom_ops as ops  # only in vLLM's own venv
     except ImportError:

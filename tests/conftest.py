@@ -42,6 +42,7 @@ def pytest_configure(config):
     lora.kernel_available()
     quantized.lowbit_kernels_available()
     packing.native_lookup()
+    packing.panel_kernel()
 
 
 # The files whose tests took longest in the last timed run (seconds of call phase, summed over their tests; CI's

@@ -190,8 +190,9 @@ def test_generate_says_which_dtype_and_why(tiny_export, cache, capsys):
 def test_float32_is_timed_packed_and_fused_as_the_engine_runs_it():
     """The engine packs every float32 linear (engine/packing.py): timing them plain priced float32's decode step
     1.2-1.4x too slow, and bf16 won the choice on a CPU where it was slower."""
-    from scalenlp.engine.packing import PackedLinear
+    from scalenlp.engine.packing import PackedLinear, PanelLinear, panel_kernel
 
     with torch.no_grad():  # as time_layer builds them
         stack, _, _ = dtype_module._layers(SHAPES, torch.float32, 1)
-    assert [type(p) for p in stack[0]] == [PackedLinear] * len(SHAPES.products(fused=True))
+    kind = PanelLinear if panel_kernel() else PackedLinear
+    assert [type(p) for p in stack[0]] == [kind] * len(SHAPES.products(fused=True))

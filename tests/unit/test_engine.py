@@ -15,7 +15,7 @@ from scalenlp.compress.quantized import Quantization, build_quantized, quantizat
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.engine import packing
 from scalenlp.engine.decoder_engine import Engine, QueueFull, RequestError
-from scalenlp.engine.packing import PackedLinear, can_pack, pack_linears, packed_linear_by_number
+from scalenlp.engine.packing import PackedLinear, PanelLinear, can_pack, pack_linears, packed, packed_linear_by_number
 from scalenlp.engine.sampling import SamplingBatch, SamplingParams, sample, uniform_from
 from scalenlp.errors import UserError
 from scalenlp.loader import instantiate, read
@@ -327,16 +327,56 @@ def test_a_compiled_step_finds_each_packed_weight_by_its_number(dtype, native, m
     assert torch.equal(by_number(x, other.number, other.bias, 48), other(x))
 
 
+needs_panels = pytest.mark.skipif(not packing.panel_kernel(), reason="panel_linear.cpp needs an x86 CPU with AVX2 and "
+                                  "FMA, and a compiler (a warning said why it did not build)")
+
+
+@needs_panels
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])  # the one-row path, each block of 1-6 rows, several blocks
+@pytest.mark.parametrize(("n_in", "n_out", "bias"), [(64, 48, True), (70, 50, False), (33, 17, True), (576, 960, False)])
+def test_panel_products_equal_the_exact_ones(n_in, n_out, bias, rows):
+    """scalenlp's float32 product on weights in panels of 16 output rows (panel_linear.cpp): the float64 product
+    to float32 rounding, for outputs that fill the last panel or not, odd inputs, with a bias and without."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(n_in, n_out, bias=bias)
+    layer = packed(linear)
+    assert type(layer) is PanelLinear and layer.panels.shape == (-(-n_out // 16), n_in, 16)
+    x = torch.randn(2, rows, n_in)
+    exact = torch.nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double() if bias else None)
+    got = layer(x)
+    assert got.shape == (2, rows, n_out) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), exact, rtol=0, atol=2e-6 * exact.abs().max().item())
+    torch.testing.assert_close(layer(x[:, :1].transpose(0, 1)), got[:, :1].transpose(0, 1))  # a strided input
+
+
+@needs_panels
+def test_panel_products_compile_as_an_operator_and_can_be_turned_off(monkeypatch):
+    """A compiled graph calls the panel product as an operator on its panels (an input like any buffer) and gets the
+    eager result; SCALENLP_PANEL_LINEAR=0 leaves float32 to oneDNN's packed weights; bf16 always takes those."""
+    layer = packed(torch.nn.Linear(96, 40))
+    step = torch.compile(lambda x: torch.relu(layer(x)) * 2, fullgraph=True)
+    x = torch.randn(3, 96)
+    assert torch.equal(step(x), torch.relu(layer(x)) * 2)
+    monkeypatch.setattr(packing, "_panels", None)
+    monkeypatch.setenv("SCALENLP_PANEL_LINEAR", "0")
+    assert type(packed(torch.nn.Linear(96, 40))) is PackedLinear
+    monkeypatch.setattr(packing, "_panels", True)
+    if packing.onednn_bf16():
+        assert type(packed(torch.nn.Linear(96, 40).to(torch.bfloat16))) is PackedLinear
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_onednn_bf16)])
 @pytest.mark.parametrize("flavor", ["debug-gpt2", "debug"])  # biases; grouped-query attention (q/k/v fused unequal)
 def test_packed_weights_match_plain_ones(tmp_path, flavor, dtype):
-    """Every linear packed (q/k/v and SwiGLU's gate/up fused first), float32 for 32 rows, bf16 for 1."""
+    """Every linear packed (q/k/v and SwiGLU's gate/up fused first): float32 in scalenlp's panels (oneDNN's packed
+    layout for 32 rows where those do not build), bf16 for oneDNN for 1 row."""
     export = make_export(tmp_path, flavor)
     tok = load_tokenizer(export)
     plain = load_pretrained(export, dtype=dtype)
     engine = Engine(load_pretrained(export, dtype=dtype), tok, max_batch=2).start()
     try:
-        assert type(engine.model.output) is PackedLinear
+        panels = dtype == torch.float32 and packing.panel_kernel()
+        assert type(engine.model.output) is (PanelLinear if panels else PackedLinear)
         assert not any(type(m) is torch.nn.Linear for m in engine.model.modules())  # all packed
         assert all(block.attention.wqkv is not None for block in engine.model.layers.values())
         assert all((block.feed_forward.w13 is not None) == (flavor == "debug")  # SwiGLU's w1/w3 fused too

@@ -88,9 +88,12 @@ def choose_compile(requested: str, device: torch.device, args, dtype: torch.dtyp
     if device.type == "cpu" and quantize is not None and quantize.method in ("int4", "int8"):
         kernels += "avx2-" if lowbit_kernels_available() else ""  # scalenlp's kernels, not PyTorch's
     elif device.type == "cpu" and quantize is None:
-        from scalenlp.engine.packing import native_lookup
+        from scalenlp.engine.packing import native_lookup, panel_kernel
 
-        kernels += "packed-cpp-" if native_lookup() else ""  # packed weights found in C++, not Python
+        if dtype == torch.float32 and panel_kernel():
+            kernels += "panel-"  # scalenlp's float32 product, not oneDNN's
+        elif native_lookup():
+            kernels += "packed-cpp-"  # packed weights found in C++, not Python
     path = engine_cache_path("compile", device, f"{name_of(dtype)}-{kernels}{shapes.key()}")
     measure = measure or time_decode
     record, measured = cached_record(path, lambda: _record(measure(args, dtype, layers, device, quantize)), _valid)

@@ -9,8 +9,9 @@ model's layers fastest in, and why.
   float32 (issue 30).
 - Any other device: float32.
 
-The measurement runs a layer's linear products as the engine calls them (packed for oneDNN, with q/k/v and
-gate/up fused, where the engine packs them: float32 always, bf16 where oneDNN computes in it) for one request of
+The measurement runs a layer's linear products as the engine calls them (packed, with q/k/v and gate/up fused,
+where the engine packs them: float32 always, in scalenlp's panels where its kernel builds; bf16 for oneDNN, where
+oneDNN computes in it) for one request of
 ``PREFILL_ROWS`` prompt tokens and as many output tokens: a prefill of that many rows, then that many one-row decode steps (an
 encoder's request is its prefill alone). The products are most of a step's time at serving's lengths, and the
 rest of the step runs in the same dtype. A decode step streams every layer's weights from memory, which one
@@ -42,7 +43,7 @@ import torch
 from torch import nn
 from torch.nn.utils import skip_init
 
-from scalenlp.engine.packing import PackedLinear, can_pack
+from scalenlp.engine.packing import can_pack, packed, panel_kernel
 from scalenlp.hardware import cached_record, engine_cache_path
 from scalenlp.models.memory import device_memory
 
@@ -52,9 +53,15 @@ CPU_CANDIDATES = ("float32", "bfloat16")
 # here measured 1.16x one way and 1.08x the other in five runs under load).
 BF16_MARGIN = 1.1
 PREFILL_ROWS = 32  # prompt tokens of the timed request: time per prompt token is about flat from here up
-# How the candidates' products were laid out: records measured before the engine packed float32 weights (plain
-# float32 then; its decode step ran 1.2-1.4x slower than packed) are measured again.
-LAYOUT = "float32 packed"
+
+
+def layout() -> str:
+    """How the candidates' products are laid out, kept in the record: one measured under another layout is measured
+    again (plain float32 before the engine packed it ran its decode step 1.2-1.4x slower than oneDNN's packed
+    weights; those ran their products 1.11-1.32x slower than scalenlp's panels)."""
+    return "float32 panels" if panel_kernel() else "float32 packed"
+
+
 ROUNDS = 5
 # Timed only when one float32 layer takes at most this share of memory, so a model of a few layers still fits.
 MEMORY_SHARE = 4
@@ -162,13 +169,13 @@ def _record(timings: Timings) -> dict:
     request = {name: [prefill + PREFILL_ROWS * one for one, prefill in rounds] for name, rounds in timings.items()}
     gain = statistics.median(a / b for a, b in zip(request["float32"], request["bfloat16"]))
     ms = {name: [1e3 * statistics.median(r[i] for r in rounds) for i in (0, 1)] for name, rounds in timings.items()}
-    return {"bfloat16_speedup": gain, "ms": ms, "layout": LAYOUT}
+    return {"bfloat16_speedup": gain, "ms": ms, "layout": layout()}
 
 
 def _valid(record: dict) -> dict:
     """``record`` when it is one ``_record`` wrote; ValueError otherwise."""
     ms = record["ms"]
-    if (record.get("layout") != LAYOUT or not float(record["bfloat16_speedup"]) > 0
+    if (record.get("layout") != layout() or not float(record["bfloat16_speedup"]) > 0
             or any(len(ms[name]) != 2 or not all(float(x) >= 0 for x in ms[name]) for name in CPU_CANDIDATES)):
         raise ValueError(f"not a dtype measurement: {record}")
     return record
@@ -233,14 +240,14 @@ def _layers(shapes: LayerShapes, dtype: torch.dtype, copies: int):
     """(``copies`` layers, each a list of its products; a one-row input and a prefill's input of each width they
     read) in ``dtype``. Every value is one constant: values do not change a product's speed, and drawing random
     ones for SmolLM2's ten copies took 0.85 s, longer than the timing (no RNG is touched either)."""
-    packed = shapes.packs and can_pack(skip_init(nn.Linear, 1, 1, bias=False, dtype=dtype))  # as the engine packs
-    widths = shapes.products(fused=packed)
+    packs = shapes.packs and can_pack(skip_init(nn.Linear, 1, 1, bias=False, dtype=dtype))  # as the engine packs
+    widths = shapes.products(fused=packs)
     stack = []
     for _ in range(copies):
         linears = [skip_init(nn.Linear, n_in, n_out, bias=False, dtype=dtype) for n_in, n_out in widths]
         for linear in linears:
             linear.weight.fill_(FILL)
-        stack.append([PackedLinear(linear) for linear in linears] if packed else linears)
+        stack.append([packed(linear) for linear in linears] if packs else linears)
     one = {n_in: torch.full((1, n_in), FILL, dtype=dtype) for n_in, _ in widths}
     many = {n_in: torch.full((PREFILL_ROWS, n_in), FILL, dtype=dtype) for n_in, _ in widths}
     return stack, one, many

@@ -1,5 +1,6 @@
-"""CPU inference: linear weights reordered once into a blocked layout (oneDNN's for bf16; an int8 output
-projection into PyTorch's int4 kernel's, as two 4-bit halves).
+"""CPU inference: linear weights reordered once into a blocked layout (float32 into scalenlp's panels of 16 output
+rows, panel_linear.cpp, where it builds; oneDNN's for bf16, and for float32 elsewhere; an int8 output projection
+into PyTorch's int4 kernel's, as two 4-bit halves).
 
 A plain bf16 ``nn.Linear`` on CPU lets oneDNN reorder the weight on every call; at decode time,
 when each weight is read once per token, that reorder costs as much as the product itself. Packing
@@ -30,7 +31,7 @@ from scalenlp.compress.quantized import (
     rows_of,
 )
 from scalenlp.models.adapters import unpackable
-from scalenlp.models.cpu_attention import load_native
+from scalenlp.models.cpu_attention import cpu_model, load_native
 from scalenlp.models.onednn import pack, packed_linear
 
 # The rows float32 weights are packed for. SmolLM2's 30 blocks and output projection as a decode step reads them
@@ -100,6 +101,52 @@ class PackedLinear(nn.Module):
             lookup = torch.ops.scalenlp_packed.linear if self.native else packed_linear_by_number
             return lookup(x, self.number, self.bias, self.out_features)
         return packed_linear(x, self.packed, self.bias)
+
+
+PANEL_KERNEL = Path(__file__).with_name("panel_linear.cpp")
+PANEL_ROWS = 16  # output rows of a panel (panel_linear.cpp's NR)
+_panels: bool | None = None
+
+
+def panel_kernel() -> bool:
+    """Builds (or loads the cached build of) panel_linear.cpp's float32 product once per process; False on CPUs
+    without AVX2 and FMA, where it does not build, or with ``SCALENLP_PANEL_LINEAR=0`` (oneDNN's packed weights
+    then)."""
+    global _panels
+    if _panels is None:
+        _panels = (os.environ.get("SCALENLP_PANEL_LINEAR", "1") != "0" and {"avx2", "fma"} <= set(cpu_model().split())
+                   and load_native("scalenlp_panel_linear", PANEL_KERNEL))
+        if _panels:
+            torch.library.register_fake("scalenlp_panel::linear")(
+                lambda x, panels, bias, out_features: x.new_empty(*x.shape[:-1], out_features))
+    return _panels
+
+
+class PanelLinear(nn.Module):
+    """A float32 linear on panel_linear.cpp's kernel: the weight (out, in) as (ceil(out / 16), in, 16), each panel
+    the 16 output rows' weights interleaved along the inputs, zero-padded to whole panels (as is the bias). A plain
+    tensor, unlike oneDNN's packed one, so a compiled step takes it as an input like any buffer."""
+    packed_for_inference = True
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        panels = -(-self.out_features // PANEL_ROWS)
+        pad = panels * PANEL_ROWS - self.out_features
+        weight = torch.nn.functional.pad(linear.weight.detach(), (0, 0, 0, pad))
+        self.register_buffer("panels", weight.view(panels, PANEL_ROWS, self.in_features).transpose(1, 2).contiguous(),
+                             persistent=False)
+        bias = None if linear.bias is None else torch.nn.functional.pad(linear.bias.detach(), (0, pad))
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.scalenlp_panel.linear(x, self.panels, self.bias, self.out_features)
+
+
+def packed(linear: nn.Linear) -> nn.Module:
+    """The engine's CPU product for ``linear`` (of a model ``can_pack`` takes): float32 on scalenlp's panels where
+    panel_linear.cpp builds; else, and for bf16, on oneDNN's packed weight."""
+    return PanelLinear(linear) if linear.weight.dtype == torch.float32 and panel_kernel() else PackedLinear(linear)
 
 
 class PackedInt8Linear(nn.Module):
@@ -213,7 +260,7 @@ def fuse_projections(model: nn.Module) -> None:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Fuse the projections that share an input, then swap every nn.Linear for a PackedLinear, and an int8
+    """Fuse the projections that share an input, then swap every nn.Linear for its ``packed`` form, and an int8
     output projection for a PackedInt8Linear, in place; returns how many. Inference only: the packed weights
     take no gradient, and a tied output projection gets its own packed copy."""
     fuse_projections(model)
@@ -221,7 +268,7 @@ def pack_linears(model: nn.Module) -> int:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, packed(child))
                 swapped += 1
     # The output projection alone runs as halves: it reads one row per sequence, in prefill too (the last
     # token's), where they pay; the blocks' int8 kernel is faster at a prompt's many rows. SmolLM2 through the

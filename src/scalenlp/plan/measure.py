@@ -67,7 +67,7 @@ def serving_matmul_rates(dtype: torch.dtype, shapes=SERVING_SHAPES,
     priced a decode step of SmolLM2 from it 11-26% below what the engine took."""
     from torch import nn
 
-    from scalenlp.engine.packing import PackedLinear, can_pack
+    from scalenlp.engine.packing import can_pack, packed
 
     pools, out = {}, []
     with torch.no_grad():
@@ -75,7 +75,7 @@ def serving_matmul_rates(dtype: torch.dtype, shapes=SERVING_SHAPES,
             if (n, k) not in pools:
                 copies = max(2, working_set // (n * k * dtype.itemsize))
                 linears = [nn.Linear(k, n, bias=False, dtype=dtype) for _ in range(copies)]
-                pools[n, k] = [PackedLinear(lin) if can_pack(lin) else lin for lin in linears]
+                pools[n, k] = [packed(lin) if can_pack(lin) else lin for lin in linears]
             layers, x = itertools.cycle(pools[n, k]), torch.randn(m, k, dtype=dtype)
             out.append(((m, n, k), _rate(lambda: next(layers)(x), 2.0 * m * n * k)))
     return out
