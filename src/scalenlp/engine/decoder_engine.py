@@ -194,7 +194,7 @@ def compiled_step(model) -> Callable[..., torch.Tensor]:
     Without Inductor's freezing, which folded the weights into the graph as constants (packing bf16 ones for
     oneDNN), so that the graph is one AOTAutograd's and Inductor's caches keep between starts
     (engine/compile_cache.py): they refuse frozen graphs. A model whose linears ``pack_linears`` packed calls them
-    as opaque products on its packed weights instead.
+    as operators on their packed weights instead (float32 panels as inputs; oneDNN's opaque ones by number).
 
     Dynamo's guards on the model's modules (about 6,000 for SmolLM2: hooks, types, attributes, each parameter's
     metadata) took 1.0-1.5 ms a step to check, a tenth of an int4 token at batch 1; they are skipped. That is sound
@@ -244,8 +244,9 @@ class Engine:
         speculative_tokens: draft tokens proposed per request and step by prompt lookup (engine.speculative) and
         verified in the decode step's forward; 0: none. draft_model: a smaller model with the same vocabulary that
         proposes them instead (greedily, with its own KV cache in the same blocks), or None.
-        pack_weights: on CPU, pre-pack for oneDNN the linear layers of a float32 model, or of a bf16 one where
-        oneDNN computes in bf16 (engine.packing.pack_for_inference; the model is changed in place and is for
+        pack_weights: on CPU, pre-pack the linear layers of a float32 model (in scalenlp's panels, or for oneDNN
+        where that kernel does not build), or of a bf16 one for oneDNN where it computes in bf16
+        (engine.packing.pack_for_inference; the model is changed in place and is for
         inference only afterwards). tokenizer_config: the checkpoint's
         special tokens and chat template, for whoever renders conversations into prompts. adapters: the
         LoRA adapters served on this model (an engine.lora.LoraSlots built on it before this engine), or None.
