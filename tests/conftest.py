@@ -12,6 +12,7 @@ import os
 import sys
 
 import pytest
+from torch.utils import cpp_extension
 
 from infer_helpers import make_export, make_hf_chat_model
 from train_helpers import SHARED_DATA, make_hf_llama, write_chats, write_corpus
@@ -20,6 +21,10 @@ from train_helpers import SHARED_DATA, make_hf_llama, write_chats, write_corpus
 # here: the servers and engines the tests start run eagerly (this process's and every subprocess's environment).
 # The tests of compiling ask for it, and test_compile_choice tests the auto decision with the timing injected.
 os.environ.setdefault("SCALENLP_COMPILE", "off")
+# scalenlp's C++ kernels are built into torch's extension folder, which follows $XDG_CACHE_HOME. Tests that point
+# that at a temporary folder, to keep their measured figures apart, rebuilt there the first kernel they reached
+# (12-17 s): the folder stays where pytest_configure builds them, for this process, xdist's workers and subprocesses.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", cpp_extension.get_default_build_root())
 
 
 def pytest_addoption(parser):
