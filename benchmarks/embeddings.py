@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import base64
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from scalenlp.models.packaged import packaged_model
+from scalenlp.parallel.mesh import free_port
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2"
 MINILM = packaged_model("minilm")
@@ -67,9 +67,7 @@ async def post_all(url: str, texts: list[str], clients: int, request_texts: int)
 def serve(threads: int, forward_batch: int, max_texts: int) -> tuple[subprocess.Popen, str]:
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     proc = subprocess.Popen([sys.executable, "-m", "scalenlp", "serve", "--checkpoint", str(MINILM), "--port", str(port),
                              "--dtype", "float32", "--model-name", "minilm", "--forward-batch", str(forward_batch),

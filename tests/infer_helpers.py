@@ -140,16 +140,14 @@ class ServerThread:
     ServeLimits), on the connections `scalenlp serve` makes (its request-read and keep-alive deadlines)."""
 
     def __init__(self, app, limits=None):
-        import socket
         import threading
 
         import uvicorn
 
+        from scalenlp.parallel.mesh import free_port
         from scalenlp.serving.connections import server_config
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         config = (uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning") if limits is None
                   else server_config(app, limits, host="127.0.0.1", port=self.port, log_level="warning"))
         self.server = uvicorn.Server(config)

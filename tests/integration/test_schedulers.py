@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from scalenlp.cli import main
+from scalenlp.parallel.mesh import free_port
 from scalenlp.testing import slurm
 from train_helpers import HANG_GUARD_S, TINY, cli_env, last_step, read_metrics, run_train
 
@@ -30,17 +30,11 @@ def reference(tmp_path_factory) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _job_env() -> dict[str, str]:
     """This interpreter's `scalenlp` first on PATH; a free port for the job (the one derived from the job id,
     20001 for a new cluster's first job, may be taken on a shared machine)."""
     bin_dir = str(Path(sys.executable).parent)
-    return {**cli_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "MASTER_PORT": str(_free_port())}
+    return {**cli_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "MASTER_PORT": str(free_port())}
 
 
 @pytest.mark.slow

@@ -18,16 +18,11 @@ from pathlib import Path
 import pytest
 
 from scalenlp.config import config_items, load_config
+from scalenlp.parallel.mesh import free_port
 from scalenlp.train.tracking import STATE_FILE
 from train_helpers import HANG_GUARD_S, TINY, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from scalenlp.cli import main
 from scalenlp.errors import UserError
 from scalenlp.launch_env import PORT_BASE, expand_hostlist, rank_env, slurm_nodes
+from scalenlp.parallel import mesh
 from train_helpers import TINY
 
 HOSTLISTS = {
@@ -156,3 +158,19 @@ def test_deploy_slurm_mistakes_are_one_line_and_write_nothing(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("system_range", [True, False], ids=["linux range", "no range"])
+def test_free_ports_are_distinct_bindable_and_outside_the_system_range(monkeypatch, system_range):
+    """Ports for servers come from below the range the system hands to outgoing sockets (one of Ray's took a
+    port chosen inside it before Serve's proxy bound it); with no such range the system picks."""
+    if not system_range:
+        monkeypatch.setattr(mesh, "_ephemeral_start", lambda: 0)
+    top = mesh._ephemeral_start()
+    ports = mesh.free_ports(6)
+    assert len(set(ports)) == 6
+    if top:
+        assert all(mesh._RESERVED_BELOW <= p < top for p in ports), (ports, top)
+    for p in ports:
+        with socket.create_server(("127.0.0.1", p)):
+            pass

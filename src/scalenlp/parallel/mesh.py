@@ -8,6 +8,7 @@ because it sends the least traffic (one activation per microbatch at stage bound
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,14 +20,42 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from scalenlp.config import ConfigError, ParallelConfig
 from scalenlp.layout import degrees_problem, resolve_dp_shard
 
+# Ports a process gets for an outgoing connection or a bind to port 0 (Linux's default range). A port chosen in
+# this range and released can be handed to such a socket before our server binds it: a CI run saw Ray Serve's
+# proxy fail to bind a port that one of Ray's own sockets had taken meanwhile. So ports are chosen below it, and
+# above Ray's worker ports (10002-19999), where only an explicit bind takes them.
+_RESERVED_BELOW = 20000
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: no fixed range to stay out of
+        return 0
+
 
 def free_ports(n: int) -> list[int]:
-    """n distinct ports free on 127.0.0.1, for process groups and servers to listen on. Every socket stays bound
-    until all are chosen: ports picked one at a time can repeat once the first socket closes (a CI run saw Ray
-    refuse two components on one port)."""
-    sockets = [socket.socket() for _ in range(n)]
+    """n distinct ports free on 127.0.0.1, for process groups and servers to listen on: outside the range the
+    system hands out by itself where it has one. Every socket stays bound until all are chosen: ports picked one
+    at a time can repeat once the first socket closes (a CI run saw Ray refuse two components on one port)."""
+    top = _ephemeral_start()
+    candidates = random.sample(range(_RESERVED_BELOW, top), top - _RESERVED_BELOW) if top > _RESERVED_BELOW else []
+    sockets = []
     try:
-        for s in sockets:
+        for port in candidates:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            sockets.append(s)
+            if len(sockets) == n:
+                break
+        while len(sockets) < n:  # no range to choose from, or all of it taken: the system picks
+            s = socket.socket()
+            sockets.append(s)
             s.bind(("127.0.0.1", 0))
         return [s.getsockname()[1] for s in sockets]
     finally:

@@ -12,13 +12,14 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from scalenlp.parallel.mesh import free_ports
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol")
 MUNGE_KEY = Path("/etc/munge/munge.key")  # the package makes one on installation
@@ -39,12 +40,6 @@ def unavailable() -> str | None:
         return (f"needs Debian's slurm-wlm and munge packages (missing: {', '.join(missing) or MUNGE_KEY}): "
                 f"apt-get install slurm-wlm")
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _daemon(name: str) -> str:
@@ -86,9 +81,10 @@ def cluster(folder: Path, cpus: int = 2) -> Iterator[Cluster]:
     (sockets / "spool").mkdir()
     munge = sockets / "munge.sock"
     conf = folder / "slurm.conf"
+    controller_port, node_port = free_ports(2)
     settings = {
         "ClusterName": "scalenlp-test", "SlurmctldHost": f"{NODE}(127.0.0.1)", "SlurmUser": "root",
-        "SlurmdUser": "root", "SlurmctldPort": _free_port(), "SlurmdPort": _free_port(),
+        "SlurmdUser": "root", "SlurmctldPort": controller_port, "SlurmdPort": node_port,
         # A requeued job waits cred_expire seconds (120 by default) before it may start again: slurmd refuses to
         # launch a job whose earlier run's credentials it has revoked until they expire ("Job credential revoked").
         "AuthType": "auth/munge", "AuthInfo": f"socket={munge},cred_expire={CRED_EXPIRE_S}", "CryptoType": "crypto/munge",
