@@ -45,8 +45,9 @@ STEPS = 4  # timed steps per round and batch size
 CONTEXT = 64  # positions each row's queries see: the cache's keys read by the paged attention kernel
 
 # Which compiled step a cached figure is for: records written before the step was built for Inductor's caches
-# (engine/compile_cache.py) measured it with freezing, and are measured again.
-STEP = "cacheable"
+# (engine/compile_cache.py) measured it with freezing, and those before its CPU wrapper was C++ (compiled_step)
+# measured a Python one; both are measured again.
+STEP = "cpp-wrapper"
 # Per mode ("eager", "compiled"), per round: seconds of a step at each of ROWS; and "compile_s", the first
 # compiled steps' time.
 Timings = dict[str, list[list[float]] | float]
