@@ -27,7 +27,7 @@ def quantized_layer(out_features: int, in_features: int, method: str, native: bo
     from scalenlp.compress import quantized
     from scalenlp.compress.quantized import Quantization, empty_linear, quantize_weight
 
-    quantized._lowbit_built = native  # the kernels' choice, made once per process (built by main)
+    quantized.lowbit_kernels_available.built = native  # the kernels' choice, made once per process (built by main)
     spec = Quantization(method, 32 if method == "int4" else None)
     linear = nn.Linear(in_features, out_features, bias=False)
     module = empty_linear(spec, linear)

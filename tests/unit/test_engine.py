@@ -309,7 +309,7 @@ def test_a_compiled_step_finds_each_packed_weight_by_its_number(dtype, native, m
     and the number of a layer dropped is forgotten with it."""
     if native and not packing.native_lookup():
         pytest.skip("packed_linear.cpp did not build here (a warning said why)")
-    monkeypatch.setattr(packing, "_native", native)
+    monkeypatch.setattr(packing.native_lookup, "built", native)
     by_number = torch.ops.scalenlp_packed.linear if native else packed_linear_by_number
     packed = PackedLinear(torch.nn.Linear(64, 48).to(dtype))
     other = PackedLinear(torch.nn.Linear(64, 48).to(dtype))
@@ -357,10 +357,10 @@ def test_panel_products_compile_as_an_operator_and_can_be_turned_off(monkeypatch
     step = torch.compile(lambda x: torch.relu(layer(x)) * 2, fullgraph=True)
     x = torch.randn(3, 96)
     assert torch.equal(step(x), torch.relu(layer(x)) * 2)
-    monkeypatch.setattr(packing, "_panels", None)
+    monkeypatch.setattr(packing.panel_kernel, "built", None)
     monkeypatch.setenv("SCALENLP_PANEL_LINEAR", "0")
     assert type(packed(torch.nn.Linear(96, 40))) is PackedLinear
-    monkeypatch.setattr(packing, "_panels", True)
+    monkeypatch.setattr(packing.panel_kernel, "built", True)
     if packing.onednn_bf16():
         assert type(packed(torch.nn.Linear(96, 40).to(torch.bfloat16))) is PackedLinear
 

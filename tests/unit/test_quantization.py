@@ -54,7 +54,7 @@ ATEN_INT4, ATEN_INT8 = "aten._weight_int4pack_mm_for_cpu", "aten._weight_int8pac
 def native(request, monkeypatch) -> bool:
     """Runs the test on scalenlp's int4 and int8 CPU kernels and on PyTorch's; whether scalenlp's run."""
     if request.param == "aten":
-        monkeypatch.setattr(quantized, "_lowbit_built", False)
+        monkeypatch.setattr(quantized.lowbit_kernels_available, "built", False)
         return False
     if not quantized.lowbit_kernels_available():
         pytest.skip("scalenlp's int4 and int8 kernels need an x86 CPU with AVX2 and a C++ compiler")

@@ -14,7 +14,7 @@
 // quantized in that order: a block's even inputs, then its odd ones. The result is the exact product of the
 // dequantized weights and the rounded activations, up to the order of float32 sums.
 //
-// Built at run time by scalenlp.compress.quantized (through models.cpu_attention.load_native), -O3 -march=native.
+// Built at run time by scalenlp.compress.quantized (through scalenlp.native), -O3 -march=native.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

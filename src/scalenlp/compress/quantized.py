@@ -15,7 +15,6 @@ docs/compression.md describes the methods for users.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -28,11 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalenlp.errors import UserError
-from scalenlp.models.cpu_attention import cpu_model, load_native
 from scalenlp.models.decoder import ModelArgs, Transformer, rope_tables
 from scalenlp.models.encoder import Encoder, EncoderArgs
 from scalenlp.models.gguf import GGUF_BLOCK, GGUF_INT4, q4_blocks
 from scalenlp.models.io import assign_state, cast_state
+from scalenlp.native import NativeKernel
 
 METHODS = ("int8", "int4", "int8dyn")
 GROUP_SIZES = (32, 64, 128)
@@ -42,22 +41,18 @@ CPU_INT4_ROWS = 16  # PyTorch's CPU int4 kernel takes weights in tiles of this m
 LOWBIT_KERNELS = Path(__file__).with_name("lowbit_linear.cpp")
 LOWBIT_BLOCK = 32  # inputs per activation scale in scalenlp's CPU int4 and int8 kernels
 INT4_NATIVE, INT8_NATIVE = "scalenlp_lowbit.int4_linear", "scalenlp_lowbit.int8_linear"  # their operators
-_lowbit_built: bool | None = None
 
 
-def lowbit_kernels_available() -> bool:
-    """Builds (or loads the cached build of) scalenlp's AVX2 int4 and int8 kernels (lowbit_linear.cpp) once per
-    process; False on CPUs without AVX2, where they cannot be built, or where ``SCALENLP_LOWBIT_KERNELS=0`` turns
-    them off (PyTorch's CPU kernels then run instead)."""
-    global _lowbit_built
-    if _lowbit_built is None:
-        _lowbit_built = (os.environ.get("SCALENLP_LOWBIT_KERNELS", "1") != "0" and "avx2" in cpu_model().split()
-                         and load_native("scalenlp_lowbit_linear", LOWBIT_KERNELS))
-        if _lowbit_built:
-            for op in ("int4_linear", "int8_linear"):
-                torch.library.register_fake(f"scalenlp_lowbit::{op}")(
-                    lambda x, weight, scales: x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32))
-    return _lowbit_built
+def _register_lowbit_fakes() -> None:
+    for op in ("int4_linear", "int8_linear"):
+        torch.library.register_fake(f"scalenlp_lowbit::{op}")(
+            lambda x, weight, scales: x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32))
+
+
+# scalenlp's AVX2 int4 and int8 kernels; on CPUs without AVX2, where they cannot be built, or where
+# SCALENLP_LOWBIT_KERNELS=0 turns them off, PyTorch's CPU kernels run instead.
+lowbit_kernels_available = NativeKernel("scalenlp_lowbit_linear", LOWBIT_KERNELS, "SCALENLP_LOWBIT_KERNELS",
+                                        needs=("avx2",), register=_register_lowbit_fakes)
 
 
 @dataclass(frozen=True)

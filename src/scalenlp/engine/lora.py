@@ -28,7 +28,6 @@ once (new requests get 404), its slot is freed once the requests already admitte
 from __future__ import annotations
 
 import math
-import os
 import threading
 from pathlib import Path
 
@@ -38,25 +37,17 @@ from torch import nn
 
 from scalenlp.errors import UserError
 from scalenlp.models.adapters import LoraSpec, LoraWeights
-from scalenlp.models.cpu_attention import load_native
+from scalenlp.native import NativeKernel
 
 # The block linears an adapter may target, by their attribute names: attention's q/k/v/o, the MLP's gate/down/up.
 TARGETS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
            "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 BASE = 0  # the adapter index of rows that use the base model alone
 DEFAULT_RANK = 16  # --max-lora-rank when no --lora names a rank (vLLM's default too)
-KERNEL = Path(__file__).parents[1] / "models" / "lora_decode.cpp"
-_kernel_built: bool | None = None
-
-
-def kernel_available() -> bool:
-    """Builds (or loads the cached build of) the decode kernel once per process; False where it cannot be built
-    or ``SCALENLP_LORA_KERNEL=0`` turns it off (the dense or gathered products then run instead)."""
-    global _kernel_built
-    if _kernel_built is None:
-        _kernel_built = os.environ.get("SCALENLP_LORA_KERNEL", "1") != "0" and load_native("scalenlp_lora_decode",
-                                                                                            KERNEL)
-    return _kernel_built
+# The decode kernel; where it cannot be built or SCALENLP_LORA_KERNEL=0 turns it off, the dense or gathered
+# products run instead.
+kernel_available = NativeKernel("scalenlp_lora_decode", Path(__file__).parents[1] / "models" / "lora_decode.cpp",
+                                "SCALENLP_LORA_KERNEL")
 
 
 class UnknownAdapter(LookupError):

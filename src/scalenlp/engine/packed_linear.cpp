@@ -5,7 +5,7 @@
 // Why in C++: the same lookup as a Python custom operator cost 36 us a call of its own, 121 calls a SmolLM2 step:
 // 4.4 ms of a 43-49 ms float32 decode step (torch.profiler, 1 thread).
 //
-// Built at run time by scalenlp.engine.packing (through models.cpu_attention.load_native).
+// Built at run time by scalenlp.engine.packing (through scalenlp.native).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>

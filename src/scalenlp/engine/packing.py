@@ -12,7 +12,6 @@ numbers faster. A module swap whose forward is one line. Idempotent: packing a p
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import weakref
 from pathlib import Path
@@ -31,8 +30,8 @@ from scalenlp.compress.quantized import (
     rows_of,
 )
 from scalenlp.models.adapters import unpackable
-from scalenlp.models.cpu_attention import cpu_model, load_native
 from scalenlp.models.onednn import pack, packed_linear
+from scalenlp.native import NativeKernel
 
 # The rows float32 weights are packed for. SmolLM2's 30 blocks and output projection as a decode step reads them
 # (each weight streamed from memory once a step; benchmarks/RESULTS.md): packed for 32 rows, as vLLM's CPU build
@@ -49,21 +48,12 @@ FLOAT32_ROWS = 32
 # builds, else here.
 _PACKED: dict[int, weakref.ref] = {}
 _NUMBERS = itertools.count()
-PACKED_LOOKUP = Path(__file__).with_name("packed_linear.cpp")
-_native: bool | None = None
-
-
-def native_lookup() -> bool:
-    """Builds (or loads the cached build of) packed_linear.cpp's operators once per process; False where that fails
-    or ``SCALENLP_PACKED_LOOKUP=0``, and the Python operator below runs instead (36 us a call more)."""
-    global _native
-    if _native is None:
-        _native = (os.environ.get("SCALENLP_PACKED_LOOKUP", "1") != "0"
-                   and load_native("scalenlp_packed_linear", PACKED_LOOKUP))
-        if _native:
-            torch.library.register_fake("scalenlp_packed::linear")(
-                lambda x, number, bias, out_features: x.new_empty(*x.shape[:-1], out_features))
-    return _native
+# packed_linear.cpp's operators; where they do not build or SCALENLP_PACKED_LOOKUP=0, the Python operator below
+# runs instead (36 us a call more).
+native_lookup = NativeKernel(
+    "scalenlp_packed_linear", Path(__file__).with_name("packed_linear.cpp"), "SCALENLP_PACKED_LOOKUP",
+    register=lambda: torch.library.register_fake("scalenlp_packed::linear")(
+        lambda x, number, bias, out_features: x.new_empty(*x.shape[:-1], out_features)))
 
 
 @torch.library.custom_op("scalenlp::packed_linear", mutates_args=())
@@ -103,23 +93,13 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed, self.bias)
 
 
-PANEL_KERNEL = Path(__file__).with_name("panel_linear.cpp")
 PANEL_ROWS = 16  # output rows of a panel (panel_linear.cpp's NR)
-_panels: bool | None = None
-
-
-def panel_kernel() -> bool:
-    """Builds (or loads the cached build of) panel_linear.cpp's float32 product once per process; False on CPUs
-    without AVX2 and FMA, where it does not build, or with ``SCALENLP_PANEL_LINEAR=0`` (oneDNN's packed weights
-    then)."""
-    global _panels
-    if _panels is None:
-        _panels = (os.environ.get("SCALENLP_PANEL_LINEAR", "1") != "0" and {"avx2", "fma"} <= set(cpu_model().split())
-                   and load_native("scalenlp_panel_linear", PANEL_KERNEL))
-        if _panels:
-            torch.library.register_fake("scalenlp_panel::linear")(
-                lambda x, panels, bias, out_features: x.new_empty(*x.shape[:-1], out_features))
-    return _panels
+# panel_linear.cpp's float32 product; on CPUs without AVX2 and FMA, where it does not build, or with
+# SCALENLP_PANEL_LINEAR=0, float32 takes oneDNN's packed weights.
+panel_kernel = NativeKernel(
+    "scalenlp_panel_linear", Path(__file__).with_name("panel_linear.cpp"), "SCALENLP_PANEL_LINEAR",
+    needs=("avx2", "fma"), register=lambda: torch.library.register_fake("scalenlp_panel::linear")(
+        lambda x, panels, bias, out_features: x.new_empty(*x.shape[:-1], out_features)))
 
 
 class PanelLinear(nn.Module):

@@ -11,7 +11,7 @@
 // each panel staying in L1/L2 while the blocks of rows pass over it; threads split the panels. The accumulators
 // are named variables: as an array, GCC stored them to the stack every step of k (2x slower from 16 rows up).
 //
-// Built at run time by scalenlp.engine.packing (through models.cpu_attention.load_native).
+// Built at run time by scalenlp.engine.packing (through scalenlp.native).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

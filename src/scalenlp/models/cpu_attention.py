@@ -11,68 +11,22 @@ turns the kernel off.
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from scalenlp.native import NativeKernel
+
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 HEAD_SIZES = (16, 32)  # measured faster than SDPA; at 64 and 128 it was not, on this CPU
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def cpu_model() -> str:
-    """This CPU's model and instruction sets (what -march=native compiles for)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    return "".join(dict.fromkeys(line for line in lines if line.startswith(("model name", "flags"))))
-
-
 @torch.compiler.assume_constant_result  # torch.compile calls it while tracing, never traces into it
 def available() -> bool:
-    """Builds (or loads the cached build of) the kernel once per process; False, with one log line, where it
-    cannot be built or is turned off."""
-    global _built
-    if _built is None:
-        _built = _build()
-    return _built
-
-
-_built: bool | None = None
-
-
-def _build() -> bool:
-    if os.environ.get("SCALENLP_CPU_ATTENTION", "1") == "0" or not load_native("scalenlp_cpu_attention", SOURCE):
-        return False
-    _register_autograd()
-    return True
-
-
-def load_native(name: str, source: Path) -> bool:
-    """Build (or load the cached build of) the C++ operators in ``source`` as the extension ``name``; False,
-    with one warning line, where that fails (no compiler, no ninja, no headers)."""
-    from torch.utils import cpp_extension
-
-    # -march=native code must not be loaded on another CPU from a shared cache: the name carries the CPU.
-    tag = hashlib.sha1((cpu_model() + torch.__version__).encode()).hexdigest()[:10]
-    # ATen's parallel_for is inlined into the kernel: under an OpenMP build of torch it is an `omp parallel`
-    # region, which without -fopenmp compiles to one thread.
-    openmp = ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
-    try:
-        cpp_extension.load(name=f"{name}_{tag}", sources=[str(source)], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-fno-math-errno", *openmp],
-                           extra_ldflags=openmp, verbose=False)
-    except Exception as exc:  # the caller falls back to PyTorch's own operators
-        log.warning("scalenlp's kernel %s did not build (%s); using PyTorch's operators instead", source.name,
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        return False
-    return True
+    """Whether the kernel is loaded (built or loaded from the cached build on the first call); False, with one log
+    line, where it cannot be built or is turned off."""
+    return KERNEL()
 
 
 def _bshd_like(t: torch.Tensor) -> torch.Tensor:
@@ -100,6 +54,9 @@ def _register_autograd() -> None:
         return torch.ops.scalenlp_cpu.causal_attention_backward(dout, q, k, v, out, lse)
 
     torch.library.register_autograd("scalenlp_cpu::causal_attention", backward, setup_context=setup_context)
+
+
+KERNEL = NativeKernel("scalenlp_cpu_attention", SOURCE, "SCALENLP_CPU_ATTENTION", register=_register_autograd)
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, dropout: float) -> bool:

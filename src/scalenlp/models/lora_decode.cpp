@@ -8,7 +8,7 @@
 // adapters spent about 26 ms of 90 in them, 3 ops per layer linear. Here it is one call per linear, reading
 // only the adapter each row uses, and rows on the base model cost nothing.
 //
-// Built at run time by scalenlp.engine.lora (through models.cpu_attention.load_native) with -O3 -march=native;
+// Built at run time by scalenlp.engine.lora (through scalenlp.native) with -O3 -march=native;
 // the loops over the input and output features are left to the compiler's vectorizer.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

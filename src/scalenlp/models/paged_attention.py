@@ -11,31 +11,30 @@ sequences over a shared 1,000-token prefix, SmolLM2's whole decode step took 5.9
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
-from scalenlp.models.cpu_attention import load_native
+from scalenlp.native import NativeKernel
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-_built: bool | None = None
+
+
+def _register_fake() -> None:
+    # Shapes without computing, for torch.compile's tracing: what makes the op a graph node.
+    @torch.library.register_fake("scalenlp_paged::decode_attention")
+    def _(q, k, v, block_table, lengths, scale, softcap, window, block_size):
+        return q.new_empty(q.shape)
+
+
+KERNEL = NativeKernel("scalenlp_paged_attention", SOURCE, "SCALENLP_PAGED_ATTENTION", register=_register_fake)
 
 
 @torch.compiler.assume_constant_result  # torch.compile calls it while tracing, never traces into it
 def available() -> bool:
-    """Builds (or loads the cached build of) the kernel once per process; False where it cannot be built or is
-    turned off."""
-    global _built
-    if _built is None:
-        _built = os.environ.get("SCALENLP_PAGED_ATTENTION", "1") != "0" and load_native("scalenlp_paged_attention",
-                                                                                         SOURCE)
-        if _built:
-            # Shapes without computing, for torch.compile's tracing: what makes the op a graph node.
-            @torch.library.register_fake("scalenlp_paged::decode_attention")
-            def _(q, k, v, block_table, lengths, scale, softcap, window, block_size):
-                return q.new_empty(q.shape)
-    return _built
+    """Whether the kernel is loaded (built or loaded from the cached build on the first call); False where it
+    cannot be built or is turned off."""
+    return KERNEL()
 
 
 def usable(q: torch.Tensor, pool: torch.Tensor) -> bool:
