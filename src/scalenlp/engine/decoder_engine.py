@@ -206,9 +206,9 @@ def compiled_step(model) -> Callable[..., torch.Tensor]:
     On the CPU, the graph's wrapper (which calls its kernels and operators in order) is C++, not Python: Python's
     wrapper cost about 1 ms of an int4 SmolLM2's 8-10 ms batch-1 step at 2 threads (its 120 product operators and
     30 attention calls each through the dispatcher from Python), and the step ran 1.2x as fast in C++. Built apart
-    from the kernels, as Inductor offers: one file of both took 65 s more to compile than the Python wrapper at a
-    first start and after Inductor's cache folder was emptied (the step's cached artifacts hold sources, not
-    binaries), apart 14 s and 7 s more."""
+    from the kernels, as Inductor offers: one file of both took 66 s more to compile than the Python wrapper at a
+    first start and 81 s more after Inductor's cache folder was emptied (the step's cached artifacts hold sources,
+    not binaries); built apart, 14 s and 7 s more."""
     from torch._dynamo.decorators import mark_unbacked
 
     def forward(*args, **kwargs):
