@@ -21,6 +21,7 @@ import os
 import platform
 import re
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,6 +251,26 @@ def write_cached(path: Path, value: dict) -> None:
         write_file(path, json.dumps(value), shared=True)
     except OSError:
         pass
+
+
+def time_rounds(passes: dict[str, list[Callable[[], None]]], rounds: int,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[list[float]]]:
+    """Per candidate, per round, the seconds of each of its ``passes`` (run in their order), for a figure measured
+    once per machine (the served dtype, lora.pack_frozen). Rounds alternate the candidates in alternating order, so
+    a neighbour's burst slows both halves of a round alike; a candidate runs its passes once untimed right before it
+    times them, so that its timing pays neither a first call's one-time costs nor what the other candidate left
+    behind (its weights in the caches)."""
+    timings: dict[str, list[list[float]]] = {name: [] for name in passes}
+    for r in range(rounds):
+        for name in list(passes)[::1 if r % 2 else -1]:
+            for run in passes[name]:
+                run()
+            marks = [clock()]
+            for run in passes[name]:
+                run()
+                marks.append(clock())
+            timings[name].append([end - start for start, end in zip(marks, marks[1:])])
+    return timings
 
 
 def release_openmp_workers() -> bool:

@@ -12,6 +12,7 @@ import torch
 from scalenlp.cli import main
 from scalenlp.engine import dtype as dtype_module
 from scalenlp.engine.dtype import DtypeChoice, LayerShapes, choose_dtype, time_layer
+from scalenlp.hardware import time_rounds
 from scalenlp.models.decoder import ModelArgs
 from scalenlp.models.encoder import EncoderArgs
 
@@ -129,8 +130,8 @@ def test_a_cold_call_is_never_the_one_timed():
         return run
 
     warm = {"float32": [2e-3, 20e-3], "bfloat16": [1e-3, 10e-3]}  # a one-row pass, a prefill
-    timed = dtype_module.time_rounds({name: [timed_pass(name, s) for s in warm[name]] for name in CPU_CANDIDATES},
-                                     clock=lambda: now[0])
+    timed = time_rounds({name: [timed_pass(name, s) for s in warm[name]] for name in CPU_CANDIDATES}, ROUNDS,
+                        clock=lambda: now[0])
     assert timed == {name: [pytest.approx(warm[name])] * ROUNDS for name in CPU_CANDIDATES}
     record = dtype_module._record({name: [tuple(r) for r in rounds] for name, rounds in timed.items()})
     assert record["bfloat16_speedup"] == pytest.approx(2.0)

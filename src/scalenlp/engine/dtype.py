@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from scalenlp.engine.packing import can_pack, packed, panel_kernel
-from scalenlp.hardware import cached_record, engine_cache_path
+from scalenlp.hardware import cached_record, engine_cache_path, time_rounds
 from scalenlp.models.memory import device_memory
 
 CPU_CANDIDATES = ("float32", "bfloat16")
@@ -191,27 +190,9 @@ def time_layer(shapes: LayerShapes) -> Timings:
             stack, one, many = _layers(shapes, getattr(torch, name), copies)
             decode = [functools.partial(_run, stack, one)] if shapes.decodes else []  # one row through the copies
             passes[name] = [*decode, functools.partial(_run, stack[:1], many)]
-        timed = time_rounds(passes)
+        timed = time_rounds(passes, ROUNDS)
     return {name: [(r[0] / copies, r[1]) if shapes.decodes else (0.0, r[0]) for r in rounds]
             for name, rounds in timed.items()}
-
-
-def time_rounds(passes: dict[str, list[Callable[[], None]]],
-                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[list[float]]]:
-    """Per candidate, per round, the seconds of each of its ``passes`` (run in their order). Rounds alternate the
-    candidates in alternating order; a candidate runs its passes once untimed right before it times them (see the
-    module docstring)."""
-    timings: dict[str, list[list[float]]] = {name: [] for name in passes}
-    for r in range(ROUNDS):
-        for name in list(passes)[::1 if r % 2 else -1]:
-            for run in passes[name]:
-                run()
-            marks = [clock()]
-            for run in passes[name]:
-                run()
-                marks.append(clock())
-            timings[name].append([end - start for start, end in zip(marks, marks[1:])])
-    return timings
 
 
 def streamed_copies(shapes: LayerShapes) -> int:
