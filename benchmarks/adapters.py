@@ -7,9 +7,11 @@ Each measurement runs in a process of its own (so one's memory never counts in a
 token batches, with fused AdamW over what trains:
 
 - full: every weight trains (fp32);
-- lora: rank 16 (alpha 32) on every linear of the blocks (lora.targets = all-linear), the base frozen and held
-  packed for oneDNN as training holds it by default (lora.pack_frozen);
-- lora-plain: lora with lora.pack_frozen=false (the plain base weights);
+- lora-packed: rank 16 (alpha 32) on every linear of the blocks (lora.targets = all-linear), the base frozen and
+  held packed for oneDNN (lora.pack_frozen=on);
+- lora-plain: the same with the plain base weights (lora.pack_frozen=off);
+- lora, in the printed figures: whichever of the two lora.pack_frozen=auto (the default) picks on this machine
+  (train/frozen_packing.py, its figure measured once and cached);
 - qlora: lora with the frozen block linears in NF4 (compress/nf4.py), which is not packed;
 - peft: transformers' LlamaForCausalLM of the same weights with peft's LoraConfig(r=16, lora_alpha=32,
   target_modules="all-linear").
@@ -17,8 +19,8 @@ token batches, with fused AdamW over what trains:
 Figures: parameters that train; resident memory once the model is built (at rest) and its peak over the training
 steps (Linux's VmHWM, reset after loading, so the transient of reading the GGUF file is not counted); tokens/s over
 the steps after the first (which pays one-time allocations). Speed against peft is measured apart, in one process
-holding the models and taking their steps in turn, so that other work on the machine weighs on all alike: lora,
-peft, and lora-plain (our LoRA with lora.pack_frozen=false); with ``--compile`` another, our LoRA with
+holding the models and taking their steps in turn, so that other work on the machine weighs on all alike:
+lora-packed, lora-plain and peft; with ``--compile`` another, our LoRA with
 ``training.compile`` (each block and the loss through torch.compile, as parallelize's apply_compile does, the
 base unpacked as training leaves it then; its first step, untimed, compiles).
 
@@ -44,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("full", "lora", "lora-plain", "qlora", "peft")
+KINDS = ("full", "lora-packed", "lora-plain", "qlora", "peft")
 RANK, ALPHA = 16, 32
 
 
@@ -63,8 +65,8 @@ def _settle() -> None:
 
 
 def _our_model(kind: str, rows: int):
-    """Our model of ``kind`` for batches of ``rows`` tokens; a LoRA base packed for oneDNN as training packs it by
-    default (lora.pack_frozen), but for kind "lora-plain"."""
+    """Our model of ``kind`` for batches of ``rows`` tokens; the LoRA base of "lora-packed" packed for oneDNN
+    (lora.pack_frozen=on)."""
     from scalenlp.loader import read
     from scalenlp.models.adapters import (
         LoraSpec,
@@ -80,15 +82,15 @@ def _our_model(kind: str, rows: int):
     pre = read(packaged_model("smollm2"))
     model = build_decoder(pre.args, pre.state, "cpu", torch.float32).train()
     del pre
-    if kind in ("lora", "lora-plain", "qlora"):
+    if kind in ("lora-packed", "lora-plain", "qlora"):
         if kind == "qlora":
             from scalenlp.compress.nf4 import quantize_nf4
 
             quantize_nf4(model, adaptable(model))
         add_adapters(model, LoraSpec(RANK, ALPHA), match_targets(model, "all-linear"))
         freeze_all_but_adapters(model)
-        if kind != "lora-plain":
-            pack_frozen(model, rows)  # an NF4 base (qlora) is left as it is
+        if kind == "lora-packed":
+            pack_frozen(model, rows)
     # The summed loss (computed a chunk of tokens at a time), as a mean like transformers'.
     return model, lambda tokens: model(tokens[:, :-1], targets=tokens[:, 1:]) / tokens[:, 1:].numel()
 
@@ -144,14 +146,23 @@ def measure(kind: str, steps: int, batch: int, seq: int) -> dict:
             "tokens_per_s": batch * seq * len(timed) / sum(timed), "losses": losses}
 
 
+def auto_pick(rows: int) -> tuple[str, str]:
+    """Which of lora-packed and lora-plain lora.pack_frozen=auto (the default) runs on this machine, and why."""
+    from scalenlp.models.adapters import frozen_shapes
+    from scalenlp.train.frozen_packing import choose_packing
+
+    choice = choose_packing(frozen_shapes(_our_model("lora-plain", rows)[0]), rows)
+    return ("lora-packed" if choice.on else "lora-plain"), choice.reason
+
+
 def speed(steps: int, batch: int, seq: int, compile: bool = False) -> dict:
-    """Tokens per second of wall time, and per second of this process's CPU time, of our LoRA and of peft's (and
-    of ours compiled), the models' steps taken in turn in this one process: on a machine shared with other work
-    the load then weighs on all alike (separate processes meet different loads), and the CPU time leaves out the
-    time spent waiting for the cores."""
+    """Tokens per second of wall time, and per second of this process's CPU time, of our LoRA (packed and plain)
+    and of peft's (and of ours compiled), the models' steps taken in turn in this one process: on a machine shared
+    with other work the load then weighs on all alike (separate processes meet different loads), and the CPU time
+    leaves out the time spent waiting for the cores."""
     torch.manual_seed(0)
-    runs = {"lora": _our_model("lora", batch * seq), "lora-plain": _our_model("lora-plain", batch * seq),
-            "peft": _peft_model()}
+    runs = {kind: _our_model(kind, batch * seq) for kind in ("lora-packed", "lora-plain")}
+    runs["peft"] = _peft_model()
     if compile:
         from scalenlp.parallel.parallelize import apply_compile
 
@@ -175,37 +186,26 @@ def speed(steps: int, batch: int, seq: int, compile: bool = False) -> dict:
             {k: batch * seq * len(t) / sum(t) for k, t in cpu.items()})
 
 
-def products(rows: int, rounds: int = 9) -> None:
-    """lora.pack_frozen's products alone: SmolLM2's frozen linears at ``rows`` rows, F.linear (the forward) and
-    dy W (the input's gradient, as autograd computes it) against the same on oneDNN-packed W and W^T, in
-    interleaved rounds; each figure the median over rounds of plain time / packed time (CPU time, this thread)."""
+def products(rows: int) -> None:
+    """lora.pack_frozen's products alone, as auto times them (train/frozen_packing.py): each of SmolLM2's frozen
+    shapes at ``rows`` rows, its forward product and input gradient, plain against oneDNN-packed W and W^T, in
+    interleaved rounds; per shape the median over rounds of plain time / packed time, and the step's products
+    (each shape weighed by how many linears have it)."""
     import statistics
 
-    import torch.nn.functional as F
+    from scalenlp.train.frozen_packing import time_products
 
-    from scalenlp.models.onednn import pack, packed_linear
-
-    shapes = {"q, o": (576, 576), "k, v": (576, 192), "gate, up": (576, 1536), "down": (1536, 576),
-              "output": (576, 49152)}
-    for name, (k, n) in shapes.items():
-        w, x, dy = torch.randn(n, k), torch.randn(rows, k), torch.randn(rows, n)
-        packed, packed_t = pack(w, rows), pack(w.t().contiguous(), rows)
-        calls = {"forward": (lambda: F.linear(x, w), lambda: packed_linear(x, packed, None)),
-                 "input gradient": (lambda: dy.mm(w), lambda: packed_linear(dy, packed_t, None))}
-        reps = max(3, int(2e8 / (rows * k * n)))
-        line = []
-        for what, pair in calls.items():
-            ratios = []
-            for _ in range(rounds):
-                took = []
-                for call in pair:
-                    start = time.process_time()
-                    for _ in range(reps):
-                        call()
-                    took.append(time.process_time() - start)
-                ratios.append(took[0] / took[1])
-            line.append(f"{what} {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
-        print(f"{name} ({k} -> {n}), {rows} rows, packed against plain: {', '.join(line)}")
+    shapes = {"q, o": ((576, 576), 60), "k, v": ((576, 192), 60), "gate, up": ((576, 1536), 60),
+              "down": ((1536, 576), 30), "output": ((576, 49152), 1)}
+    timed = time_products([shape for shape, _ in shapes.values()], rows)
+    for i, (name, ((k, n), _)) in enumerate(shapes.items()):
+        ratios = [plain[i] / packed[i] for plain, packed in zip(timed["plain"], timed["packed"])]
+        print(f"{name} ({k} -> {n}), {rows} rows, forward and input gradient, packed against plain: "
+              f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
+    step = {kind: sum(count * statistics.median(r[i] for r in rounds) for i, (_, count) in enumerate(shapes.values()))
+            for kind, rounds in timed.items()}
+    print(f"a step's frozen products (SmolLM2, {rows} rows): {1e3 * step['packed']:.1f} ms packed, "
+          f"{1e3 * step['plain']:.1f} ms plain: {step['plain'] / step['packed']:.2f}x as fast packed")
 
 
 def layouts(steps: int) -> None:
@@ -255,19 +255,21 @@ def main() -> int:
     if args.only == "products":
         products(args.batch * args.seq)
         return 0
+    picked, why = auto_pick(args.batch * args.seq)
+    print(f"lora.pack_frozen=auto runs {picked} here: {why}")
     if args.only != "memory":
         fast, per_cpu = speed(args.steps, args.batch, args.seq, args.compile)
-        print(f"tokens/s, steps in turn in one process: lora {fast['lora']:,.1f}, peft+transformers "
-              f"{fast['peft']:,.1f}: lora / peft = {fast['lora'] / fast['peft']:.2f}x (per CPU second: "
-              f"{per_cpu['lora'] / per_cpu['peft']:.2f}x)")
-        print(f"lora with the base unpacked (lora.pack_frozen=false) {fast['lora-plain']:,.1f} tokens/s: "
-              f"{fast['lora-plain'] / fast['peft']:.2f}x peft; lora / lora-plain = {fast['lora'] / fast['lora-plain']:.2f}x "
-              f"(per CPU second: {per_cpu['lora-plain'] / per_cpu['peft']:.2f}x, "
-              f"{per_cpu['lora'] / per_cpu['lora-plain']:.2f}x)")
+        print(f"tokens/s, steps in turn in one process: lora ({picked}) {fast[picked]:,.1f}, peft+transformers "
+              f"{fast['peft']:,.1f}: lora / peft = {fast[picked] / fast['peft']:.2f}x (per CPU second: "
+              f"{per_cpu[picked] / per_cpu['peft']:.2f}x)")
+        print(f"lora-packed {fast['lora-packed']:,.1f}, lora-plain {fast['lora-plain']:,.1f} tokens/s: "
+              f"{fast['lora-packed'] / fast['peft']:.2f}x and {fast['lora-plain'] / fast['peft']:.2f}x peft; packed / "
+              f"plain = {fast['lora-packed'] / fast['lora-plain']:.2f}x (per CPU second: "
+              f"{per_cpu['lora-packed'] / per_cpu['lora-plain']:.2f}x)")
         if args.compile:
             print(f"lora with training.compile {fast['compiled']:,.1f} tokens/s: {fast['compiled'] / fast['peft']:.2f}x "
-                  f"peft, {fast['compiled'] / fast['lora']:.2f}x lora eager (per CPU second: "
-                  f"{per_cpu['compiled'] / per_cpu['peft']:.2f}x, {per_cpu['compiled'] / per_cpu['lora']:.2f}x)")
+                  f"peft, {fast['compiled'] / fast[picked]:.2f}x lora eager (per CPU second: "
+                  f"{per_cpu['compiled'] / per_cpu['peft']:.2f}x, {per_cpu['compiled'] / per_cpu[picked]:.2f}x)")
     if args.only == "speed":
         return 0
     results = {}
@@ -278,14 +280,16 @@ def main() -> int:
     mib = 2 ** 20
     print(f"SmolLM2-135M, batch {args.batch} x {args.seq} tokens, {args.steps} steps, "
           f"{torch.get_num_threads()} thread(s)")
-    print(f"{'run':>6} | {'trained params':>16} | {'RSS at rest':>11} | {'peak RSS (steps)':>16} | {'tokens/s':>8}")
+    print(f"{'run':>11} | {'trained params':>16} | {'RSS at rest':>11} | {'peak RSS (steps)':>16} | {'tokens/s':>8}")
     for kind, r in results.items():
-        print(f"{kind:>6} | {r['trained']:>9,} ({r['trained'] / r['params']:.2%}) | {r['rss_at_rest'] / mib:>7,.0f} MiB "
+        print(f"{kind:>11} | {r['trained']:>9,} ({r['trained'] / r['params']:.2%}) | {r['rss_at_rest'] / mib:>7,.0f} MiB "
               f"| {r['rss_peak'] / mib:>12,.0f} MiB | {r['tokens_per_s']:>8,.0f}")
-    full, lora, plain, qlora, peft = (results[k] for k in KINDS)
-    print(f"peak RSS: lora / full = {lora['rss_peak'] / full['rss_peak']:.2f}, qlora / lora = "
-          f"{qlora['rss_peak'] / lora['rss_peak']:.2f}, lora / lora-plain = {lora['rss_peak'] / plain['rss_peak']:.2f} "
-          f"(+{(lora['rss_peak'] - plain['rss_peak']) / mib:,.0f} MiB); at rest: qlora / lora = "
+    full, packed, plain, qlora, peft = (results[k] for k in KINDS)
+    lora = results[picked]
+    print(f"peak RSS: lora ({picked}) / full = {lora['rss_peak'] / full['rss_peak']:.2f}, qlora / lora = "
+          f"{qlora['rss_peak'] / lora['rss_peak']:.2f}, lora-packed / lora-plain = "
+          f"{packed['rss_peak'] / plain['rss_peak']:.2f} (+{(packed['rss_peak'] - plain['rss_peak']) / mib:,.0f} MiB); "
+          f"at rest: qlora / lora = "
           f"{qlora['rss_at_rest'] / lora['rss_at_rest']:.2f}")
     print(f"tokens/s in separate processes (each met its own load; the one-process figure above is the fair one): "
           f"lora / peft = {lora['tokens_per_s'] / peft['tokens_per_s']:.2f}x, lora / full = "

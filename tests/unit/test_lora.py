@@ -228,19 +228,54 @@ def test_a_lora_run_exports_the_merged_model_and_the_adapter(lora_run, hf_llama)
 
 
 def test_a_lora_run_packs_its_frozen_base_or_says_why_not(tmp_path, hf_llama, corpus, capsys):
-    """lora.pack_frozen (on by default) packs the base in a float32 CPU run, with the unpacked run's loss; under
-    autocast it is left as it is, with the reason; off, nothing is said."""
+    """lora.pack_frozen=on packs the base in a float32 CPU run, with the unpacked run's loss; under autocast it is
+    left as it is, with the reason (not timed, under auto); off, nothing is said."""
     sets = [f"model.init={hf_llama}", f"data.path={corpus}", *FINETUNE, *LORA, "training.steps=1", "checkpoint.every=0",
             "checkpoint.export=false"]
-    packed = train_here(tmp_path / "packed", *sets)
+    packed = train_here(tmp_path / "packed", *sets, "lora.pack_frozen=on")
     assert re.search(r"^lora.pack_frozen: [1-9]\d* frozen linears held as oneDNN-packed W and W\^T$",
                      capsys.readouterr().err, re.M)
-    plain = train_here(tmp_path / "plain", *sets, "lora.pack_frozen=false")
+    plain = train_here(tmp_path / "plain", *sets, "lora.pack_frozen=off")
     assert "lora.pack_frozen" not in capsys.readouterr().err
     assert packed[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
     train_here(tmp_path / "bf16", *sets, "training.mixed_precision=bf16")
     assert ("lora.pack_frozen: 0 frozen linears held as oneDNN-packed W and W^T; not packed: "
-            "training.mixed_precision=bf16 computes the products in bf16 (autocast)") in capsys.readouterr().err
+            "training.mixed_precision=bf16 computes the products in bf16 (autocast)\n") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("packed_time", [0.5, 2.0])
+def test_lora_pack_frozen_auto_packs_where_the_packed_products_measured_faster(tmp_path, hf_llama, corpus, capsys,
+                                                                                monkeypatch, packed_time):
+    """lora.pack_frozen=auto (the default) times the base's products once (here a fake timing: packed at half or
+    twice the plain time) and packs only where packed was faster, saying why; the next run reads the cache."""
+    from scalenlp.train import frozen_packing
+
+    monkeypatch.delenv("SCALENLP_PACK_FROZEN")  # tests/conftest.py decides it for every other test
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    timed = []
+
+    def fake(shapes, rows):
+        timed.append((shapes, rows))
+        return {"plain": [[1e-3] * len(shapes)], "packed": [[packed_time * 1e-3] * len(shapes)]}
+
+    monkeypatch.setattr(frozen_packing, "time_products", fake)
+    sets = [f"model.init={hf_llama}", f"data.path={corpus}", *FINETUNE, *LORA, "training.steps=1", "checkpoint.every=0",
+            "checkpoint.export=false"]
+    for run in ("first", "second"):
+        train_here(tmp_path / run, *sets)
+        line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("lora.pack_frozen:"))
+        gain = f"measured {1 / packed_time:.2f}x as fast packed"
+        if packed_time < 1:
+            assert re.match(rf"lora.pack_frozen: [1-9]\d* frozen linears held as oneDNN-packed W and W\^T \(auto: "
+                            rf"{gain} \(the frozen products of a step", line), line
+        else:
+            assert line.startswith(f"lora.pack_frozen: 0 frozen linears held as oneDNN-packed W and W^T (auto: {gain}, "
+                                   f"under the 1.05x that pays for a second copy of the base"), line
+        assert ("measured now, " in line) == (run == "first")
+    [(shapes, rows)] = timed  # once: the second run read the cache
+    # A step's rows (batch 4 of 32 tokens); the tiny Llama's k/v, q/o, gate/up, its frozen (tied) output
+    # projection and down, each once.
+    assert rows == 4 * 32 and shapes == [(64, 32), (64, 64), (64, 176), (64, 402), (176, 64)]
 
 
 def test_lora_init_continues_from_an_adapter(lora_run, hf_llama, corpus, tmp_path):
@@ -322,9 +357,9 @@ def test_an_nf4_base_that_zero3_cannot_split_is_one_line():
 def test_under_tp_each_rank_holds_its_shard_in_nf4_and_computes_its_part(colwise):
     """QLoRA under tensor parallelism: after the plan has cut a frozen linear, each rank quantizes its shard by
     itself (a plain NF4 tensor) and the layer gives that rank's part of the product with it, in bf16 as an NF4
-    base computes: its output columns (column-parallel), or its partial sum over its input columns (row-parallel,
-    which the style all-reduces). Each of 2 ranks is played in turn on a fake process group, whose collectives
-    do nothing, so what comes out is the rank's own part."""
+    base computes: its output columns (column-parallel), or its
+    partial sum over its input columns (row-parallel, which the style all-reduces). Each of 2 ranks is played in
+    turn on a fake process group, whose collectives do nothing, so what comes out is the rank's own part."""
     pytest.importorskip("torchao")
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections import Counter
 from collections.abc import Iterable
 
 import torch
@@ -243,29 +244,44 @@ def freeze_all_but_adapters(model: nn.Module, also_train: Iterable[str] = ()) ->
         param.requires_grad_(".lora_" in name or name in keep)
 
 
-def pack_frozen(model: nn.Module, rows: int | None) -> tuple[int, list[str]]:
-    """Hold every adapted layer's frozen base as oneDNN-packed copies where it can be (``LoRALinear.pack_base``),
-    and, if any was, a decoder's frozen output projection for its chunked loss, beside its weight (a tied
-    embedding reads that weight; at SmolLM2's 576 -> 49,152 and 128 rows its products ran 1.54x and 1.18x faster
-    packed); returns how many linears were packed and why the others were not (each reason once)."""
-    packed, reasons = 0, []
+def packable(model: nn.Module) -> tuple[list[LoRALinear], list[nn.Linear], list[str]]:
+    """The adapted layers whose frozen base ``pack_frozen`` would pack, the frozen output projection it would pack
+    beside them (a list of none or one), and why the other adapted layers cannot be (each reason once)."""
+    layers, reasons = [], []
     for layer in model.modules():
         if not isinstance(layer, LoRALinear) or layer.packed is not None:
             continue
         reason = unpackable(layer.weight)
         if reason is None:
-            layer.pack_base(rows)
-            packed += 1
+            layers.append(layer)
         elif reason not in reasons:
             reasons.append(reason)
     # Only a decoder whose loss is the chunked one (no logit soft-cap) reads output_packed; and only beside a packed
     # base: a QLoRA run holds its base small to save memory, which two more copies of the head would spend.
     head = getattr(model, "output", None)
-    if (packed and getattr(model, "output_packed", False) is None and head is not None and not model.args.logit_softcap
-            and not head.weight.requires_grad and unpackable(head.weight) is None):
+    heads = [head] if (layers and getattr(model, "output_packed", False) is None and head is not None
+                       and not model.args.logit_softcap and not head.weight.requires_grad
+                       and unpackable(head.weight) is None) else []
+    return layers, heads, reasons
+
+
+def frozen_shapes(model: nn.Module) -> Counter[tuple[int, int]]:
+    """How many linears of each (in, out) shape ``pack_frozen`` would pack: what lora.pack_frozen=auto times."""
+    layers, heads, _ = packable(model)
+    return Counter((m.in_features, m.out_features) for m in [*layers, *heads])
+
+
+def pack_frozen(model: nn.Module, rows: int | None) -> tuple[int, list[str]]:
+    """Hold every adapted layer's frozen base as oneDNN-packed copies where it can be (``LoRALinear.pack_base``),
+    and, if any was, a decoder's frozen output projection for its chunked loss, beside its weight (a tied
+    embedding reads that weight; at SmolLM2's 576 -> 49,152 and 128 rows its products ran 1.54x and 1.18x faster
+    packed on one machine); returns how many linears were packed and why the others were not (each reason once)."""
+    layers, heads, reasons = packable(model)
+    for layer in layers:
+        layer.pack_base(rows)
+    for head in heads:
         model.output_packed = packed_pair(head.weight, rows)
-        packed += 1
-    return packed, reasons
+    return len(layers) + len(heads), reasons
 
 
 def has_adapters(model: nn.Module) -> bool:

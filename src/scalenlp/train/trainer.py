@@ -16,6 +16,7 @@ import json
 import sys
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from scalenlp.errors import UserError
 from scalenlp.layout import Layout
 from scalenlp.loader import read
 from scalenlp.models.adapter_io import ADAPTER_FOLDER, write_adapter
-from scalenlp.models.adapters import adaptable, adapter_weights, merge_adapters, pack_frozen
+from scalenlp.models.adapters import adaptable, adapter_weights, frozen_shapes, merge_adapters, pack_frozen
 from scalenlp.models.flavors import shape_spec
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.pretrained import Pretrained
@@ -39,6 +40,7 @@ from scalenlp.parallel.pipeline import build_pipeline
 from scalenlp.parallel.tensor_parallel import split_dim
 from scalenlp.train import recovery, watchdog
 from scalenlp.train.checkpoint import STATE_FILE, Checkpointer, load_full_model, read_train_state
+from scalenlp.train.frozen_packing import choose_packing
 from scalenlp.train.guard import StepCheck, StopRequest, check_step, weights_finite
 from scalenlp.train.loss import AUTOCAST, autocast, cross_entropy, loss_scaler, sum_over
 from scalenlp.train.metrics import MetricsWriter, peak_memory_bytes
@@ -186,7 +188,7 @@ class Trainer:
             self.pipeline, self.model_parts = build_pipeline(model, self.dims, self.mesh, self.cfg, self._pipeline_loss)
         else:
             self.pipeline, self.model_parts = None, [parallelize(model, self.dims, self.mesh, self.cfg)]
-        if self.cfg.lora.pack_frozen and (self.cfg.lora.rank or self.cfg.lora.init):
+        if self.cfg.lora.pack_frozen != "off" and (self.cfg.lora.rank or self.cfg.lora.init):
             self._pack_frozen()
         self.optimizers = [build_optimizer(part, t, self.dims, self.mesh, self.cfg.parallel.data_parallel)
                            for part in self.model_parts]
@@ -196,22 +198,29 @@ class Trainer:
         self.skipped_steps = 0  # fp16 steps whose gradient overflowed, since the run began
 
     def _pack_frozen(self) -> None:
-        """lora.pack_frozen, once the layout has sharded what it shards (a sharded base is left as it is); DDP
-        ignores the frozen weights, so dropping them frees their memory."""
+        """lora.pack_frozen (on, or auto where it measured faster here), once the layout has sharded what it shards
+        (a sharded base is left as it is); DDP ignores the frozen weights, so dropping them frees their memory."""
         t = self.cfg.training
-        packed, reasons = 0, []
+        rows = self.micro_batch * t.seq_len
+        parts = [getattr(part, "module", part) for part in self.model_parts]  # DDP's wrapper
+        packed, reasons, why_auto = 0, [], ""
         if t.mixed_precision != "fp32":
             reasons.append(f"training.mixed_precision={t.mixed_precision} computes the products in "
                            f"{t.mixed_precision} (autocast)")
         elif t.compile:  # inductor fails on the packed weights (an InductorError, torch 2.13)
             reasons.append("training.compile lowers the products itself, and cannot take packed weights")
         else:
-            for part in self.model_parts:
-                n, why = pack_frozen(getattr(part, "module", part), self.micro_batch * t.seq_len)  # DDP's wrapper
-                packed += n
-                reasons += [r for r in why if r not in reasons]
+            shapes = sum((frozen_shapes(part) for part in parts), Counter())
+            choice = choose_packing(shapes, rows) if self.cfg.lora.pack_frozen == "auto" and shapes else None
+            if choice is not None:
+                why_auto = f" (auto: {choice.reason})"
+            if choice is None or choice.on:
+                for part in parts:
+                    n, why = pack_frozen(part, rows)
+                    packed += n
+                    reasons += [r for r in why if r not in reasons]
         self.log(f"lora.pack_frozen: {packed} frozen linears held as oneDNN-packed W and W^T"
-                 + (f"; not packed: {'; '.join(reasons)}" if reasons else ""))
+                 + (f"; not packed: {'; '.join(reasons)}" if reasons else "") + why_auto)
 
     def _open_run(self, agents: list, restarted: bool) -> None:
         """Write the config and the launch to the run folder; start the watchdog, the metrics and the monitor."""
