@@ -13,6 +13,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from scalenlp.errors import ConfigError, UserError
@@ -353,14 +354,48 @@ def test_an_nf4_base_that_zero3_cannot_split_is_one_line():
         check_shardable(model, ["0", "1"], 2)  # not whole rows
 
 
+@pytest.mark.parametrize("bf16_cpu", [True, False])
+def test_an_nf4_base_computes_in_bf16_or_on_a_cpu_without_bf16_instructions_in_float32(monkeypatch, bf16_cpu):
+    """QLoRA's products: bf16 where the CPU has bf16 instructions; else the NF4 weight dequantized to float32,
+    forward and backward, with the same output and input gradient as a float32 linear of the dequantized weight,
+    and no tensor of the step kept for backward (the weight is dequantized again)."""
+    pytest.importorskip("torchao")
+    from scalenlp.compress.nf4 import quantize_nf4
+    from scalenlp.models import adapters
+
+    monkeypatch.setattr(adapters, "cpu_has_bf16", lambda: bf16_cpu)
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(128, 64))
+    quantize_nf4(layer, ["0"])
+    nf4 = layer[0].weight
+    x = torch.randn(3, 5, 128, requires_grad=True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = adapters.base_product(x, nf4, layer[0].bias)
+    out.sum().backward()
+    dequantized = nf4.get_original_weight()
+    reference_x = x.detach().clone().requires_grad_()
+    if bf16_cpu:
+        reference = F.linear(reference_x.to(torch.bfloat16), dequantized) + layer[0].bias  # torchao adds it apart
+    else:
+        reference = F.linear(reference_x, dequantized.float(), layer[0].bias)
+        assert kept == []
+    reference.sum().backward()
+    assert out.dtype == torch.float32 and torch.equal(out, reference)
+    assert torch.equal(x.grad, reference_x.grad)
+
+
 @pytest.mark.parametrize("colwise", [True, False])
-def test_under_tp_each_rank_holds_its_shard_in_nf4_and_computes_its_part(colwise):
+def test_under_tp_each_rank_holds_its_shard_in_nf4_and_computes_its_part(colwise, monkeypatch):
     """QLoRA under tensor parallelism: after the plan has cut a frozen linear, each rank quantizes its shard by
     itself (a plain NF4 tensor) and the layer gives that rank's part of the product with it, in bf16 as an NF4
-    base computes: its output columns (column-parallel), or its
+    base computes (on a CPU with bf16 instructions, as played here): its output columns (column-parallel), or its
     partial sum over its input columns (row-parallel, which the style all-reduces). Each of 2 ranks is played in
     turn on a fake process group, whose collectives do nothing, so what comes out is the rank's own part."""
     pytest.importorskip("torchao")
+    from scalenlp.models import adapters
+
+    monkeypatch.setattr(adapters, "cpu_has_bf16", lambda: True)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
