@@ -374,6 +374,7 @@ def test_an_nf4_base_computes_in_bf16_or_on_a_cpu_without_bf16_instructions_in_f
         out = adapters.base_product(x, nf4, layer[0].bias)
     out.sum().backward()
     dequantized = nf4.get_original_weight()
+    assert torch.equal(adapters.float32_nf4(nf4), dequantized.float())
     reference_x = x.detach().clone().requires_grad_()
     if bf16_cpu:
         reference = F.linear(reference_x.to(torch.bfloat16), dequantized) + layer[0].bias  # torchao adds it apart

@@ -98,17 +98,27 @@ class _Float32Dequantized(torch.autograd.Function):
     """``x W^T (+ b)`` of a frozen NF4 weight dequantized to float32 per use, forward and backward, keeping only
     the NF4 tensor: QLoRA's products on a CPU without bf16 instructions, where bf16 products convert in software.
     SmolLM2's QLoRA step (rank 16, 128 rows, one thread, an AMD EPYC) took 18.4-19.1 s with bf16 products,
-    2.5-2.9 s so."""
+    2.5-2.9 s so with torchao's dequantization, 1.8-2.0 s with ``float32_nf4``."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         ctx.weight = weight  # a constant of the model: nothing of this step's to keep
-        return F.linear(x, dense(weight).float(), None if bias is None else bias.float())
+        return F.linear(x, float32_nf4(weight), None if bias is None else bias.float())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad_x = grad @ dense(ctx.weight).float() if ctx.needs_input_grad[0] else None
+        grad_x = grad @ float32_nf4(ctx.weight) if ctx.needs_input_grad[0] else None
         return grad_x, None, None
+
+
+def float32_nf4(weight: torch.Tensor) -> torch.Tensor:
+    """An NF4 weight dequantized, in float32: ``weight.get_original_weight().float()`` exactly (the same bf16
+    products of code value and block scale), in 0.4x its time on the CPU. torchao looks each 4-bit code up on its
+    own, as int64 indices; here each byte's two codes come from one 256-row table of value pairs."""
+    pairs = torch.stack([weight.nf4.repeat_interleave(16), weight.nf4.repeat(16)], dim=1)  # byte -> (high, low)
+    values = F.embedding(weight.quantized_data.int(), pairs)  # (weights / 2, 2), bf16
+    scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor, weight.scaler_block_size)
+    return (values.view(scales.numel(), -1) * scales.unsqueeze(1)).float().view(weight.shape)
 
 
 def unpackable(weight: torch.Tensor) -> str | None:
