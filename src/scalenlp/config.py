@@ -7,6 +7,7 @@ can print the whole surface, and so that a wrong key or type names the field and
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import tomllib
@@ -277,6 +278,8 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
             return float(value)
         except OverflowError:
             raise ConfigError(f"{where}: {value} is too large for a float") from None
+    if typ is str and not isinstance(value, str):  # a TOML value left unquoted (an option once a boolean, say)
+        raise ConfigError(f"{where}: expected a string, got {json.dumps(value)}; put the value in quotes")
     if typ is bool and not isinstance(value, bool) or typ is not bool and isinstance(value, bool):
         raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
     if not isinstance(value, typ):
