@@ -193,7 +193,7 @@ def products(rows: int) -> None:
     (each shape weighed by how many linears have it)."""
     import statistics
 
-    from scalenlp.train.frozen_packing import time_products
+    from scalenlp.train.frozen_packing import _record, time_products
 
     shapes = {"q, o": ((576, 576), 60), "k, v": ((576, 192), 60), "gate, up": ((576, 1536), 60),
               "down": ((1536, 576), 30), "output": ((576, 49152), 1)}
@@ -202,10 +202,9 @@ def products(rows: int) -> None:
         ratios = [plain[i] / packed[i] for plain, packed in zip(timed["plain"], timed["packed"])]
         print(f"{name} ({k} -> {n}), {rows} rows, forward and input gradient, packed against plain: "
               f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
-    step = {kind: sum(count * statistics.median(r[i] for r in rounds) for i, (_, count) in enumerate(shapes.values()))
-            for kind, rounds in timed.items()}
-    print(f"a step's frozen products (SmolLM2, {rows} rows): {1e3 * step['packed']:.1f} ms packed, "
-          f"{1e3 * step['plain']:.1f} ms plain: {step['plain'] / step['packed']:.2f}x as fast packed")
+    step = _record(timed, [count for _, count in shapes.values()])  # as auto weighs the shapes
+    print(f"a step's frozen products (SmolLM2, {rows} rows): {step['ms']['packed']:.1f} ms packed, "
+          f"{step['ms']['plain']:.1f} ms plain: {step['speedup']:.2f}x as fast packed")
 
 
 def layouts(steps: int) -> None:

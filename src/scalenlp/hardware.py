@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -225,19 +224,6 @@ def processor_name(device) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
-
-
-@functools.cache
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes in bf16 with its own instructions (AVX512-BF16 or AMX). oneDNN runs bf16 products
-    on other x86 CPUs too, converting each in software: on an AMD EPYC without them a QLoRA step's bf16 products
-    took 17x float32's time (17.1 against 1.0 s of a step)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
 
 
 def slug(text: str) -> str:

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalenlp.errors import ConfigError, UserError
-from scalenlp.hardware import cpu_has_bf16
 from scalenlp.models.onednn import pack, packed_linear
+from scalenlp.native import cpu_has_bf16
 
 ALL_LINEAR = "all-linear"
 # The linears an adapter may wrap are those of the transformer blocks (``layers.<i>.``): as PEFT's "all-linear",
