@@ -127,8 +127,12 @@ def test_losing_a_node_continues_from_the_checkpoint_with_nothing_lost(tmp_path,
     ours = load_file(run / "export" / "model.safetensors")
     theirs = load_file(tmp_path / "reference" / "export" / "model.safetensors")
     assert ours.keys() == theirs.keys()
+    # Two processes sum the gradients in another order than one does, and Adam scales a near-zero gradient's
+    # rounding up to a visible update (one of 11,264 weights 2.8e-6 apart after 30 steps, on an AVX-512 Xeon);
+    # a step lost or taken twice moves nearly every weight by about its learning rate (3e-3 at the peak, 100 times
+    # this bound).
     for name in ours:
-        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=3e-5)
 
 
 def test_the_endpoint_machine_hosts_the_rendezvous(two_hosts):
