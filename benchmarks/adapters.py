@@ -7,11 +7,12 @@ Each measurement runs in a process of its own (so one's memory never counts in a
 token batches, with fused AdamW over what trains:
 
 - full: every weight trains (fp32);
-- lora-packed: rank 16 (alpha 32) on every linear of the blocks (lora.targets = all-linear), the base frozen and
-  held packed for oneDNN (lora.pack_frozen=on);
-- lora-plain: the same with the plain base weights (lora.pack_frozen=off);
-- lora, in the printed figures: whichever of the two lora.pack_frozen=auto (the default) picks on this machine
-  (train/frozen_packing.py, its figure measured once and cached);
+- lora-plain: rank 16 (alpha 32) on every linear of the blocks (lora.targets = all-linear), the base frozen, its
+  weights as they are (lora.pack_frozen=off);
+- lora-onednn: the same with the frozen base held as oneDNN-packed W and W^T (lora.pack_frozen=onednn);
+- lora-transposed: the same with a row-major copy of W^T beside W (lora.pack_frozen=transposed);
+- lora: the layout per shape that lora.pack_frozen=auto (the default) picks on this machine (train/frozen_packing.py,
+  its figure measured once and cached): LoRA as the trainer runs it;
 - qlora: lora with the frozen block linears in NF4 (compress/nf4.py), which is not packed;
 - peft: transformers' LlamaForCausalLM of the same weights with peft's LoraConfig(r=16, lora_alpha=32,
   target_modules="all-linear").
@@ -20,9 +21,9 @@ Figures: parameters that train; resident memory once the model is built (at rest
 steps (Linux's VmHWM, reset after loading, so the transient of reading the GGUF file is not counted); tokens/s over
 the steps after the first (which pays one-time allocations). Speed against peft is measured apart, in one process
 holding the models and taking their steps in turn, so that other work on the machine weighs on all alike:
-lora-packed, lora-plain and peft; with ``--compile`` another, our LoRA with
-``training.compile`` (each block and the loss through torch.compile, as parallelize's apply_compile does, the
-base unpacked as training leaves it then; its first step, untimed, compiles).
+the three LoRA kinds and peft; with ``--compile`` another, our LoRA with ``training.compile`` (each block and the
+loss through torch.compile, as parallelize's apply_compile does, the base in the layouts auto picks among those
+compile takes; its first step, untimed, compiles).
 
 layouts (only with ``--only layouts``): QLoRA of SmolLM2 through `scalenlp train --nproc 2` on the README demo's
 data (configs/demo.toml), under DDP (each rank holds the whole NF4 base) and under ZeRO-3 (each holds half of it,
@@ -46,7 +47,10 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("full", "lora-packed", "lora-plain", "qlora", "peft")
+from scalenlp.models.frozen import LAYOUTS
+
+KINDS = ("full", "lora", "lora-plain", "lora-onednn", "lora-transposed", "qlora", "peft")
+LORA_KINDS = ("lora", "lora-plain", "lora-onednn", "lora-transposed")
 RANK, ALPHA = 16, 32
 
 
@@ -64,9 +68,9 @@ def _settle() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _our_model(kind: str, rows: int):
-    """Our model of ``kind`` for batches of ``rows`` tokens; the LoRA base of "lora-packed" packed for oneDNN
-    (lora.pack_frozen=on)."""
+def _our_model(kind: str, rows: int, layouts: tuple[str, ...] = LAYOUTS):
+    """Our model of ``kind`` for batches of ``rows`` tokens; the frozen LoRA base of "lora-<layout>" held in that
+    layout (lora.pack_frozen=<layout>), of "lora" in auto's layouts among ``layouts``."""
     from scalenlp.loader import read
     from scalenlp.models.adapters import (
         LoraSpec,
@@ -82,15 +86,17 @@ def _our_model(kind: str, rows: int):
     pre = read(packaged_model("smollm2"))
     model = build_decoder(pre.args, pre.state, "cpu", torch.float32).train()
     del pre
-    if kind in ("lora-packed", "lora-plain", "qlora"):
+    if kind.startswith("lora") or kind == "qlora":
         if kind == "qlora":
             from scalenlp.compress.nf4 import quantize_nf4
 
             quantize_nf4(model, adaptable(model))
         add_adapters(model, LoraSpec(RANK, ALPHA), match_targets(model, "all-linear"))
         freeze_all_but_adapters(model)
-        if kind == "lora-packed":
-            pack_frozen(model, rows)
+        if kind == "lora":
+            pack_frozen(model, rows, auto_pick(model, rows, layouts).layouts)
+        elif kind in ("lora-onednn", "lora-transposed"):
+            pack_frozen(model, rows, kind.removeprefix("lora-"))
     # The summed loss (computed a chunk of tokens at a time), as a mean like transformers'.
     return model, lambda tokens: model(tokens[:, :-1], targets=tokens[:, 1:]) / tokens[:, 1:].numel()
 
@@ -111,11 +117,11 @@ def _peft_model():
 
 
 def _params(model) -> int:
-    """Parameters, a base weight that lora.pack_frozen replaced by packed copies counted as one."""
+    """Parameters, a base weight that lora.pack_frozen=onednn replaced by packed copies counted as one."""
     from scalenlp.models.adapters import LoRALinear
 
     replaced = sum(m.in_features * m.out_features for m in model.modules()
-                   if isinstance(m, LoRALinear) and m.packed is not None)
+                   if isinstance(m, LoRALinear) and m.packed is not None and m.packed[0].is_mkldnn)
     return sum(p.numel() for p in model.parameters()) + replaced
 
 
@@ -146,27 +152,27 @@ def measure(kind: str, steps: int, batch: int, seq: int) -> dict:
             "tokens_per_s": batch * seq * len(timed) / sum(timed), "losses": losses}
 
 
-def auto_pick(rows: int) -> tuple[str, str]:
-    """Which of lora-packed and lora-plain lora.pack_frozen=auto (the default) runs on this machine, and why."""
+def auto_pick(model, rows: int, layouts: tuple[str, ...]):
+    """The layout per shape lora.pack_frozen=auto (the default) holds the plain LoRA ``model``'s frozen base in
+    on this machine, among ``layouts``, and why (a frozen_packing.PackingChoice)."""
     from scalenlp.models.adapters import frozen_shapes
     from scalenlp.train.frozen_packing import choose_packing
 
-    choice = choose_packing(frozen_shapes(_our_model("lora-plain", rows)[0]), rows)
-    return ("lora-packed" if choice.on else "lora-plain"), choice.reason
+    return choose_packing(frozen_shapes(model), rows, layouts)
 
 
 def speed(steps: int, batch: int, seq: int, compile: bool = False) -> dict:
-    """Tokens per second of wall time, and per second of this process's CPU time, of our LoRA (packed and plain)
+    """Tokens per second of wall time, and per second of this process's CPU time, of our LoRA (in each layout)
     and of peft's (and of ours compiled), the models' steps taken in turn in this one process: on a machine shared
     with other work the load then weighs on all alike (separate processes meet different loads), and the CPU time
     leaves out the time spent waiting for the cores."""
     torch.manual_seed(0)
-    runs = {kind: _our_model(kind, batch * seq) for kind in ("lora-packed", "lora-plain")}
+    runs = {kind: _our_model(kind, batch * seq) for kind in LORA_KINDS}
     runs["peft"] = _peft_model()
-    if compile:
+    if compile:  # the trainer's layouts under training.compile, which cannot take oneDNN's packed weights
         from scalenlp.parallel.parallelize import apply_compile
 
-        runs["compiled"] = _our_model("lora-plain", batch * seq)  # training.compile leaves the base unpacked
+        runs["compiled"] = _our_model("lora", batch * seq, ("transposed",))
         apply_compile(runs["compiled"][0])
     optimizers = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=True)
                   for k, (m, _) in runs.items()}
@@ -188,9 +194,9 @@ def speed(steps: int, batch: int, seq: int, compile: bool = False) -> dict:
 
 def products(rows: int) -> None:
     """lora.pack_frozen's products alone, as auto times them (train/frozen_packing.py): each of SmolLM2's frozen
-    shapes at ``rows`` rows, its forward product and input gradient, plain against oneDNN-packed W and W^T, in
-    interleaved rounds; per shape the median over rounds of plain time / packed time, and the step's products
-    (each shape weighed by how many linears have it)."""
+    shapes at ``rows`` rows, its forward product and input gradient, plain against each layout, in interleaved
+    rounds; per shape the median over rounds of plain time / the layout's time, and the step's products (each
+    shape weighed by how many linears have it)."""
     import statistics
 
     from scalenlp.train.frozen_packing import _record, time_products
@@ -198,13 +204,16 @@ def products(rows: int) -> None:
     shapes = {"q, o": ((576, 576), 60), "k, v": ((576, 192), 60), "gate, up": ((576, 1536), 60),
               "down": ((1536, 576), 30), "output": ((576, 49152), 1)}
     timed = time_products([shape for shape, _ in shapes.values()], rows)
+    layouts = [name for name in timed if name != "plain"]
     for i, (name, ((k, n), _)) in enumerate(shapes.items()):
-        ratios = [plain[i] / packed[i] for plain, packed in zip(timed["plain"], timed["packed"])]
-        print(f"{name} ({k} -> {n}), {rows} rows, forward and input gradient, packed against plain: "
-              f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
-    step = _record(timed, [count for _, count in shapes.values()])  # as auto weighs the shapes
-    print(f"a step's frozen products (SmolLM2, {rows} rows): {step['ms']['packed']:.1f} ms packed, "
-          f"{step['ms']['plain']:.1f} ms plain: {step['speedup']:.2f}x as fast packed")
+        figures = []
+        for layout in layouts:
+            ratios = [plain[i] / other[i] for plain, other in zip(timed["plain"], timed[layout])]
+            figures.append(f"{layout} {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
+        print(f"{name} ({k} -> {n}), {rows} rows, forward and input gradient, against plain: {', '.join(figures)}")
+    ms = _record(timed, [count for _, count in shapes.values()])["ms"]  # as auto weighs the shapes
+    print(f"a step's frozen products (SmolLM2, {rows} rows): {ms['plain']:.1f} ms plain, "
+          + ", ".join(f"{ms[layout]:.1f} ms {layout} ({ms['plain'] / ms[layout]:.2f}x as fast)" for layout in layouts))
 
 
 def layouts(steps: int) -> None:
@@ -241,7 +250,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--only", choices=("memory", "speed", "layouts", "products"),
                         help="one part (layouts runs only when asked: QLoRA under DDP and ZeRO-3, 2 processes each; "
-                             "products too: lora.pack_frozen's products alone, packed against plain)")
+                             "products too: lora.pack_frozen's products alone, each layout against plain)")
     parser.add_argument("--compile", action="store_true", help="speed: also our LoRA with training.compile")
     parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)  # a child process's measurement
     args = parser.parse_args()
@@ -254,21 +263,25 @@ def main() -> int:
     if args.only == "products":
         products(args.batch * args.seq)
         return 0
-    picked, why = auto_pick(args.batch * args.seq)
-    print(f"lora.pack_frozen=auto runs {picked} here: {why}")
+    rows = args.batch * args.seq
+    plain = _our_model("lora-plain", rows)[0]
+    print(f"lora: lora.pack_frozen=auto's layouts here: {auto_pick(plain, rows, LAYOUTS).reason}")
+    if args.compile:
+        print(f"under training.compile: {auto_pick(plain, rows, ('transposed',)).reason}")
+    del plain
     if args.only != "memory":
         fast, per_cpu = speed(args.steps, args.batch, args.seq, args.compile)
-        print(f"tokens/s, steps in turn in one process: lora ({picked}) {fast[picked]:,.1f}, peft+transformers "
-              f"{fast['peft']:,.1f}: lora / peft = {fast[picked] / fast['peft']:.2f}x (per CPU second: "
-              f"{per_cpu[picked] / per_cpu['peft']:.2f}x)")
-        print(f"lora-packed {fast['lora-packed']:,.1f}, lora-plain {fast['lora-plain']:,.1f} tokens/s: "
-              f"{fast['lora-packed'] / fast['peft']:.2f}x and {fast['lora-plain'] / fast['peft']:.2f}x peft; packed / "
-              f"plain = {fast['lora-packed'] / fast['lora-plain']:.2f}x (per CPU second: "
-              f"{per_cpu['lora-packed'] / per_cpu['lora-plain']:.2f}x)")
+        print(f"tokens/s, steps in turn in one process: lora {fast['lora']:,.1f}, peft+transformers "
+              f"{fast['peft']:,.1f}: lora / peft = {fast['lora'] / fast['peft']:.2f}x (per CPU second: "
+              f"{per_cpu['lora'] / per_cpu['peft']:.2f}x)")
+        for kind in LORA_KINDS[1:]:
+            print(f"{kind} {fast[kind]:,.1f} tokens/s: {fast[kind] / fast['peft']:.2f}x peft, "
+                  f"{fast[kind] / fast['lora-plain']:.2f}x lora-plain (per CPU second: "
+                  f"{per_cpu[kind] / per_cpu['peft']:.2f}x, {per_cpu[kind] / per_cpu['lora-plain']:.2f}x)")
         if args.compile:
             print(f"lora with training.compile {fast['compiled']:,.1f} tokens/s: {fast['compiled'] / fast['peft']:.2f}x "
-                  f"peft, {fast['compiled'] / fast[picked]:.2f}x lora eager (per CPU second: "
-                  f"{per_cpu['compiled'] / per_cpu['peft']:.2f}x, {per_cpu['compiled'] / per_cpu[picked]:.2f}x)")
+                  f"peft, {fast['compiled'] / fast['lora']:.2f}x lora eager (per CPU second: "
+                  f"{per_cpu['compiled'] / per_cpu['peft']:.2f}x, {per_cpu['compiled'] / per_cpu['lora']:.2f}x)")
     if args.only == "speed":
         return 0
     results = {}
@@ -283,12 +296,13 @@ def main() -> int:
     for kind, r in results.items():
         print(f"{kind:>11} | {r['trained']:>9,} ({r['trained'] / r['params']:.2%}) | {r['rss_at_rest'] / mib:>7,.0f} MiB "
               f"| {r['rss_peak'] / mib:>12,.0f} MiB | {r['tokens_per_s']:>8,.0f}")
-    full, packed, plain, qlora, peft = (results[k] for k in KINDS)
-    lora = results[picked]
-    print(f"peak RSS: lora ({picked}) / full = {lora['rss_peak'] / full['rss_peak']:.2f}, qlora / lora = "
-          f"{qlora['rss_peak'] / lora['rss_peak']:.2f}, lora-packed / lora-plain = "
-          f"{packed['rss_peak'] / plain['rss_peak']:.2f} (+{(packed['rss_peak'] - plain['rss_peak']) / mib:,.0f} MiB); "
-          f"at rest: qlora / lora = "
+    full, plain, qlora, peft = (results[k] for k in ("full", "lora-plain", "qlora", "peft"))
+    lora = results["lora"]
+    held = ", ".join(f"{kind} / lora-plain = {results[kind]['rss_peak'] / plain['rss_peak']:.2f} "
+                     f"(+{(results[kind]['rss_peak'] - plain['rss_peak']) / mib:,.0f} MiB)"
+                     for kind in ("lora-onednn", "lora-transposed"))
+    print(f"peak RSS: lora / full = {lora['rss_peak'] / full['rss_peak']:.2f}, qlora / lora = "
+          f"{qlora['rss_peak'] / lora['rss_peak']:.2f}, {held}; at rest: qlora / lora = "
           f"{qlora['rss_at_rest'] / lora['rss_at_rest']:.2f}")
     print(f"tokens/s in separate processes (each met its own load; the one-process figure above is the fair one): "
           f"lora / peft = {lora['tokens_per_s'] / peft['tokens_per_s']:.2f}x, lora / full = "

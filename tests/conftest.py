@@ -22,9 +22,9 @@ from train_helpers import SHARED_DATA, make_hf_llama, write_chats, write_corpus
 # The tests of compiling ask for it, and test_compile_choice tests the auto decision with the timing injected.
 os.environ.setdefault("SCALENLP_COMPILE", "off")
 # lora.pack_frozen=auto times the frozen products once per machine and shape: two runs of a test (an interrupted one
-# and its resume) could read different decisions, written by workers racing on the same figure. The LoRA runs pack
-# as they did before auto; test_frozen_packing tests the decision with the timing injected.
-os.environ.setdefault("SCALENLP_PACK_FROZEN", "on")
+# and its resume) could read different decisions, written by workers racing on the same figure. The LoRA runs hold
+# in the layout training.compile takes too; test_frozen_packing tests the decision with the timing injected.
+os.environ.setdefault("SCALENLP_PACK_FROZEN", "transposed")
 # scalenlp's C++ kernels are built into torch's extension folder, which follows $XDG_CACHE_HOME. Tests that point
 # that at a temporary folder, to keep their measured figures apart, rebuilt there the first kernel they reached
 # (12-17 s): the folder stays where pytest_configure builds them, for this process, xdist's workers and subprocesses.

@@ -195,13 +195,15 @@ class LoraConfig:
                                  "a CPU without bf16 instructions (AVX512-BF16, AMX); runs under "
                                  "every layout: ZeRO-2/3 shard the NF4 base, tensor parallelism quantizes each "
                                  "rank's shard of it")
-    pack_frozen: str = opt("auto", "auto | on | off: on the CPU in float32, hold each frozen base linear as two "
-                                   "oneDNN-packed copies (W for the product, W^T for its input's gradient) in place "
-                                   "of its weight: one more copy of the base's block linears, for products that run "
-                                   "faster on some CPUs and slower on others; auto times them once per machine and "
-                                   "packs where they are at least 1.05x as fast (train/frozen_packing.py); skipped, "
-                                   "with the reason logged, for an NF4 base, a sharded one (tensor parallelism, "
-                                   "ZeRO-2/3), autocast (mixed_precision) and training.compile")
+    pack_frozen: str = opt("auto", "auto | onednn | transposed | off: on the CPU in float32, hold each frozen base "
+                                   "linear as two oneDNN-packed copies (W for the product, W^T for its input's "
+                                   "gradient) in place of its weight (onednn), or with a row-major copy of W^T "
+                                   "beside it for the product (transposed): one more copy of the base's block "
+                                   "linears, for products that run faster on some CPUs and slower on others; auto "
+                                   "times them once per machine and takes the faster layout where it is at least "
+                                   "1.05x as fast as the plain base (train/frozen_packing.py); skipped, with the "
+                                   "reason logged, for an NF4 base, a sharded one (tensor parallelism, ZeRO-2/3) and "
+                                   "autocast (mixed_precision); training.compile takes transposed only")
 
 
 @dataclass
@@ -463,7 +465,7 @@ def check_lora(cfg: Config) -> None:
     """[lora]'s own rules; those that need the model (ranks, targets) are checked where it is built."""
     lora = cfg.lora
     check_choice(lora.quantize_base, ("", "nf4"), "lora.quantize_base")
-    check_choice(lora.pack_frozen, ("auto", "on", "off"), "lora.pack_frozen")
+    check_choice(lora.pack_frozen, ("auto", "onednn", "transposed", "off"), "lora.pack_frozen")
     if not (lora.rank or lora.init):
         changed = [f"lora.{f.name}" for f in dataclasses.fields(lora) if getattr(lora, f.name) != f.default]
         if changed:

@@ -27,7 +27,7 @@ def test_config_file_overrides_and_errors(tmp_path):
                          ("parallel.data_parallel=zero4", "is not one of"), ("training.steps=0", "at least 1")]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, [bad])
-    file.write_text("[lora]\npack_frozen = false\n")  # an option that was a boolean, now auto | on | off
+    file.write_text("[lora]\npack_frozen = false\n")  # an option that was a boolean, now auto | onednn | transposed | off
     with pytest.raises(ConfigError, match=r"^lora.pack_frozen: expected a string, got false; put the value in quotes$"):
         load_config(file)
     file.write_text("[training\n")

@@ -1,6 +1,7 @@
-"""lora.pack_frozen=auto (train/frozen_packing.py): packs where the packed products measured at least MARGIN as
-fast, weighing each shape by how many linears have it; measures once per machine and shape, then reads the cache;
-SCALENLP_PACK_FROZEN decides without timing. The trainer's use of it: tests/unit/test_lora.py."""
+"""lora.pack_frozen=auto (train/frozen_packing.py): each shape takes its fastest layout among those the run allows,
+where its products measured at least MARGIN as fast as plain (each shape weighed by how many linears have it);
+measures once per machine and shape, then reads the cache; SCALENLP_PACK_FROZEN decides without timing. The
+trainer's use of it: tests/unit/test_lora.py."""
 
 from __future__ import annotations
 
@@ -23,58 +24,66 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "scalenlp"
 
 
-def timing(plain: list[float], packed: list[float]):
-    """A measure that returns these seconds per shape (in sorted shape order) in every round, and counts calls."""
-    def measure(shapes, rows):
-        measure.calls.append((shapes, rows))
-        return {"plain": [plain] * ROUNDS, "packed": [packed] * ROUNDS}
+def timing(plain: list[float], onednn: list[float], transposed: list[float] | None = None):
+    """A measure that returns these seconds per shape (in sorted shape order) in every round (transposed as plain
+    unless given), and counts calls."""
+    def measure(shapes, rows, counts):
+        measure.calls.append((shapes, rows, counts))
+        return {"plain": [plain] * ROUNDS, "onednn": [onednn] * ROUNDS, "transposed": [transposed or plain] * ROUNDS}
     measure.calls = []
     return measure
 
 
-def test_packs_where_the_step_measured_faster_packed_each_shape_weighed_by_its_linears(cache):
-    # Packed is faster on the one head and slower on the 120 block linears: the step is slower packed.
-    slower = timing(plain=[1e-3, 2e-3, 100e-3], packed=[1.1e-3, 2.2e-3, 90e-3])
-    choice = choose_packing(SHAPES, 128, slower)
-    plain_ms, packed_ms = 60 * 1 + 60 * 2 + 100, 60 * 1.1 + 60 * 2.2 + 90
-    assert not choice.on
-    assert choice.reason.startswith(f"measured {plain_ms / packed_ms:.2f}x as fast packed, under the {MARGIN}x")
-    assert f"{packed_ms:.1f} ms packed against {plain_ms:.1f} ms plain" in choice.reason
-    assert slower.calls == [([(576, 576), (576, 1536), (576, 49152)], 128)]
+def test_each_shape_takes_its_fastest_layout_where_it_pays(cache):
+    # oneDNN is faster on the head, the transposed copy on q/o; gate/up gain too little in either to pay.
+    measure = timing(plain=[1e-3, 2e-3, 100e-3], onednn=[1.1e-3, 1.98e-3, 90e-3], transposed=[0.9e-3, 2e-3, 120e-3])
+    choice = choose_packing(SHAPES, 128, measure=measure)
+    assert choice.layouts == {(576, 576): "transposed", (576, 49152): "onednn"}
+    plain_ms, held_ms = 60 * 1 + 60 * 2 + 100, 60 * 0.9 + 60 * 2 + 90
+    assert choice.reason.startswith(f"measured {plain_ms / held_ms:.2f}x as fast (the frozen products of a step, "
+                                    f"128 rows: {held_ms:.1f} ms against {plain_ms:.1f} ms plain; 576x576 transposed "
+                                    f"1.11x, 576x1536 plain (onednn 1.01x), 576x49152 onednn 1.11x; measured now, ")
+    assert measure.calls == [([(576, 576), (576, 1536), (576, 49152)], 128, [60, 60, 1])]
     [path] = cache.glob("pack-frozen-*.json")
-    assert json.loads(path.read_text())["speedup"] == pytest.approx(plain_ms / packed_ms)
+    assert json.loads(path.read_text())["ms"]["onednn"] == pytest.approx([60 * 1.1, 60 * 1.98, 90])
     # Measured once: the next start reads the cache, and says so.
-    again = choose_packing(SHAPES, 128, timing([1.0] * 3, [1.0] * 3))
-    assert again.on == choice.on and "measured now" in choice.reason and "measured now" not in again.reason
+    again = choose_packing(SHAPES, 128, measure=timing([1.0] * 3, [0.1] * 3))
+    assert again.layouts == choice.layouts and "measured now" not in again.reason
+    # training.compile allows the transposed copy only: from the same cached figures.
+    assert choose_packing(SHAPES, 128, ("transposed",), measure=measure).layouts == {(576, 576): "transposed"}
     # Another row count or another model's shapes is another figure.
-    faster = timing(plain=[1e-3, 2e-3, 100e-3], packed=[0.9e-3, 1.8e-3, 90e-3])
-    assert choose_packing(SHAPES, 64, faster).on and len(faster.calls) == 1
+    slower = timing(plain=[1e-3, 2e-3, 100e-3], onednn=[1.1e-3, 2.2e-3, 110e-3])
+    none = choose_packing(SHAPES, 64, measure=slower)
+    assert none.layouts == {} and len(slower.calls) == 1
+    assert none.reason.startswith(f"no layout of onednn, transposed at least {MARGIN}x as fast as plain")
     assert len(list(cache.glob("pack-frozen-*.json"))) == 2
 
 
 def test_a_tie_is_not_worth_a_second_copy_and_large_steps_are_timed_at_max_rows(cache):
-    tie = timing([1e-3] * 3, [1e-3 / (MARGIN - 0.01)] * 3)
-    assert not choose_packing(SHAPES, 8192, tie).on
+    tie = timing([1e-3] * 3, [1e-3 / (MARGIN - 0.01)] * 3, [1e-3 / (MARGIN - 0.02)] * 3)
+    assert choose_packing(SHAPES, 8192, measure=tie).layouts == {}
     assert tie.calls[0][1] == frozen_packing.MAX_ROWS
 
 
 def test_a_cached_figure_that_is_not_one_is_measured_again(cache):
-    choose_packing(SHAPES, 128, timing([1e-3] * 3, [2e-3] * 3))
+    choose_packing(SHAPES, 128, measure=timing([1e-3] * 3, [2e-3] * 3))
     [path] = cache.glob("pack-frozen-*.json")
-    path.write_text('{"speedup": "fast"}')
-    assert choose_packing(SHAPES, 128, timing([2e-3] * 3, [1e-3] * 3)).on
+    path.write_text('{"speedup": 0.9, "ms": {"plain": 1.0, "packed": 1.1}}')  # before the layouts had names
+    assert choose_packing(SHAPES, 128, measure=timing([2e-3] * 3, [1e-3] * 3)).layouts == dict.fromkeys(SHAPES,
+                                                                                                        "onednn")
 
 
-@pytest.mark.parametrize("forced", ["on", "off"])
+@pytest.mark.parametrize("forced", ["onednn", "transposed", "off"])
 def test_the_environment_decides_without_timing(cache, monkeypatch, forced):
     monkeypatch.setenv("SCALENLP_PACK_FROZEN", forced)
     never = timing([], [])
-    choice = choose_packing(SHAPES, 128, never)
-    assert choice.on == (forced == "on") and choice.reason == f"SCALENLP_PACK_FROZEN={forced}" and not never.calls
+    choice = choose_packing(SHAPES, 128, measure=never)
+    assert choice.layouts == ({} if forced == "off" else dict.fromkeys(SHAPES, forced)) and not never.calls
+    assert choice.reason == f"SCALENLP_PACK_FROZEN={forced}"
 
 
-def test_the_real_timing_runs_each_shape_plain_and_packed():
+def test_the_real_timing_runs_each_shape_plain_and_in_each_layout():
     torch.set_num_threads(1)
-    timed = time_products([(32, 48), (48, 32)], 16)
-    assert set(timed) == {"plain", "packed"}
+    timed = time_products([(32, 48), (48, 32)], 16, [3, 1])
+    assert set(timed) == {"plain", "onednn", "transposed"}
     assert all(len(rounds) == ROUNDS and all(len(r) == 2 and min(r) > 0 for r in rounds) for rounds in timed.values())

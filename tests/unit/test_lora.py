@@ -10,6 +10,8 @@ import copy
 import json
 import math
 import re
+import shutil
+from collections import Counter
 
 import pytest
 import torch
@@ -29,9 +31,9 @@ from scalenlp.models.adapters import (
     match_targets,
     merge_adapters,
     pack_frozen,
-    packed_pair,
 )
 from scalenlp.models.decoder import ModelArgs, Transformer
+from scalenlp.models.frozen import frozen_operands
 from train_helpers import (
     FINETUNE,
     SFT,
@@ -50,6 +52,14 @@ ARGS = ModelArgs(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn
 def tiny(seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
     return Transformer(ARGS).eval()
+
+
+def losses_backward(models: list[torch.nn.Module], tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Each model's summed next-token loss on ``tokens``, after its backward pass."""
+    losses = [model(tokens[:, :-1], targets=tokens[:, 1:]) for model in models]
+    for loss in losses:
+        loss.backward()
+    return losses
 
 
 def perturb(model: torch.nn.Module, seed: int = 1) -> None:
@@ -228,36 +238,38 @@ def test_a_lora_run_exports_the_merged_model_and_the_adapter(lora_run, hf_llama)
         torch.testing.assert_close(merged(tokens), base(tokens), rtol=1e-4, atol=1e-5)
 
 
-def test_a_lora_run_packs_its_frozen_base_or_says_why_not(tmp_path, hf_llama, corpus, capsys):
-    """lora.pack_frozen=on packs the base in a float32 CPU run, with the unpacked run's loss; under autocast it is
-    left as it is, with the reason (not timed, under auto); off, nothing is said."""
+def test_a_lora_run_holds_its_frozen_base_in_a_layout_or_says_why_not(tmp_path, hf_llama, corpus, capsys):
+    """lora.pack_frozen=onednn or transposed holds the base so in a float32 CPU run, with the plain run's loss;
+    under autocast it is left as it is, with the reason (not timed, under auto); off, nothing is said."""
     sets = [f"model.init={hf_llama}", f"data.path={corpus}", *FINETUNE, *LORA, "training.steps=1", "checkpoint.every=0",
             "checkpoint.export=false"]
-    packed = train_here(tmp_path / "packed", *sets, "lora.pack_frozen=on")
-    assert re.search(r"^lora.pack_frozen: [1-9]\d* frozen linears held as oneDNN-packed W and W\^T$",
-                     capsys.readouterr().err, re.M)
     plain = train_here(tmp_path / "plain", *sets, "lora.pack_frozen=off")
     assert "lora.pack_frozen" not in capsys.readouterr().err
-    assert packed[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
+    for layout, held in [("onednn", r"as oneDNN-packed W and W\^T"), ("transposed", r"beside a row-major copy of W\^T")]:
+        packed = train_here(tmp_path / layout, *sets, f"lora.pack_frozen={layout}")
+        assert re.search(rf"^lora.pack_frozen: [1-9]\d* frozen linears held {held}$", capsys.readouterr().err, re.M)
+        assert packed[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
     train_here(tmp_path / "bf16", *sets, "training.mixed_precision=bf16")
-    assert ("lora.pack_frozen: 0 frozen linears held as oneDNN-packed W and W^T; not packed: "
-            "training.mixed_precision=bf16 computes the products in bf16 (autocast)\n") in capsys.readouterr().err
+    assert ("lora.pack_frozen: the frozen base kept as it is; not packed: training.mixed_precision=bf16 computes the "
+            "products in bf16 (autocast)\n") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("packed_time", [0.5, 2.0])
 def test_lora_pack_frozen_auto_packs_where_the_packed_products_measured_faster(tmp_path, hf_llama, corpus, capsys,
                                                                                 monkeypatch, packed_time):
-    """lora.pack_frozen=auto (the default) times the base's products once (here a fake timing: packed at half or
-    twice the plain time) and packs only where packed was faster, saying why; the next run reads the cache."""
+    """lora.pack_frozen=auto (the default) times the base's products once (here a fake timing: the transposed
+    layout at half or twice the plain time, oneDNN's slower still) and takes a layout only where it was faster,
+    saying why; the next run reads the cache."""
     from scalenlp.train import frozen_packing
 
     monkeypatch.delenv("SCALENLP_PACK_FROZEN")  # tests/conftest.py decides it for every other test
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     timed = []
 
-    def fake(shapes, rows):
+    def fake(shapes, rows, counts):
         timed.append((shapes, rows))
-        return {"plain": [[1e-3] * len(shapes)], "packed": [[packed_time * 1e-3] * len(shapes)]}
+        return {"plain": [[1e-3] * len(shapes)], "onednn": [[3e-3] * len(shapes)],
+                "transposed": [[packed_time * 1e-3] * len(shapes)]}
 
     monkeypatch.setattr(frozen_packing, "time_products", fake)
     sets = [f"model.init={hf_llama}", f"data.path={corpus}", *FINETUNE, *LORA, "training.steps=1", "checkpoint.every=0",
@@ -265,13 +277,12 @@ def test_lora_pack_frozen_auto_packs_where_the_packed_products_measured_faster(t
     for run in ("first", "second"):
         train_here(tmp_path / run, *sets)
         line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("lora.pack_frozen:"))
-        gain = f"measured {1 / packed_time:.2f}x as fast packed"
         if packed_time < 1:
-            assert re.match(rf"lora.pack_frozen: [1-9]\d* frozen linears held as oneDNN-packed W and W\^T \(auto: "
-                            rf"{gain} \(the frozen products of a step", line), line
+            assert re.match(r"lora.pack_frozen: [1-9]\d* frozen linears held beside a row-major copy of W\^T "
+                            r"\(auto: measured 2.00x as fast \(the frozen products of a step", line), line
         else:
-            assert line.startswith(f"lora.pack_frozen: 0 frozen linears held as oneDNN-packed W and W^T (auto: {gain}, "
-                                   f"under the 1.05x that pays for a second copy of the base"), line
+            assert line.startswith("lora.pack_frozen: the frozen base kept as it is (auto: no layout of onednn, "
+                                   "transposed at least 1.05x as fast as plain"), line
         assert ("measured now, " in line) == (run == "first")
     [(shapes, rows)] = timed  # once: the second run read the cache
     # A step's rows (batch 4 of 32 tokens); the tiny Llama's k/v, q/o, gate/up, its frozen (tied) output
@@ -449,10 +460,12 @@ def test_a_fresh_dora_magnitude_follows_a_base_changed_after_it():
     torch.testing.assert_close(model(tokens), base(tokens))
 
 
+@pytest.mark.parametrize("layout", ["onednn", "transposed"])
 @pytest.mark.parametrize("dora", [False, True])
-def test_a_packed_frozen_base_gives_the_plain_loss_and_gradients(dora):
-    """lora.pack_frozen: the base held as oneDNN-packed W and W^T instead of its weight (and the frozen output
-    projection's beside it), same loss and adapter gradients in float32 (widths that are no multiple of oneDNN's blocks: 48 in, 136 hidden)."""
+def test_a_packed_frozen_base_gives_the_plain_loss_and_gradients(dora, layout):
+    """lora.pack_frozen: the base held as oneDNN-packed W and W^T instead of its weight, or beside a row-major W^T
+    (and the frozen output projection's operands beside it), same loss and adapter gradients in float32 (widths
+    that are no multiple of oneDNN's blocks: 48 in, 136 hidden)."""
     args = ModelArgs(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=136, max_seq_len=32)
     torch.manual_seed(0)
     plain = Transformer(args).train()
@@ -461,26 +474,50 @@ def test_a_packed_frozen_base_gives_the_plain_loss_and_gradients(dora):
     perturb(plain)
     packed = copy.deepcopy(plain)
     weights = {name: m.weight.detach().clone() for name, m in packed.named_modules() if isinstance(m, LoRALinear)}
-    assert pack_frozen(packed, 2 * 16) == (len(weights) + 1, [])  # and the frozen output projection, for the loss
-    assert all(p.is_mkldnn for p in packed.output_packed)
+    assert pack_frozen(packed, 2 * 16, layout) == (Counter({layout: len(weights) + 1}), [])  # and the head
+    onednn = layout == "onednn"
+    assert all(p.is_mkldnn == onednn for p in packed.output_packed)
     names = dict(packed.named_parameters())
-    assert not any(f"{name}.weight" in names for name in weights)  # dropped: the packed copies replace it
+    # oneDNN's packed copies replace the weight; the transposed copy is read beside it.
+    assert all((f"{name}.weight" in names) != onednn for name in weights)
     for name, weight in weights.items():
         layer = packed.get_submodule(name)
-        assert all(p.is_mkldnn for p in layer.packed) and torch.equal(layer.dense_weight(), weight)
+        assert all(p.is_mkldnn == onednn for p in layer.packed) and torch.equal(layer.dense_weight(), weight)
+        if not onednn:
+            assert layer.packed[1].data_ptr() == layer.weight.data_ptr()  # W itself, not a copy
     tokens = torch.randint(0, args.vocab_size, (2, 17))
-    losses = []
-    for model in (plain, packed):
-        losses.append(model(tokens[:, :-1], targets=tokens[:, 1:]))
-        losses[-1].backward()
+    losses = losses_backward([plain, packed], tokens)
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
     trained = [name for name, p in plain.named_parameters() if p.requires_grad]
     for name in trained:
         torch.testing.assert_close(names[name].grad, plain.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
-    assert pack_frozen(packed, 32) == (0, [])  # packing a packed model finds nothing left to pack
-    packed.output_packed = packed_pair(torch.zeros(args.vocab_size, args.dim), None)  # the loss reads these:
+    assert pack_frozen(packed, 32, layout) == (Counter(), [])  # a packed model has nothing left to pack
+    packed.output_packed = frozen_operands(torch.zeros(args.vocab_size, args.dim), layout, None)  # the loss reads:
     with torch.no_grad():  # all-zero logits cost log(vocab) a target
         assert packed(tokens[:, :-1], targets=tokens[:, 1:]).item() == pytest.approx(32 * math.log(97))
+
+
+@pytest.mark.slow  # compiling the blocks and the loss takes ~30-60 s here
+@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile's CPU backend needs a C++ compiler (g++)")
+def test_compiled_blocks_read_the_transposed_frozen_base():
+    """training.compile takes lora.pack_frozen=transposed (not oneDNN's opaque packed weights): the compiled
+    blocks and loss on the transposed copies give the plain eager model's loss and adapter gradients."""
+    from scalenlp.parallel.parallelize import apply_compile
+
+    args = ModelArgs(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=136, max_seq_len=32)
+    torch.manual_seed(0)
+    plain = Transformer(args).train()
+    add_adapters(plain, LoraSpec(rank=4, alpha=8), match_targets(plain, "all-linear"))
+    freeze_all_but_adapters(plain)
+    perturb(plain)
+    compiled = copy.deepcopy(plain)
+    assert pack_frozen(compiled, 2 * 16, "transposed")[0] == Counter(transposed=2 * 7 + 1)
+    apply_compile(compiled)
+    losses = losses_backward([plain, compiled], torch.randint(0, args.vocab_size, (2, 17)))
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    for (name, p), q in zip(plain.named_parameters(), compiled.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_pack_frozen_leaves_what_it_cannot_pack_with_the_reason():
@@ -493,7 +530,7 @@ def test_pack_frozen_leaves_what_it_cannot_pack_with_the_reason():
 
     model = tiny().to(torch.bfloat16)
     add_adapters(model, LoraSpec(rank=2, alpha=4), match_targets(model, "all-linear"))
-    assert pack_frozen(model, 32) == (0, ["the base is torch.bfloat16, packing is for float32"])
+    assert pack_frozen(model, 32, "transposed") == (Counter(), ["the base is torch.bfloat16, the layouts are for float32"])
     model = tiny()
     add_adapters(model, LoraSpec(rank=2, alpha=4), match_targets(model, "all-linear"))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -501,8 +538,8 @@ def test_pack_frozen_leaves_what_it_cannot_pack_with_the_reason():
         apply_tp(model, init_device_mesh("cpu", (2,)), sequence_parallel=False)
     finally:
         dist.destroy_process_group()
-    assert pack_frozen(model, 32) == (0, ["the base is sharded (tensor parallelism or ZeRO/FSDP), its products run "
-                                          "on shards"])
+    assert pack_frozen(model, 32, "onednn") == (Counter(), ["the base is sharded (tensor parallelism or ZeRO/FSDP), "
+                                                            "its products run on shards"])
     pytest.importorskip("torchao")
     from scalenlp.compress.nf4 import quantize_nf4
 
@@ -511,7 +548,7 @@ def test_pack_frozen_leaves_what_it_cannot_pack_with_the_reason():
     add_adapters(model, LoraSpec(rank=2, alpha=4), ["layers.0.attention.wq", "layers.0.attention.wk"])
     freeze_all_but_adapters(model)
     # QLoRA's frozen output projection stays unpacked too: two more copies of it would spend what NF4 saved.
-    assert pack_frozen(model, 32) == (0, ["an NF4 base (QLoRA) is dequantized per use"])
+    assert pack_frozen(model, 32, "transposed") == (Counter(), ["an NF4 base (QLoRA) is dequantized per use"])
     assert model.layers["0"].attention.wq.packed is None and model.output_packed is None
 
 

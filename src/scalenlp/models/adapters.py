@@ -8,8 +8,9 @@ paper's section 4.3 and PEFT do). ``B`` starts at zero, so a fresh adapter is th
 ``LoRALinear`` is an ``nn.Linear`` (same ``weight`` and ``bias``, so checkpoints and tensor-parallel plans keep
 their names) with ``lora_A``, ``lora_B`` and, for DoRA, ``lora_magnitude`` beside them. The base weight may be an
 NF4 tensor (QLoRA, compress/nf4.py); it is then dequantized per use. A plain float32 base on the CPU may instead
-be held as two oneDNN-packed copies (``pack_frozen``: W for the product, W^T for its input's gradient), which
-replace ``weight``. ``add_adapters`` swaps the linears whose names
+be held in the layouts its two products read fastest (``pack_frozen``, models/frozen.py: oneDNN-packed copies of
+W and W^T in place of ``weight``, or a row-major copy of W^T beside it). ``add_adapters`` swaps the linears whose
+names
 match a pattern; ``merge_adapters`` folds them back into plain linears. Adapters move in and out as
 ``{module name: LoraWeights}``: ``adapter_weights`` reads them off a model, ``load_adapter_weights`` puts them on.
 Reading and writing folders (ours and PEFT's) is in models/adapter_io.py.
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalenlp.errors import ConfigError, UserError
-from scalenlp.models.onednn import pack, packed_linear
+from scalenlp.models.frozen import FrozenLinear, frozen_dense, frozen_operands
 from scalenlp.native import cpu_has_bf16
 
 ALL_LINEAR = "all-linear"
@@ -122,39 +123,16 @@ def float32_nf4(weight: torch.Tensor) -> torch.Tensor:
 
 
 def unpackable(weight: torch.Tensor) -> str | None:
-    """Why a frozen base weight cannot be held packed for oneDNN (``pack_frozen``), or None if it can."""
+    """Why a frozen base weight cannot be held in another layout (``pack_frozen``), or None if it can."""
     if is_nf4(weight):
         return "an NF4 base (QLoRA) is dequantized per use"
     if type(weight) is not nn.Parameter:  # a DTensor
         return "the base is sharded (tensor parallelism or ZeRO/FSDP), its products run on shards"
     if weight.device.type != "cpu":
-        return f"oneDNN's packed layout is for the CPU, the base is on {weight.device.type}"
+        return f"the layouts are the CPU's, the base is on {weight.device.type}"
     if weight.dtype != torch.float32:
-        return f"the base is {weight.dtype}, packing is for float32"
-    if not torch.backends.mkldnn.is_available():
-        return "this PyTorch has no oneDNN"
+        return f"the base is {weight.dtype}, the layouts are for float32"
     return None
-
-
-def packed_pair(weight: torch.Tensor, rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """oneDNN-packed copies of a frozen ``weight`` W and of W^T: the forward's product and its input's gradient."""
-    weight = weight.detach()
-    return pack(weight, rows), pack(weight.t().contiguous(), rows)
-
-
-class _PackedBase(torch.autograd.Function):
-    """``x W^T (+ b)`` of a frozen weight held as oneDNN-packed copies of W and of W^T: the forward's product on
-    the first, the input's gradient (dy W) on the second; a frozen weight and bias take no gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, packed: torch.Tensor, packed_t: torch.Tensor, bias: torch.Tensor | None):
-        ctx.packed_t = packed_t  # a constant of the model: nothing of this step's to keep
-        return packed_linear(x, packed, bias)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad_x = packed_linear(grad.contiguous(), ctx.packed_t, None) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None
 
 
 class LoRALinear(nn.Linear):
@@ -173,7 +151,7 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, spec.rank, device=device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # PEFT's default init (nn.Linear's)
         self.scaling = spec.scaling
-        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (W, W^T) packed for oneDNN: pack_base
+        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None  # frozen_operands: pack_base
         # A probability, not an nn.Dropout: a tensor-parallel style visits every submodule as a linear.
         self.lora_dropout = spec.dropout
         self.lora_magnitude = None
@@ -188,22 +166,22 @@ class LoRALinear(nn.Linear):
     def dense_weight(self) -> torch.Tensor:
         """The base weight, dequantized, in float32 (a tensor-parallel NF4 shard overrides this: parallel/)."""
         if self.packed is not None:
-            return self.packed[0].to_dense()  # the reorder back is exact
+            return frozen_dense(self.packed)
         return dense(self.weight).float()
 
     def base(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         """The frozen base's product (a tensor-parallel NF4 shard overrides this: parallel/nf4_shards.py)."""
         bias = self.bias if with_bias else None
         if self.packed is not None:
-            return _PackedBase.apply(x, *self.packed, bias)
+            return FrozenLinear.apply(x, *self.packed, bias)
         return base_product(x, self.weight, bias)
 
-    def pack_base(self, rows: int | None) -> None:
-        """Hold the frozen weight as oneDNN-packed copies of W and W^T (products of about ``rows`` rows) in place
-        of ``weight``, which is dropped: the packed copies are all a training step needs. On SmolLM2's shapes at
-        128 rows, one thread, each direction's product ran 1.07-1.19x faster than F.linear's (RESULTS.md)."""
-        self.packed = packed_pair(self.weight, rows)
-        del self.weight
+    def pack_base(self, rows: int | None, layout: str) -> None:
+        """Hold the frozen weight's products in ``layout`` (models/frozen.py), for products of about ``rows``
+        rows; oneDNN's packed copies replace ``weight``, which is dropped: they are all a training step needs."""
+        self.packed = frozen_operands(self.weight, layout, rows)
+        if layout == "onednn":
+            del self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -287,7 +265,7 @@ def packable(model: nn.Module) -> tuple[list[LoRALinear], list[nn.Linear], list[
         elif reason not in reasons:
             reasons.append(reason)
     # Only a decoder whose loss is the chunked one (no logit soft-cap) reads output_packed; and only beside a packed
-    # base: a QLoRA run holds its base small to save memory, which two more copies of the head would spend.
+    # base: a QLoRA run holds its base small to save memory, which more copies of the head would spend.
     head = getattr(model, "output", None)
     heads = [head] if (layers and getattr(model, "output_packed", False) is None and head is not None
                        and not model.args.logit_softcap and not head.weight.requires_grad
@@ -301,17 +279,25 @@ def frozen_shapes(model: nn.Module) -> Counter[tuple[int, int]]:
     return Counter((m.in_features, m.out_features) for m in [*layers, *heads])
 
 
-def pack_frozen(model: nn.Module, rows: int | None) -> tuple[int, list[str]]:
-    """Hold every adapted layer's frozen base as oneDNN-packed copies where it can be (``LoRALinear.pack_base``),
-    and, if any was, a decoder's frozen output projection for its chunked loss, beside its weight (a tied
-    embedding reads that weight; at SmolLM2's 576 -> 49,152 and 128 rows its products ran 1.54x and 1.18x faster
-    packed on one machine); returns how many linears were packed and why the others were not (each reason once)."""
+def pack_frozen(model: nn.Module, rows: int | None,
+                layout: str | dict[tuple[int, int], str]) -> tuple[Counter[str], list[str]]:
+    """Hold every adapted layer's frozen base in ``layout`` (models/frozen.py; or per (in, out) shape, a shape not
+    named staying plain) where it can be (``LoRALinear.pack_base``), and, if any can, a decoder's frozen output
+    projection for its chunked loss, beside its weight (a tied embedding reads that weight); returns how many
+    linears each layout holds and why the others were not (each reason once)."""
     layers, heads, reasons = packable(model)
-    for layer in layers:
-        layer.pack_base(rows)
-    for head in heads:
-        model.output_packed = packed_pair(head.weight, rows)
-    return len(layers) + len(heads), reasons
+    held: Counter[str] = Counter()
+    for linear in [*layers, *heads]:
+        name = layout if isinstance(layout, str) else layout.get((linear.in_features, linear.out_features))
+        if name == "onednn" and not torch.backends.mkldnn.is_available():
+            reasons += [r for r in ["this PyTorch has no oneDNN"] if r not in reasons]
+        elif name is not None:
+            if linear in heads:
+                model.output_packed = frozen_operands(linear.weight, name, rows)
+            else:
+                linear.pack_base(rows, name)
+            held[name] += 1
+    return held, reasons
 
 
 def has_adapters(model: nn.Module) -> bool:

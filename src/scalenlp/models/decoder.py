@@ -499,7 +499,7 @@ class Transformer(nn.Module):
         self.norm = make_norm(args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.compile_loss = False  # the chunked loss through torch.compile: parallelize turns it on (training.compile)
-        # A frozen output projection's W and W^T packed for oneDNN, for the chunked loss (adapters.pack_frozen).
+        # A frozen output projection's operands (models/frozen.py), for the chunked loss (adapters.pack_frozen).
         self.output_packed: tuple[torch.Tensor, torch.Tensor] | None = None
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from scalenlp.models.onednn import packed_linear
+from scalenlp.models.frozen import frozen_product
 
 # A chunk's fp32 logits: 2**23 elements, 32 MiB, whatever the vocabulary.
 CHUNK_LOGITS = 2**23
@@ -34,7 +34,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start:start + chunk].to(weight.dtype), targets[start:start + chunk]
             # Under autocast the product runs in its dtype, as nn.Linear's would.
-            logits = (h @ weight.t() if packed is None else packed_linear(h, packed[0], None)).float()
+            logits = (h @ weight.t() if packed is None else frozen_product(h, packed[0])).float()
             lse = logits.logsumexp(dim=-1)
             counted = t != ignore_index
             safe = torch.where(counted, t, 0).unsqueeze(1)
@@ -47,7 +47,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad.mul_(counted.unsqueeze(1))
             grad = grad.to(weight.dtype)
             if want_hidden:
-                grad_hidden[start:start + chunk] = grad @ weight if packed is None else packed_linear(grad, packed[1], None)
+                grad_hidden[start:start + chunk] = grad @ weight if packed is None else frozen_product(grad, packed[1])
             if want_weight:
                 grad_weight += grad.t() @ h
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -66,8 +66,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Summed cross-entropy (fp32) of ``hidden @ weight.T`` against ``targets``, without ever holding all
     the logits. hidden: (..., dim); weight: (vocab, dim); targets: hidden's leading shape; targets equal
-    to ``ignore_index`` (F.cross_entropy's default) count for nothing. ``packed``: oneDNN-packed copies of a
-    frozen ``weight`` and of its transpose (models/onednn.py), for the logits' and the hidden states' products."""
+    to ``ignore_index`` (F.cross_entropy's default) count for nothing. ``packed``: a frozen ``weight``'s
+    operands (models/frozen.py), for the logits' and the hidden states' products."""
     return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), ignore_index, packed)
 
 

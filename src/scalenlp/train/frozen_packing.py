@@ -1,14 +1,17 @@
-"""Whether a LoRA run holds its frozen base packed for oneDNN (``lora.pack_frozen = auto``, the default), measured.
+"""Which layout, if any, a LoRA run holds its frozen base in (``lora.pack_frozen = auto``, the default), measured.
 
-Packed copies of W and W^T (models/adapters.py ``pack_frozen``) let oneDNN skip reordering the weight at every
-product, but hold the base twice: SmolLM2's peak resident memory grew 1.37x. Whether they are faster depends on the
-CPU: on SmolLM2's block shapes at 128 rows, one thread, they ran 1.07-1.19x faster on one machine and 0.88-0.94x
-as fast on another (an AMD EPYC without AVX-512), where the whole step ran 0.93-0.95x as fast packed. So ``auto``
-times the products a step would run (each frozen shape's forward and input-gradient product, weighted by how many
-linears have it) plain and packed, in interleaved rounds, and packs when packed takes at most 1 / ``MARGIN`` of the
-plain time. The figure is cached per processor, torch version, thread count, shapes and rows, as the served
-dtype's is, so later runs on the machine decide without timing. ``SCALENLP_PACK_FROZEN=on|off`` decides ``auto``
-without timing (the test suite sets it, as it sets SCALENLP_COMPILE).
+The layouts (models/frozen.py) give a frozen weight's forward product and input gradient operands the CPU's BLAS
+may read faster than ``F.linear``'s, at the cost of a second copy of the weight: oneDNN-packed copies of W and W^T,
+or a row-major copy of W^T beside W. Which is faster depends on the CPU and the shape: on SmolLM2's block shapes at
+128 rows, one thread, the oneDNN-packed products ran 1.07-1.19x faster than plain on one machine and 0.88-0.94x as
+fast on an AMD EPYC without AVX-512 (where the whole step ran 0.93-0.95x as fast packed); on an AVX-512 Xeon the
+transposed copy ran the block shapes' products 1.07-1.10x faster and the output projection's 0.80x as fast. So
+``auto`` times the products a step would run, plain and in each layout, in interleaved rounds: each frozen shape's
+forward and input-gradient product, over enough copies of its weight that they come from memory as in a step. Each
+shape takes its fastest layout where that is at least ``MARGIN`` as fast as plain. The figures are cached per
+processor, torch version, thread count, shapes and rows, as the served dtype's are, so later runs on the machine
+decide without timing. ``SCALENLP_PACK_FROZEN=off|onednn|transposed`` decides ``auto`` without timing, one layout
+for every shape (the test suite sets it, as it sets SCALENLP_COMPILE).
 """
 
 from __future__ import annotations
@@ -23,70 +26,92 @@ import torch
 import torch.nn.functional as F
 
 from scalenlp.hardware import cached_record, engine_cache_path, time_rounds
-from scalenlp.models.adapters import packed_pair
-from scalenlp.models.onednn import packed_linear
+from scalenlp.models.frozen import LAYOUTS, frozen_operands, frozen_product
 
-MARGIN = 1.05  # packing costs a second copy of the base: worth a real gain, not a tie
+MARGIN = 1.05  # a layout costs a second copy of the base: worth a real gain, not a tie
 ROUNDS = 5
 MAX_ROWS = 512  # a product's time per row is about flat from a few hundred rows: a larger step is timed at this
-CANDIDATES = ("plain", "packed")
-# Per candidate, per round: seconds of each shape's pass (in the order of the shapes given).
+SPAN_BYTES = 64 * 2**20  # more than a core's share of the last-level cache
+# Per candidate ("plain" or a layout), per round: seconds of each shape's pass (in the order of the shapes given).
 Timings = dict[str, list[list[float]]]
 
 
 @dataclass(frozen=True)
 class PackingChoice:
-    on: bool
+    layouts: dict[tuple[int, int], str]  # the layout of each (in, out) shape that gets one; the others stay plain
     reason: str  # for the log line
 
 
-def choose_packing(shapes: Counter[tuple[int, int]], rows: int,
-                   measure: Callable[[list[tuple[int, int]], int], Timings] | None = None) -> PackingChoice:
-    """Whether packing the frozen linears of ``shapes`` ((in, out) -> how many) pays for products of ``rows`` rows
-    on this machine (see the module docstring); ``measure`` times them (default ``time_products``), only when the
+def choose_packing(shapes: Counter[tuple[int, int]], rows: int, layouts: tuple[str, ...] = LAYOUTS,
+                   measure: Callable[[list[tuple[int, int]], int, list[int]], Timings] | None = None) -> PackingChoice:
+    """Which of ``layouts``, if any, pays for holding each shape's frozen linears in it, for ``shapes`` ((in, out)
+    -> how many) and products of ``rows`` rows on this machine (see the module docstring): the fastest, where it
+    is at least ``MARGIN`` as fast as plain; ``measure`` times them (default ``time_products``), only when the
     cache has no figure for them."""
     forced = os.environ.get("SCALENLP_PACK_FROZEN", "")
-    if forced in ("on", "off"):
-        return PackingChoice(forced == "on", f"SCALENLP_PACK_FROZEN={forced}")
+    if forced in ("off", *LAYOUTS):
+        return PackingChoice({} if forced == "off" else dict.fromkeys(shapes, forced), f"SCALENLP_PACK_FROZEN={forced}")
     order = sorted(shapes)
     rows = min(rows, MAX_ROWS)
     key = f"{rows}rows-" + "-".join(f"{i}x{o}x{shapes[i, o]}" for i, o in order)
     path = engine_cache_path("pack-frozen", torch.device("cpu"), key)
-    record, measured = cached_record(path, lambda: _record((measure or time_products)(order, rows),
-                                                           [shapes[s] for s in order]), _valid)
-    gain, ms = record["speedup"], record["ms"]
-    figures = (f"the frozen products of a step, {rows} rows: {ms['packed']:.1f} ms packed against {ms['plain']:.1f} "
-               f"ms plain; {'measured now, ' if measured else ''}cached in {path}")
-    if gain >= MARGIN:
-        return PackingChoice(True, f"measured {gain:.2f}x as fast packed ({figures})")
-    return PackingChoice(False, f"measured {gain:.2f}x as fast packed, under the {MARGIN}x that pays for a second "
-                                f"copy of the base ({figures})")
+    counts = [shapes[s] for s in order]
+    record, measured = cached_record(path, lambda: _record((measure or time_products)(order, rows, counts), counts),
+                                     _valid)
+    ms = record["ms"]
+    timed = [name for name in layouts if name in ms]
+    chosen, notes = {}, []
+    for i, (k, n) in enumerate(order):
+        best = min(timed, key=lambda name: ms[name][i], default=None)
+        gain = ms["plain"][i] / ms[best][i] if best else 0.0
+        if gain >= MARGIN:
+            chosen[k, n] = best
+            notes.append(f"{k}x{n} {best} {gain:.2f}x")
+        else:
+            notes.append(f"{k}x{n} plain" + (f" ({best} {gain:.2f}x)" if best else ""))
+    plain, held = sum(ms["plain"]), sum(ms[chosen.get(shape, "plain")][i] for i, shape in enumerate(order))
+    figures = (f"the frozen products of a step, {rows} rows: {held:.1f} ms against {plain:.1f} ms plain; "
+               f"{', '.join(notes)}; {'measured now, ' if measured else ''}cached in {path}")
+    if chosen:
+        return PackingChoice(chosen, f"measured {plain / held:.2f}x as fast ({figures})")
+    return PackingChoice({}, f"no layout of {', '.join(layouts)} at least {MARGIN}x as fast as plain, which pays for "
+                             f"a second copy of the base ({figures})")
 
 
 def _record(timings: Timings, counts: list[int]) -> dict:
-    """The cache record: each candidate's milliseconds for a step's products (each shape's median over rounds
-    times how many linears have it) and how many times as fast packed ran."""
-    ms = {name: 1e3 * sum(n * statistics.median(r[i] for r in rounds) for i, n in enumerate(counts))
-          for name, rounds in timings.items()}
-    return {"speedup": ms["plain"] / ms["packed"], "ms": ms}
+    """The cache record: each candidate's milliseconds for a step's products of each shape (the median over
+    rounds times how many linears have it)."""
+    return {"ms": {name: [1e3 * n * statistics.median(r[i] for r in rounds) for i, n in enumerate(counts)]
+                   for name, rounds in timings.items()}}
 
 
 def _valid(record: dict) -> dict:
     """``record`` when it is one ``_record`` wrote; ValueError otherwise."""
-    if not float(record["speedup"]) > 0 or not all(float(record["ms"][name]) > 0 for name in CANDIDATES):
+    ms = record["ms"]
+    if "plain" not in ms or not all(name in ("plain", *LAYOUTS) and len(t) == len(ms["plain"])
+                                    and all(float(v) > 0 for v in t) for name, t in ms.items()):
         raise ValueError(f"not a packing measurement: {record}")
     return record
 
 
-def time_products(shapes: list[tuple[int, int]], rows: int) -> Timings:
+def time_products(shapes: list[tuple[int, int]], rows: int, counts: list[int]) -> Timings:
     """Interleaved rounds of each shape's forward product and input gradient (dy W, as autograd computes it for a
-    frozen weight), plain and packed, with this process's threads."""
-    passes: dict[str, list[Callable[[], None]]] = {name: [] for name in CANDIDATES}
+    frozen weight), plain and in each layout this PyTorch has, with this process's threads; a shape's pass runs
+    them over copies of its weight, as many as the step has linears of the shape (``counts``) up to ``SPAN_BYTES``
+    of them (a step reads every weight once each way, from memory, not from a cache that one weight timed over and
+    over would sit in), and is counted per copy. One shape's copies at a time, so the timing holds little more than
+    that."""
+    layouts = [name for name in LAYOUTS if name != "onednn" or torch.backends.mkldnn.is_available()]
+    timings: Timings = {name: [[] for _ in range(ROUNDS)] for name in ("plain", *layouts)}
     with torch.no_grad():
-        for k, n in shapes:
-            w, x, dy = torch.randn(n, k), torch.randn(rows, k), torch.randn(rows, n)
-            packed, packed_t = packed_pair(w, rows)
-            passes["plain"].append(lambda w=w, x=x, dy=dy: (F.linear(x, w), dy.mm(w)))
-            passes["packed"].append(lambda p=packed, pt=packed_t, x=x, dy=dy: (packed_linear(x, p, None),
-                                                                              packed_linear(dy, pt, None)))
-        return time_rounds(passes, ROUNDS)
+        for (k, n), count in zip(shapes, counts):
+            x, dy = torch.randn(rows, k), torch.randn(rows, n)
+            weights = [torch.randn(n, k) for _ in range(max(1, min(count, SPAN_BYTES // (4 * n * k))))]
+            passes = {"plain": [lambda: [(F.linear(x, w), dy.mm(w)) for w in weights]]}
+            for name in layouts:
+                held = [frozen_operands(w, name, rows) for w in weights]
+                passes[name] = [lambda held=held: [(frozen_product(x, f), frozen_product(dy, b)) for f, b in held]]
+            for name, rounds in time_rounds(passes, ROUNDS).items():
+                for r, (seconds,) in enumerate(rounds):
+                    timings[name][r].append(seconds / len(weights))
+    return timings

@@ -31,6 +31,7 @@ from scalenlp.loader import read
 from scalenlp.models.adapter_io import ADAPTER_FOLDER, write_adapter
 from scalenlp.models.adapters import adaptable, adapter_weights, frozen_shapes, merge_adapters, pack_frozen
 from scalenlp.models.flavors import shape_spec
+from scalenlp.models.frozen import LAYOUTS
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.pretrained import Pretrained
 from scalenlp.parallel.data_parallel import skip_gradient_sync
@@ -198,28 +199,35 @@ class Trainer:
         self.skipped_steps = 0  # fp16 steps whose gradient overflowed, since the run began
 
     def _pack_frozen(self) -> None:
-        """lora.pack_frozen (on, or auto where it measured faster here), once the layout has sharded what it shards
-        (a sharded base is left as it is); DDP ignores the frozen weights, so dropping them frees their memory."""
+        """lora.pack_frozen (a layout, or auto's where one measured faster here), once the layout has sharded what
+        it shards (a sharded base is left as it is); DDP ignores the frozen weights, so dropping them frees their
+        memory."""
         t = self.cfg.training
         rows = self.micro_batch * t.seq_len
         parts = [getattr(part, "module", part) for part in self.model_parts]  # DDP's wrapper
-        packed, reasons, why_auto = 0, [], ""
+        wanted = self.cfg.lora.pack_frozen
+        # Inductor fails on oneDNN's opaque packed weights (an InductorError, torch 2.13); the transposed copy is a
+        # plain tensor it takes as an input.
+        layouts = tuple(name for name in LAYOUTS if name != "onednn" or not t.compile)
+        held, reasons, why_auto = Counter(), [], ""
         if t.mixed_precision != "fp32":
             reasons.append(f"training.mixed_precision={t.mixed_precision} computes the products in "
                            f"{t.mixed_precision} (autocast)")
-        elif t.compile:  # inductor fails on the packed weights (an InductorError, torch 2.13)
-            reasons.append("training.compile lowers the products itself, and cannot take packed weights")
+        elif wanted not in ("auto", *layouts):
+            reasons.append("training.compile lowers the products itself, and cannot take oneDNN's packed weights")
         else:
             shapes = sum((frozen_shapes(part) for part in parts), Counter())
-            choice = choose_packing(shapes, rows) if self.cfg.lora.pack_frozen == "auto" and shapes else None
-            if choice is not None:
-                why_auto = f" (auto: {choice.reason})"
-            if choice is None or choice.on:
-                for part in parts:
-                    n, why = pack_frozen(part, rows)
-                    packed += n
-                    reasons += [r for r in why if r not in reasons]
-        self.log(f"lora.pack_frozen: {packed} frozen linears held as oneDNN-packed W and W^T"
+            layout = wanted
+            if wanted == "auto":
+                choice = choose_packing(shapes, rows, layouts) if shapes else None
+                layout, why_auto = (choice.layouts, f" (auto: {choice.reason})") if choice else ({}, "")
+            for part in parts:
+                n, why = pack_frozen(part, rows, layout)
+                held += n
+                reasons += [r for r in why if r not in reasons]
+        how = {"onednn": "as oneDNN-packed W and W^T", "transposed": "beside a row-major copy of W^T"}
+        said = ", ".join(f"{n} frozen linears held {how[name]}" for name, n in held.items())
+        self.log(f"lora.pack_frozen: {said or 'the frozen base kept as it is'}"
                  + (f"; not packed: {'; '.join(reasons)}" if reasons else "") + why_auto)
 
     def _open_run(self, agents: list, restarted: bool) -> None:

@@ -1,0 +1,64 @@
+"""A frozen weight's two products held in layouts chosen once: LoRA's frozen base (models/adapters.py
+``pack_frozen``) and a frozen output projection in the chunked loss (models/loss.py).
+
+A step computes ``x W^T`` (the forward) and ``dy W`` (the input's gradient) of a frozen ``W``, nothing else (no
+weight gradient). ``F.linear`` reads ``W`` transposed for the first, and on the CPU the BLAS may run one layout
+faster than the other. ``frozen_operands`` returns the right-hand operand of each product, computed by
+``frozen_product``:
+
+- "onednn": ``W`` and ``W^T`` reordered once into oneDNN's blocked layout (``W`` is then dropped);
+- "transposed": a row-major copy of ``W^T`` beside ``W`` itself, so that neither product reads its operand
+  transposed. On an AVX-512 Xeon (MKL, one thread, 128 rows) SmolLM2's forward products over 30 layers took
+  425 ms on such copies against 511 ms on ``W`` transposed; the input gradients read ``W`` as before.
+
+Each costs a second copy of the weight; train/frozen_packing.py measures which, if any, pays on the machine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scalenlp.models.onednn import pack, packed_linear
+
+LAYOUTS = ("onednn", "transposed")
+
+
+def frozen_operands(weight: torch.Tensor, layout: str, rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operands of a frozen ``weight`` W's forward product and input gradient in ``layout`` (see above), for
+    products of about ``rows`` rows."""
+    weight = weight.detach()
+    if layout == "onednn":
+        return pack(weight, rows), pack(weight.t().contiguous(), rows)
+    if layout == "transposed":
+        return weight.t().contiguous(), weight
+    raise ValueError(f"unknown frozen layout {layout!r}; one of {', '.join(LAYOUTS)}")
+
+
+def frozen_product(x: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` times one operand of ``frozen_operands`` (``x W^T`` for the first, ``x W`` for the second), plus
+    ``bias``; x of any leading shape."""
+    if operand.is_mkldnn:
+        return packed_linear(x, operand, bias)
+    out = x @ operand
+    return out if bias is None else out + bias
+
+
+def frozen_dense(operands: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The weight W back from its operands, exactly."""
+    first, second = operands
+    return first.to_dense() if first.is_mkldnn else second
+
+
+class FrozenLinear(torch.autograd.Function):
+    """``x W^T (+ b)`` of a frozen weight held as ``frozen_operands``: the forward on the first, the input's
+    gradient on the second; a frozen weight and bias take no gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward: torch.Tensor, backward: torch.Tensor, bias: torch.Tensor | None):
+        ctx.backward = backward  # a constant of the model: nothing of this step's to keep
+        return frozen_product(x, forward, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_x = frozen_product(grad.contiguous(), ctx.backward) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None
