@@ -191,10 +191,9 @@ class LoraConfig:
     init: str = opt("", "start from this adapter: a PEFT adapter folder (adapter_config.json + "
                         "adapter_model.safetensors) or a run's export/adapter; its rank, alpha and layers are used")
     quantize_base: str = opt("", "\"\" | nf4: hold the frozen base weights in 4-bit NF4 with double-quantized "
-                                 "scales, computed in bf16 (QLoRA; needs the qlora extra, torchao), or in float32 on "
-                                 "a CPU without bf16 instructions (AVX512-BF16, AMX); runs under "
-                                 "every layout: ZeRO-2/3 shard the NF4 base, tensor parallelism quantizes each "
-                                 "rank's shard of it")
+                                 "scales, computed in bf16 on a GPU (QLoRA; needs the qlora extra, torchao), in "
+                                 "float32 on the CPU, where that ran faster; runs under every layout: ZeRO-2/3 "
+                                 "shard the NF4 base, tensor parallelism quantizes each rank's shard of it")
     pack_frozen: str = opt("auto", "auto | onednn | transposed | off: on the CPU in float32, hold each frozen base "
                                    "linear as two oneDNN-packed copies (W for the product, W^T for its input's "
                                    "gradient) in place of its weight (onednn), or with a row-major copy of W^T "

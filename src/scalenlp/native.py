@@ -5,7 +5,6 @@ own operators instead."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -25,14 +24,6 @@ def cpu_model() -> str:
     except OSError:
         return platform.processor() or platform.machine()
     return "".join(dict.fromkeys(line for line in lines if line.startswith(("model name", "flags"))))
-
-
-@functools.cache
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes in bf16 with its own instructions (AVX512-BF16 or AMX). oneDNN runs bf16 products
-    on other x86 CPUs too, converting each in software: on an AMD EPYC without them a QLoRA step's bf16 products
-    took 17x float32's time (17.1 against 1.0 s of a step)."""
-    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_model().split()))
 
 
 def load_native(name: str, source: Path) -> bool:

@@ -365,16 +365,17 @@ def test_an_nf4_base_that_zero3_cannot_split_is_one_line():
         check_shardable(model, ["0", "1"], 2)  # not whole rows
 
 
-@pytest.mark.parametrize("bf16_cpu", [True, False])
-def test_an_nf4_base_computes_in_bf16_or_on_a_cpu_without_bf16_instructions_in_float32(monkeypatch, bf16_cpu):
-    """QLoRA's products: bf16 where the CPU has bf16 instructions; else the NF4 weight dequantized to float32,
-    forward and backward, with the same output and input gradient as a float32 linear of the dequantized weight,
-    and no tensor of the step kept for backward (the weight is dequantized again)."""
+@pytest.mark.parametrize("bf16_device", [True, False])
+def test_an_nf4_base_computes_in_bf16_on_a_gpu_and_in_float32_on_the_cpu(monkeypatch, bf16_device):
+    """QLoRA's products: bf16 on a GPU (played here); on the CPU the NF4 weight dequantized to float32, forward
+    and backward, with the same output and input gradient as a float32 linear of the dequantized weight, and no
+    tensor of the step kept for backward (the weight is dequantized again)."""
     pytest.importorskip("torchao")
     from scalenlp.compress.nf4 import quantize_nf4
     from scalenlp.models import adapters
 
-    monkeypatch.setattr(adapters, "cpu_has_bf16", lambda: bf16_cpu)
+    if bf16_device:
+        monkeypatch.setattr(adapters, "dequantizes_to_float32", lambda device: False)
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.Linear(128, 64))
     quantize_nf4(layer, ["0"])
@@ -387,7 +388,7 @@ def test_an_nf4_base_computes_in_bf16_or_on_a_cpu_without_bf16_instructions_in_f
     dequantized = nf4.get_original_weight()
     assert torch.equal(adapters.float32_nf4(nf4), dequantized.float())
     reference_x = x.detach().clone().requires_grad_()
-    if bf16_cpu:
+    if bf16_device:
         reference = F.linear(reference_x.to(torch.bfloat16), dequantized) + layer[0].bias  # torchao adds it apart
     else:
         reference = F.linear(reference_x, dequantized.float(), layer[0].bias)
@@ -401,13 +402,13 @@ def test_an_nf4_base_computes_in_bf16_or_on_a_cpu_without_bf16_instructions_in_f
 def test_under_tp_each_rank_holds_its_shard_in_nf4_and_computes_its_part(colwise, monkeypatch):
     """QLoRA under tensor parallelism: after the plan has cut a frozen linear, each rank quantizes its shard by
     itself (a plain NF4 tensor) and the layer gives that rank's part of the product with it, in bf16 as an NF4
-    base computes (on a CPU with bf16 instructions, as played here): its output columns (column-parallel), or its
+    base computes (on a GPU, as played here): its output columns (column-parallel), or its
     partial sum over its input columns (row-parallel, which the style all-reduces). Each of 2 ranks is played in
     turn on a fake process group, whose collectives do nothing, so what comes out is the rank's own part."""
     pytest.importorskip("torchao")
     from scalenlp.models import adapters
 
-    monkeypatch.setattr(adapters, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(adapters, "dequantizes_to_float32", lambda device: False)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

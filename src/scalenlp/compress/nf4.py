@@ -4,9 +4,9 @@ scales, through torchao's ``NF4Tensor`` (PyTorch's own, what torchtune uses; the
 Each block of 64 weights keeps one absmax scale; the scales are themselves quantized to int8 in groups of up to
 256 (double quantization; ``scale_block``), about 4.1-4.2 bits per weight in all. A linear over an NF4 weight
 dequantizes it per use and keeps only the NF4 tensor for backward (the weight never trains): to bf16, QLoRA's
-compute dtype, on a GPU or a CPU with bf16 instructions; to float32 on other CPUs, where bf16 products convert in
-software (models/adapters.py ``base_product``). Adapters on
-top (models/adapters.py) stay float32. ZeRO-2/3 shard an NF4 weight by rows through torchao's FSDP2 extension
+compute dtype, on a GPU; to float32 on the CPU, which ran faster on both CPUs measured, with bf16 instructions
+or without (models/adapters.py ``dequantizes_to_float32``). Adapters on top (models/adapters.py) stay
+float32. ZeRO-2/3 shard an NF4 weight by rows through torchao's FSDP2 extension
 (``fsdp_pre_all_gather``), gathering it for use.
 """
 

@@ -30,7 +30,6 @@ from torch import nn
 
 from scalenlp.errors import ConfigError, UserError
 from scalenlp.models.frozen import FrozenLinear, frozen_dense, frozen_operands
-from scalenlp.native import cpu_has_bf16
 
 ALL_LINEAR = "all-linear"
 # The linears an adapter may wrap are those of the transformer blocks (``layers.<i>.``): as PEFT's "all-linear",
@@ -89,17 +88,25 @@ def base_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """``x W^T (+ b)`` of a frozen base linear."""
     if weight.dtype == x.dtype or torch.is_autocast_enabled(x.device.type):
         return F.linear(x, weight, bias)
-    if is_nf4(weight) and x.dtype == torch.float32 and x.device.type == "cpu" and not cpu_has_bf16():
+    if is_nf4(weight) and x.dtype == torch.float32 and dequantizes_to_float32(x.device):
         return _Float32Dequantized.apply(x, weight, bias)
     # An NF4 base computes in its own dtype (bf16), which autograd keeps it in (no dequantized copy).
     return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
 
 
+def dequantizes_to_float32(device: torch.device) -> bool:
+    """Whether an NF4 base's products run in float32, dequantized per use, rather than in bf16 (QLoRA's compute
+    dtype, a GPU's): on the CPU. SmolLM2's QLoRA step (rank 16, 128 rows, one thread) ran 10x as fast so on an AMD
+    EPYC without bf16 instructions, whose bf16 products oneDNN converts in software (72 against 7 tokens/s), and
+    1.33x as fast on a Xeon with AMX (87.8 against 66.1 tokens/s)."""
+    return device.type == "cpu"
+
+
 class _Float32Dequantized(torch.autograd.Function):
     """``x W^T (+ b)`` of a frozen NF4 weight dequantized to float32 per use, forward and backward, keeping only
-    the NF4 tensor: QLoRA's products on a CPU without bf16 instructions, where bf16 products convert in software.
-    SmolLM2's QLoRA step (rank 16, 128 rows, one thread, an AMD EPYC) took 18.4-19.1 s with bf16 products,
-    2.5-2.9 s so with torchao's dequantization, 1.8-2.0 s with ``float32_nf4``."""
+    the NF4 tensor: QLoRA's products on the CPU (``dequantizes_to_float32``). SmolLM2's QLoRA step (rank 16, 128
+    rows, one thread, an AMD EPYC without bf16 instructions) took 18.4-19.1 s with bf16 products, 2.5-2.9 s so
+    with torchao's dequantization, 1.8-2.0 s with ``float32_nf4``."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
