@@ -161,18 +161,21 @@ def auto_pick(model, rows: int, layouts: tuple[str, ...]):
     return choose_packing(frozen_shapes(model), rows, layouts)
 
 
-def speed(steps: int, batch: int, seq: int, compile: bool = False) -> dict:
+def speed(steps: int, batch: int, seq: int, compile: bool = False, bf16: bool = False) -> dict:
     """Tokens per second of wall time, and per second of this process's CPU time, of our LoRA (in each layout)
     and of peft's (and of ours compiled), the models' steps taken in turn in this one process: on a machine shared
     with other work the load then weighs on all alike (separate processes meet different loads), and the CPU time
-    leaves out the time spent waiting for the cores."""
+    leaves out the time spent waiting for the cores. ``bf16``: every model's forward under bf16 autocast, as
+    training.mixed_precision=bf16 and transformers' bf16 training run it: our LoRA with its base as it is, as
+    the trainer leaves it under autocast (the layouts are float32's)."""
     torch.manual_seed(0)
-    runs = {kind: _our_model(kind, batch * seq) for kind in LORA_KINDS}
+    runs = ({"lora": _our_model("lora-plain", batch * seq)} if bf16 else
+            {kind: _our_model(kind, batch * seq) for kind in LORA_KINDS})
     runs["peft"] = _peft_model()
     if compile:  # the trainer's layouts under training.compile, which cannot take oneDNN's packed weights
         from scalenlp.parallel.parallelize import apply_compile
 
-        runs["compiled"] = _our_model("lora", batch * seq, ("transposed",))
+        runs["compiled"] = _our_model("lora-plain" if bf16 else "lora", batch * seq, ("transposed",))
         apply_compile(runs["compiled"][0])
     optimizers = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=True)
                   for k, (m, _) in runs.items()}
@@ -180,9 +183,11 @@ def speed(steps: int, batch: int, seq: int, compile: bool = False) -> dict:
     cpu: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(steps + 1):  # the first round pays one-time allocations: not timed
         tokens = torch.randint(0, 49152, (batch, seq + 1), generator=torch.Generator().manual_seed(i))
-        for kind, (_, loss_of) in runs.items():
+        for kind, (_, loss_of) in list(runs.items())[::1 if i % 2 else -1]:  # each order every other round
             start, start_cpu = time.perf_counter(), time.process_time()
-            loss_of(tokens).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = loss_of(tokens)
+            loss.backward()
             optimizers[kind].step()
             optimizers[kind].zero_grad(set_to_none=True)
             if i:
@@ -252,6 +257,7 @@ def main() -> int:
                         help="one part (layouts runs only when asked: QLoRA under DDP and ZeRO-3, 2 processes each; "
                              "products too: lora.pack_frozen's products alone, each layout against plain)")
     parser.add_argument("--compile", action="store_true", help="speed: also our LoRA with training.compile")
+    parser.add_argument("--bf16", action="store_true", help="speed: every model under bf16 autocast")
     parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)  # a child process's measurement
     args = parser.parse_args()
     if args.one:
@@ -270,11 +276,11 @@ def main() -> int:
         print(f"under training.compile: {auto_pick(plain, rows, ('transposed',)).reason}")
     del plain
     if args.only != "memory":
-        fast, per_cpu = speed(args.steps, args.batch, args.seq, args.compile)
+        fast, per_cpu = speed(args.steps, args.batch, args.seq, args.compile, args.bf16)
         print(f"tokens/s, steps in turn in one process: lora {fast['lora']:,.1f}, peft+transformers "
               f"{fast['peft']:,.1f}: lora / peft = {fast['lora'] / fast['peft']:.2f}x (per CPU second: "
               f"{per_cpu['lora'] / per_cpu['peft']:.2f}x)")
-        for kind in LORA_KINDS[1:]:
+        for kind in [k for k in LORA_KINDS[1:] if k in fast]:
             print(f"{kind} {fast[kind]:,.1f} tokens/s: {fast[kind] / fast['peft']:.2f}x peft, "
                   f"{fast[kind] / fast['lora-plain']:.2f}x lora-plain (per CPU second: "
                   f"{per_cpu[kind] / per_cpu['peft']:.2f}x, {per_cpu[kind] / per_cpu['lora-plain']:.2f}x)")
