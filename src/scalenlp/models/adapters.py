@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalenlp.errors import ConfigError, UserError
-from scalenlp.models.frozen import FrozenLinear, frozen_dense, frozen_operands
+from scalenlp.models.frozen import FrozenLinear, available_layouts, frozen_dense, frozen_operands
 
 ALL_LINEAR = "all-linear"
 # The linears an adapter may wrap are those of the transformer blocks (``layers.<i>.``): as PEFT's "all-linear",
@@ -295,8 +295,9 @@ def pack_frozen(model: nn.Module, rows: int | None,
     held: Counter[str] = Counter()
     for linear in [*layers, *heads]:
         name = layout if isinstance(layout, str) else layout.get((linear.in_features, linear.out_features))
-        if name == "onednn" and not torch.backends.mkldnn.is_available():
-            reasons += [r for r in ["this PyTorch has no oneDNN"] if r not in reasons]
+        if name is not None and name not in available_layouts():
+            if (reason := "this PyTorch has no oneDNN") not in reasons:  # the one layout a build may lack
+                reasons.append(reason)
         elif name is not None:
             if linear in heads:
                 model.output_packed = frozen_operands(linear.weight, name, rows)

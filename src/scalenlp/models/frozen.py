@@ -9,7 +9,7 @@ faster than the other. ``frozen_operands`` returns the right-hand operand of eac
 - "onednn": ``W`` and ``W^T`` reordered once into oneDNN's blocked layout (``W`` is then dropped);
 - "transposed": a row-major copy of ``W^T`` beside ``W`` itself, so that neither product reads its operand
   transposed. On an AVX-512 Xeon (MKL, one thread, 128 rows) SmolLM2's forward products over 30 layers took
-  425 ms on such copies against 511 ms on ``W`` transposed; the input gradients read ``W`` as before.
+  259-272 ms on such copies against 281-294 ms on ``W`` transposed; the input gradients read ``W`` as before.
 
 Each costs a second copy of the weight; train/frozen_packing.py measures which, if any, pays on the machine.
 """
@@ -21,6 +21,11 @@ import torch
 from scalenlp.models.onednn import pack, packed_linear
 
 LAYOUTS = ("onednn", "transposed")
+
+
+def available_layouts() -> tuple[str, ...]:
+    """The layouts this PyTorch can hold: oneDNN's needs a build with oneDNN."""
+    return tuple(name for name in LAYOUTS if name != "onednn" or torch.backends.mkldnn.is_available())
 
 
 def frozen_operands(weight: torch.Tensor, layout: str, rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:

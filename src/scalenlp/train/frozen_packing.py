@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from scalenlp.hardware import cached_record, engine_cache_path, time_rounds
-from scalenlp.models.frozen import LAYOUTS, frozen_operands, frozen_product
+from scalenlp.models.frozen import LAYOUTS, available_layouts, frozen_operands, frozen_product
 
 MARGIN = 1.05  # a layout costs a second copy of the base: worth a real gain, not a tie
 ROUNDS = 5
@@ -101,7 +101,7 @@ def time_products(shapes: list[tuple[int, int]], rows: int, counts: list[int]) -
     of them (a step reads every weight once each way, from memory, not from a cache that one weight timed over and
     over would sit in), and is counted per copy. One shape's copies at a time, so the timing holds little more than
     that."""
-    layouts = [name for name in LAYOUTS if name != "onednn" or torch.backends.mkldnn.is_available()]
+    layouts = available_layouts()
     timings: Timings = {name: [[] for _ in range(ROUNDS)] for name in ("plain", *layouts)}
     with torch.no_grad():
         for (k, n), count in zip(shapes, counts):

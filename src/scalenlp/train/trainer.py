@@ -216,9 +216,9 @@ class Trainer:
         elif wanted not in ("auto", *layouts):
             reasons.append("training.compile lowers the products itself, and cannot take oneDNN's packed weights")
         else:
-            shapes = sum((frozen_shapes(part) for part in parts), Counter())
             layout = wanted
             if wanted == "auto":
+                shapes = sum((frozen_shapes(part) for part in parts), Counter())
                 choice = choose_packing(shapes, rows, layouts) if shapes else None
                 layout, why_auto = (choice.layouts, f" (auto: {choice.reason})") if choice else ({}, "")
             for part in parts:
