@@ -461,6 +461,48 @@ def test_a_fresh_dora_magnitude_follows_a_base_changed_after_it():
     torch.testing.assert_close(model(tokens), base(tokens))
 
 
+@pytest.mark.parametrize("layout", [None, "onednn", "transposed"])
+def test_a_lora_layer_is_one_autograd_node_with_the_products_gradients(layout):
+    """Plain LoRA (no DoRA, no dropout in training) runs as one autograd node, the base as it is or in a layout:
+    the output and the gradients of the input, A and B those of x W^T + b + s (x A^T) B^T computed op by op."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(48, 136)
+    layer = LoRALinear(base, LoraSpec(rank=4, alpha=12))
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    weight, bias = base.weight.detach().clone(), base.bias.detach().clone()
+    if layout:
+        layer.pack_base(2 * 5, layout)
+    x = torch.randn(2, 5, 48, requires_grad=True)
+    out = layer(x)
+    assert type(out.grad_fn).__name__ == "_LoRAProductBackward"
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    x_ref = x.detach().clone().requires_grad_()
+    A, B = (layer.lora_A.detach().clone().requires_grad_(), layer.lora_B.detach().clone().requires_grad_())
+    expected = F.linear(x_ref, weight, bias) + 3.0 * F.linear(F.linear(x_ref, A), B)
+    expected.backward(grad)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for got, want in ((x.grad, x_ref.grad), (layer.lora_A.grad, A.grad), (layer.lora_B.grad, B.grad)):
+        # float32 sums in another order (the scaling applied to the rank-wide product): within 1e-5 of the largest
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    # An input that takes no gradient (the first block's, under a frozen embedding) gets none computed.
+    layer.zero_grad()
+    layer(x.detach()).backward(grad)
+    assert layer.lora_A.grad is not None and layer.lora_B.grad is not None
+
+
+def test_dropout_dora_and_autocast_take_the_general_path():
+    torch.manual_seed(0)
+    x = torch.randn(3, 32)
+    for spec in (LoraSpec(rank=4, alpha=8, dropout=0.1), LoraSpec(rank=4, alpha=8, dora=True)):
+        assert type(LoRALinear(torch.nn.Linear(32, 32), spec).train()(x).grad_fn).__name__ == "AddBackward0"
+    dropout = LoRALinear(torch.nn.Linear(32, 32), LoraSpec(rank=4, alpha=8, dropout=0.1)).eval()
+    assert dropout(x.requires_grad_()).grad_fn.name() == "_LoRAProductBackward"  # no dropout in evaluation
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # products in autocast's dtype, as nn.Linear's
+        assert LoRALinear(torch.nn.Linear(32, 32), LoraSpec(rank=4, alpha=8))(x).dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("layout", ["onednn", "transposed"])
 @pytest.mark.parametrize("dora", [False, True])
 def test_a_packed_frozen_base_gives_the_plain_loss_and_gradients(dora, layout):

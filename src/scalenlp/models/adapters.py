@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalenlp.errors import ConfigError, UserError
-from scalenlp.models.frozen import FrozenLinear, available_layouts, frozen_dense, frozen_operands
+from scalenlp.models.frozen import FrozenLinear, available_layouts, frozen_dense, frozen_operands, frozen_product
 
 ALL_LINEAR = "all-linear"
 # The linears an adapter may wrap are those of the transformer blocks (``layers.<i>.``): as PEFT's "all-linear",
@@ -141,6 +141,38 @@ def unpackable(weight: torch.Tensor) -> str | None:
     return None
 
 
+class _LoRAProduct(torch.autograd.Function):
+    """``x W^T (+ b) + scaling (x A^T) B^T`` of a frozen W held as ``frozen_operands``, as one autograd node.
+
+    Autograd would make six of the layer (two products, the scaling, the sum, and each product's backward), each
+    pass over the (rows, out) output allocating another. Here the scaling is applied to the (rows, rank) product
+    and the low-rank term is added in the base product's output, by the BLAS (``addmm_``); in backward, the
+    low-rank term's input gradient is added the same way into the base's. SmolLM2's LoRA step (rank 16 on every
+    block linear, 128 rows, one thread, an AVX-512 Xeon) ran 1.09x as fast so."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward: torch.Tensor, backward: torch.Tensor, bias: torch.Tensor | None,
+                lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        down = (rows @ lora_A.t()).mul_(scaling)  # (rows, rank), scaled
+        out = frozen_product(rows, forward, bias).addmm_(down, lora_B.t())
+        ctx.save_for_backward(rows, down, lora_A, lora_B)
+        ctx.backward, ctx.scaling, ctx.shape = backward, scaling, x.shape  # the base: a constant of the model
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, down, lora_A, lora_B = ctx.saved_tensors
+        grad = grad.reshape(-1, grad.shape[-1]).contiguous()
+        grad_down = (grad @ lora_B).mul_(ctx.scaling)  # the gradient of the unscaled (rows, rank) product
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = frozen_product(grad, ctx.backward).addmm_(grad_down, lora_A).view(ctx.shape)
+        grad_A = grad_down.t() @ rows if ctx.needs_input_grad[4] else None
+        grad_B = grad.t() @ down if ctx.needs_input_grad[5] else None
+        return grad_x, None, None, None, grad_A, grad_B, None
+
+
 class LoRALinear(nn.Linear):
     """A frozen ``nn.Linear`` plus a trainable low-rank update (and a DoRA magnitude when ``spec.dora``)."""
 
@@ -182,6 +214,22 @@ class LoRALinear(nn.Linear):
             return FrozenLinear.apply(x, *self.packed, bias)
         return base_product(x, self.weight, bias)
 
+    def _lora_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The frozen base's operands (``frozen_operands``) where the layer runs as one ``_LoRAProduct``: plain
+        LoRA (no DoRA, no dropout in training) on a plain tensor base of ``x``'s dtype, outside autocast and
+        torch.compile; None for the general path (an NF4 or sharded base, whose products other code computes;
+        Inductor, which fuses the scaling and the sums into its own kernels: SmolLM2's compiled step ran 1.24x
+        peft's through this node, 1.3x without)."""
+        if (self.lora_magnitude is not None or (self.lora_dropout and self.training) or type(x) is not torch.Tensor
+                or torch.compiler.is_compiling()):
+            return None
+        if self.packed is not None:
+            return self.packed
+        weight = self.weight
+        if type(weight) is not nn.Parameter or weight.dtype != x.dtype or torch.is_autocast_enabled(x.device.type):
+            return None
+        return weight.t(), weight
+
     def pack_base(self, rows: int | None, layout: str) -> None:
         """Hold the frozen weight's products in ``layout`` (models/frozen.py), for products of about ``rows``
         rows; oneDNN's packed copies replace ``weight``, which is dropped: they are all a training step needs."""
@@ -190,6 +238,8 @@ class LoRALinear(nn.Linear):
             del self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (operands := self._lora_operands(x)) is not None:
+            return _LoRAProduct.apply(x, *operands, self.bias, self.lora_A, self.lora_B, self.scaling)
         out = self.base(x)
         dropped = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         lora = F.linear(F.linear(dropped, self.lora_A), self.lora_B) * self.scaling
