@@ -35,16 +35,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h, t = hidden[start:start + chunk].to(weight.dtype), targets[start:start + chunk]
             # Under autocast the product runs in its dtype, as nn.Linear's would.
             logits = (h @ weight.t() if packed is None else frozen_product(h, packed[0])).float()
-            lse = logits.logsumexp(dim=-1)
             counted = t != ignore_index
             safe = torch.where(counted, t, 0).unsqueeze(1)
-            total += torch.where(counted, lse - logits.gather(1, safe).squeeze(1), 0.0).sum()
+            picked = logits.gather(1, safe).squeeze(1)
+            # The log-sum-exp and the softmax from one set of passes over the logits, in place: torch.logsumexp
+            # would allocate a (rows, vocab) temporary and the softmax take two passes more.
+            top = logits.amax(dim=1, keepdim=True)
+            sums = logits.sub_(top).exp_().sum(dim=1, keepdim=True)
+            lse = (top + sums.log()).squeeze(1)
+            total += torch.where(counted, lse - picked, 0.0).sum()
             if not (want_hidden or want_weight):
                 continue
-            # d(summed loss)/d(logits) = softmax - one_hot(target), zero on ignored rows; in place over the logits.
-            grad = logits.sub_(lse.unsqueeze(1)).exp_()
+            # d(summed loss)/d(logits) = softmax - one_hot(target), zero on ignored rows.
+            grad = logits.div_(sums)
             grad.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad.dtype))
-            grad.mul_(counted.unsqueeze(1))
+            if not counted.all():
+                grad[~counted] = 0
             grad = grad.to(weight.dtype)
             if want_hidden:
                 grad_hidden[start:start + chunk] = grad @ weight if packed is None else frozen_product(grad, packed[1])
