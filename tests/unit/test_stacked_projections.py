@@ -43,6 +43,19 @@ def test_swiglu_gradients_are_autograds():
     torch.testing.assert_close(decoder_module.swiglu(gate, up), F.silu(gate) * up)
 
 
+def test_rope_gradients_are_autograds():
+    """Training's RoPE (one output allocated, its gradient the rotation back) against the op-by-op form it
+    replaces, which inference keeps."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64, requires_grad=True)
+    angles = torch.randn(1, 5, 1, 4, dtype=torch.float64)
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    assert torch.autograd.gradcheck(decoder_module.apply_rope, (x, cos, sin))
+    assert decoder_module.apply_rope(x, cos, sin).grad_fn.name() == "_RopeBackward"
+    x1, x2 = x.chunk(2, dim=-1)
+    torch.testing.assert_close(decoder_module.apply_rope(x, cos, sin), x * cos + torch.cat([-x2, x1], dim=-1) * sin)
+
+
 def _saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
     """Bytes of the distinct storages a training forward keeps for backward, parameters aside."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

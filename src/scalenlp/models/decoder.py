@@ -197,9 +197,38 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (B, T, H, D); cos/sin: (B or 1, T, 1, D)."""
+    if torch.is_grad_enabled() and x.requires_grad and type(x) is torch.Tensor:
+        return _Rope.apply(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).type_as(x)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """``x * cos + sign * rotate_half(x) * sin`` into one new tensor, the halves added in place. The half that
+    rotate_half negates (the first for sign 1) takes ``sin`` of its own half; the rotation back (sign -1) is
+    RoPE's gradient."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half] if sign > 0 else sin[..., half:], value=-sign)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:] if sign > 0 else sin[..., :half], value=sign)
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    """apply_rope in training: one output allocated, where the op-by-op form allocates five (and its backward as
+    many again), for each of q and k in every layer."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = x.dtype
+        return _rotate(x, cos, sin, 1.0).type_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, -1.0).to(ctx.dtype), None, None
 
 
 def stacked_linear(x: torch.Tensor, parts: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...] | None:
@@ -410,12 +439,15 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)  # gate and up are one dtype: two linears' outputs
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate, up = ctx.saved_tensors
-        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+        # Each gradient written over the one temporary it starts from, not into a tensor of its own.
+        grad_gate = grad * up
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+        return grad_gate, F.silu(gate).mul_(grad)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
