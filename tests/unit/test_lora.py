@@ -492,15 +492,32 @@ def test_a_lora_layer_is_one_autograd_node_with_the_products_gradients(layout):
     assert layer.lora_A.grad is not None and layer.lora_B.grad is not None
 
 
-def test_dropout_dora_and_autocast_take_the_general_path():
+def test_dropout_and_dora_take_the_general_path_autocast_the_node_in_its_dtype():
     torch.manual_seed(0)
     x = torch.randn(3, 32)
     for spec in (LoraSpec(rank=4, alpha=8, dropout=0.1), LoraSpec(rank=4, alpha=8, dora=True)):
         assert type(LoRALinear(torch.nn.Linear(32, 32), spec).train()(x).grad_fn).__name__ == "AddBackward0"
     dropout = LoRALinear(torch.nn.Linear(32, 32), LoraSpec(rank=4, alpha=8, dropout=0.1)).eval()
     assert dropout(x.requires_grad_()).grad_fn.name() == "_LoRAProductBackward"  # no dropout in evaluation
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # products in autocast's dtype, as nn.Linear's
-        assert LoRALinear(torch.nn.Linear(32, 32), LoraSpec(rank=4, alpha=8))(x).dtype == torch.bfloat16
+    # Under bf16 autocast, the node's products in bf16 as nn.Linear's: the op-by-op layer's output and gradients
+    # (the adapters' in float32, their masters' dtype) to bf16's precision.
+    layer = LoRALinear(torch.nn.Linear(32, 48), LoraSpec(rank=4, alpha=8))
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    reference = copy.deepcopy(layer)
+    reference._lora_operands = lambda x: None
+    grad = torch.randn(3, 48)
+    got, want = [], []
+    for model, into in ((layer, got), (reference, want)):
+        inputs = x.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(inputs)
+        out.float().backward(grad)
+        into += [out, inputs.grad, model.lora_A.grad, model.lora_B.grad]
+    assert got[0].grad_fn.name() == "_LoRAProductBackward" and got[0].dtype == torch.bfloat16
+    assert got[2].dtype == got[3].dtype == torch.float32 and got[1].dtype == torch.float32
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-2 * b.abs().max().item())
 
 
 @pytest.mark.parametrize("layout", ["onednn", "transposed"])
