@@ -9,7 +9,8 @@ paper's section 4.3 and PEFT do). ``B`` starts at zero, so a fresh adapter is th
 their names) with ``lora_A``, ``lora_B`` and, for DoRA, ``lora_magnitude`` beside them. The base weight may be an
 NF4 tensor (QLoRA, compress/nf4.py); it is then dequantized per use. A plain float32 base on the CPU may instead
 be held in the layouts its two products read fastest (``pack_frozen``, models/frozen.py: oneDNN-packed copies of
-W and W^T in place of ``weight``, or a row-major copy of W^T beside it). ``add_adapters`` swaps the linears whose
+W and W^T in place of ``weight``, or a row-major copy of W^T beside it). Plain LoRA on a plain or laid-out base
+runs as one autograd node (``_LoRAProduct``). ``add_adapters`` swaps the linears whose
 names match a pattern; ``merge_adapters`` folds them back into plain linears. Adapters move in and out as
 ``{module name: LoraWeights}``: ``adapter_weights`` reads them off a model, ``load_adapter_weights`` puts them on.
 Reading and writing folders (ours and PEFT's) is in models/adapter_io.py.
