@@ -461,19 +461,27 @@ def test_a_fresh_dora_magnitude_follows_a_base_changed_after_it():
     torch.testing.assert_close(model(tokens), base(tokens))
 
 
-@pytest.mark.parametrize("layout", [None, "onednn", "transposed"])
+@pytest.mark.parametrize("layout", [None, "onednn", "transposed", "nf4"])
 def test_a_lora_layer_is_one_autograd_node_with_the_products_gradients(layout):
-    """Plain LoRA (no DoRA, no dropout in training) runs as one autograd node, the base as it is or in a layout:
-    the output and the gradients of the input, A and B those of x W^T + b + s (x A^T) B^T computed op by op."""
+    """Plain LoRA (no DoRA, no dropout in training) runs as one autograd node, the base as it is, in a layout or
+    in NF4 (dequantized to float32 on the CPU): the output and the gradients of the input, A and B those of
+    x W^T + b + s (x A^T) B^T computed op by op."""
     torch.manual_seed(0)
-    base = torch.nn.Linear(48, 136)
+    base = torch.nn.Linear(64, 136)
+    if layout == "nf4":
+        pytest.importorskip("torchao")
+        from scalenlp.compress.nf4 import quantize_nf4
+        from scalenlp.models.adapters import float32_nf4
+
+        quantize_nf4(torch.nn.Sequential(base), ["0"])
     layer = LoRALinear(base, LoraSpec(rank=4, alpha=12))
     with torch.no_grad():
         layer.lora_B.normal_()
-    weight, bias = base.weight.detach().clone(), base.bias.detach().clone()
-    if layout:
+    weight = float32_nf4(base.weight) if layout == "nf4" else base.weight.detach().clone()
+    bias = base.bias.detach().clone()
+    if layout in ("onednn", "transposed"):
         layer.pack_base(2 * 5, layout)
-    x = torch.randn(2, 5, 48, requires_grad=True)
+    x = torch.randn(2, 5, 64, requires_grad=True)
     out = layer(x)
     assert type(out.grad_fn).__name__ == "_LoRAProductBackward"
     grad = torch.randn_like(out)

@@ -143,7 +143,8 @@ def unpackable(weight: torch.Tensor) -> str | None:
 
 
 class _LoRAProduct(torch.autograd.Function):
-    """``x W^T (+ b) + scaling (x A^T) B^T`` of a frozen W held as ``frozen_operands``, as one autograd node.
+    """``x W^T (+ b) + scaling (x A^T) B^T`` of a frozen W held as ``frozen_operands`` (or W^T dequantized and the
+    NF4 weight, dequantized again in backward), as one autograd node.
 
     Autograd would make six of the layer (two products, the scaling, the sum, and each product's backward), each
     pass over the (rows, out) output allocating another. Here the scaling is applied to the (rows, rank) product
@@ -154,7 +155,7 @@ class _LoRAProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, forward: torch.Tensor, backward: torch.Tensor, bias: torch.Tensor | None,
                 lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
-        dtype = backward.dtype  # the products': the base's, or autocast's that it was cast to
+        dtype = forward.dtype  # the products': the base's, or autocast's that it was cast to
         rows = x.reshape(-1, x.shape[-1]).to(dtype)
         lora_A, lora_B, bias = lora_A.to(dtype), lora_B.to(dtype), None if bias is None else bias.to(dtype)
         down = (rows @ lora_A.t()).mul_(scaling)  # (rows, rank), scaled
@@ -171,7 +172,8 @@ class _LoRAProduct(torch.autograd.Function):
         grad_down = (grad @ lora_B).mul_(ctx.scaling)  # the gradient of the unscaled (rows, rank) product
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = frozen_product(grad, ctx.backward).addmm_(grad_down, lora_A).view(ctx.shape)
+            backward = float32_nf4(ctx.backward) if is_nf4(ctx.backward) else ctx.backward
+            grad_x = frozen_product(grad, backward).addmm_(grad_down, lora_A).view(ctx.shape)
         grad_A = grad_down.t() @ rows if ctx.needs_input_grad[4] else None
         grad_B = grad.t() @ down if ctx.needs_input_grad[5] else None
         return grad_x, None, None, None, grad_A, grad_B, None
@@ -221,7 +223,8 @@ class LoRALinear(nn.Linear):
     def _lora_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The frozen base's operands (``frozen_operands``) where the layer runs as one ``_LoRAProduct``: plain
         LoRA (no DoRA, no dropout in training) on a plain tensor base of ``x``'s dtype, or any under autocast (cast
-        to its dtype); None for the general path (an NF4 or sharded base, whose products other code computes).
+        to its dtype), or an NF4 base dequantized to float32 (``dequantizes_to_float32``); None for the general
+        path (a sharded base, whose products other code computes; an NF4 base in bf16).
         torch.compile traces the node: SmolLM2's compiled step ran as fast through it as through the op-by-op layer
         (0.99x)."""
         if self.lora_magnitude is not None or (self.lora_dropout and self.training) or type(x) is not torch.Tensor:
@@ -229,6 +232,9 @@ class LoRALinear(nn.Linear):
         if self.packed is not None:
             return self.packed
         weight = self.weight
+        if is_nf4(weight) and x.dtype == torch.float32 and dequantizes_to_float32(x.device) \
+                and not torch.is_autocast_enabled(x.device.type):
+            return float32_nf4(weight).t(), weight  # QLoRA on the CPU: backward dequantizes the NF4 weight again
         if type(weight) is not nn.Parameter:
             return None
         if torch.is_autocast_enabled(x.device.type):  # the products in autocast's dtype, as F.linear's would be

@@ -51,6 +51,9 @@ class NF4ShardLinear(_LocalShard, nn.Linear):
 class NF4ShardLoRALinear(_LocalShard, LoRALinear):
     """An adapted one: its DoRA norms are taken over the whole weight, as a DTensor of the shards."""
 
+    def _lora_operands(self, x: torch.Tensor) -> None:
+        return None  # the op-by-op layer: its base product is the shard's (``base``), a DTensor of the shards
+
     def dense_weight(self) -> torch.Tensor:
         return DTensor.from_local(super().dense_weight(), *self.tp_layout, run_check=False)
 
