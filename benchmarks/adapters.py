@@ -12,7 +12,9 @@ token batches, with fused AdamW over what trains:
 - lora-onednn: the same with the frozen base held as oneDNN-packed W and W^T (lora.pack_frozen=onednn);
 - lora-transposed: the same with a row-major copy of W^T beside W (lora.pack_frozen=transposed);
 - lora: the layout per shape that lora.pack_frozen=auto (the default) picks on this machine (train/frozen_packing.py,
-  its figure measured once and cached): LoRA as the trainer runs it;
+  its figure measured once and cached): LoRA as the trainer runs it, each adapted linear one autograd node
+  (models/adapters.py's _LoRAProduct);
+- lora-op-by-op: the same with each adapted linear's operations recorded one by one by autograd, as before the node;
 - qlora: lora with the frozen block linears in NF4 (compress/nf4.py), which is not packed;
 - peft: transformers' LlamaForCausalLM of the same weights with peft's LoraConfig(r=16, lora_alpha=32,
   target_modules="all-linear").
@@ -21,7 +23,7 @@ Figures: parameters that train; resident memory once the model is built (at rest
 steps (Linux's VmHWM, reset after loading, so the transient of reading the GGUF file is not counted); tokens/s over
 the steps after the first (which pays one-time allocations). Speed against peft is measured apart, in one process
 holding the models and taking their steps in turn, so that other work on the machine weighs on all alike:
-the three LoRA kinds and peft; with ``--compile`` another, our LoRA with ``training.compile`` (each block and the
+the LoRA kinds and peft; with ``--compile`` another, our LoRA with ``training.compile`` (each block and the
 loss through torch.compile, as parallelize's apply_compile does, the base in the layouts auto picks among those
 compile takes; its first step, untimed, compiles).
 
@@ -49,8 +51,8 @@ import torch
 
 from scalenlp.models.frozen import LAYOUTS
 
-KINDS = ("full", "lora", "lora-plain", "lora-onednn", "lora-transposed", "qlora", "peft")
-LORA_KINDS = ("lora", "lora-plain", "lora-onednn", "lora-transposed")
+KINDS = ("full", "lora", "lora-op-by-op", "lora-plain", "lora-onednn", "lora-transposed", "qlora", "peft")
+LORA_KINDS = ("lora", "lora-op-by-op", "lora-plain", "lora-onednn", "lora-transposed")
 RANK, ALPHA = 16, 32
 
 
@@ -73,6 +75,7 @@ def _our_model(kind: str, rows: int, layouts: tuple[str, ...] = LAYOUTS):
     layout (lora.pack_frozen=<layout>), of "lora" in auto's layouts among ``layouts``."""
     from scalenlp.loader import read
     from scalenlp.models.adapters import (
+        LoRALinear,
         LoraSpec,
         adaptable,
         add_adapters,
@@ -93,8 +96,12 @@ def _our_model(kind: str, rows: int, layouts: tuple[str, ...] = LAYOUTS):
             quantize_nf4(model, adaptable(model))
         add_adapters(model, LoraSpec(RANK, ALPHA), match_targets(model, "all-linear"))
         freeze_all_but_adapters(model)
-        if kind == "lora":
+        if kind in ("lora", "lora-op-by-op"):
             pack_frozen(model, rows, auto_pick(model, rows, layouts).layouts)
+        if kind == "lora-op-by-op":
+            for layer in model.modules():
+                if isinstance(layer, LoRALinear):
+                    layer._lora_operands = lambda x: None  # what the node is worth: the layer op by op
         elif kind in ("lora-onednn", "lora-transposed"):
             pack_frozen(model, rows, kind.removeprefix("lora-"))
     # The summed loss (computed a chunk of tokens at a time), as a mean like transformers'.
@@ -194,7 +201,16 @@ def speed(steps: int, batch: int, seq: int, compile: bool = False, bf16: bool = 
                 times[kind].append(time.perf_counter() - start)
                 cpu[kind].append(time.process_time() - start_cpu)
     return ({k: batch * seq * len(t) / sum(t) for k, t in times.items()},
-            {k: batch * seq * len(t) / sum(t) for k, t in cpu.items()})
+            {k: batch * seq * len(t) / sum(t) for k, t in cpu.items()}, times)
+
+
+def rounds(times: dict[str, list[float]], kind: str, other: str = "peft") -> str:
+    """``kind``'s speed against ``other``'s round by round: the median ratio and its range. On a shared host a burst
+    of other work can slow a few steps of one model; the median leaves them out where the sums above count them."""
+    import statistics
+
+    ratios = [theirs / ours for ours, theirs in zip(times[kind], times[other])]
+    return f"median of {len(ratios)} rounds {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
 def products(rows: int) -> None:
@@ -276,10 +292,14 @@ def main() -> int:
         print(f"under training.compile: {auto_pick(plain, rows, ('transposed',)).reason}")
     del plain
     if args.only != "memory":
-        fast, per_cpu = speed(args.steps, args.batch, args.seq, args.compile, args.bf16)
+        fast, per_cpu, times = speed(args.steps, args.batch, args.seq, args.compile, args.bf16)
         print(f"tokens/s, steps in turn in one process: lora {fast['lora']:,.1f}, peft+transformers "
               f"{fast['peft']:,.1f}: lora / peft = {fast['lora'] / fast['peft']:.2f}x (per CPU second: "
-              f"{per_cpu['lora'] / per_cpu['peft']:.2f}x)")
+              f"{per_cpu['lora'] / per_cpu['peft']:.2f}x; {rounds(times, 'lora')})")
+        if "lora-op-by-op" in fast:
+            print(f"the one-node layer: lora / lora-op-by-op = {fast['lora'] / fast['lora-op-by-op']:.3f}x (per CPU "
+                  f"second: {per_cpu['lora'] / per_cpu['lora-op-by-op']:.3f}x; "
+                  f"{rounds(times, 'lora', 'lora-op-by-op')})")
         for kind in [k for k in LORA_KINDS[1:] if k in fast]:
             print(f"{kind} {fast[kind]:,.1f} tokens/s: {fast[kind] / fast['peft']:.2f}x peft, "
                   f"{fast[kind] / fast['lora-plain']:.2f}x lora-plain (per CPU second: "
@@ -287,7 +307,8 @@ def main() -> int:
         if args.compile:
             print(f"lora with training.compile {fast['compiled']:,.1f} tokens/s: {fast['compiled'] / fast['peft']:.2f}x "
                   f"peft, {fast['compiled'] / fast['lora']:.2f}x lora eager (per CPU second: "
-                  f"{per_cpu['compiled'] / per_cpu['peft']:.2f}x, {per_cpu['compiled'] / per_cpu['lora']:.2f}x)")
+                  f"{per_cpu['compiled'] / per_cpu['peft']:.2f}x, {per_cpu['compiled'] / per_cpu['lora']:.2f}x; "
+                  f"against peft {rounds(times, 'compiled')})")
     if args.only == "speed":
         return 0
     results = {}
