@@ -526,6 +526,10 @@ def test_dropout_and_dora_take_the_general_path_autocast_the_node_in_its_dtype()
     assert got[2].dtype == got[3].dtype == torch.float32 and got[1].dtype == torch.float32
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-2 * b.abs().max().item())
+    layer.pack_base(3, "transposed")  # a float32 layout under autocast: the op-by-op layer, as before the node
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.grad_fn.name() == "AddBackward0"
 
 
 @pytest.mark.parametrize("layout", ["onednn", "transposed"])

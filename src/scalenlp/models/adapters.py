@@ -9,8 +9,8 @@ paper's section 4.3 and PEFT do). ``B`` starts at zero, so a fresh adapter is th
 their names) with ``lora_A``, ``lora_B`` and, for DoRA, ``lora_magnitude`` beside them. The base weight may be an
 NF4 tensor (QLoRA, compress/nf4.py); it is then dequantized per use. A plain float32 base on the CPU may instead
 be held in the layouts its two products read fastest (``pack_frozen``, models/frozen.py: oneDNN-packed copies of
-W and W^T in place of ``weight``, or a row-major copy of W^T beside it). Plain LoRA on a plain or laid-out base
-runs as one autograd node (``_LoRAProduct``). ``add_adapters`` swaps the linears whose
+W and W^T in place of ``weight``, or a row-major copy of W^T beside it). Plain LoRA (no DoRA, no dropout in
+training) runs as one autograd node (``_LoRAProduct``). ``add_adapters`` swaps the linears whose
 names match a pattern; ``merge_adapters`` folds them back into plain linears. Adapters move in and out as
 ``{module name: LoraWeights}``: ``adapter_weights`` reads them off a model, ``load_adapter_weights`` puts them on.
 Reading and writing folders (ours and PEFT's) is in models/adapter_io.py.
@@ -150,7 +150,7 @@ class _LoRAProduct(torch.autograd.Function):
     pass over the (rows, out) output allocating another. Here the scaling is applied to the (rows, rank) product
     and the low-rank term is added in the base product's output, by the BLAS (``addmm_``); in backward, the
     low-rank term's input gradient is added the same way into the base's. SmolLM2's LoRA step (rank 16 on every
-    block linear, 128 rows, one thread, an AVX-512 Xeon) ran 1.09x as fast so."""
+    block linear, 128 rows, one thread, an AVX-512 Xeon) ran 1.07-1.12x as fast so."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, forward: torch.Tensor, backward: torch.Tensor, bias: torch.Tensor | None,
@@ -224,13 +224,14 @@ class LoRALinear(nn.Linear):
         """The frozen base's operands (``frozen_operands``) where the layer runs as one ``_LoRAProduct``: plain
         LoRA (no DoRA, no dropout in training) on a plain tensor base of ``x``'s dtype, or any under autocast (cast
         to its dtype), or an NF4 base dequantized to float32 (``dequantizes_to_float32``); None for the general
-        path (a sharded base, whose products other code computes; an NF4 base in bf16).
+        path (a sharded base, whose products other code computes; an NF4 base in bf16; a float32 layout under
+        autocast, left as the op-by-op layer computed it: the base in float32, the adapter in autocast's dtype).
         torch.compile traces the node: SmolLM2's compiled step ran as fast through it as through the op-by-op layer
         (0.99x)."""
         if self.lora_magnitude is not None or (self.lora_dropout and self.training) or type(x) is not torch.Tensor:
             return None
         if self.packed is not None:
-            return self.packed
+            return None if torch.is_autocast_enabled(x.device.type) else self.packed
         weight = self.weight
         if is_nf4(weight) and x.dtype == torch.float32 and dequantizes_to_float32(x.device) \
                 and not torch.is_autocast_enabled(x.device.type):
