@@ -88,7 +88,7 @@ def base_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """``x W^T (+ b)`` of a frozen base linear."""
     if weight.dtype == x.dtype or torch.is_autocast_enabled(x.device.type):
         return F.linear(x, weight, bias)
-    if is_nf4(weight) and x.dtype == torch.float32 and dequantizes_to_float32(x.device):
+    if dequantized_to_float32(x, weight):
         return _Float32Dequantized.apply(x, weight, bias)
     # An NF4 base computes in its own dtype (bf16), which autograd keeps it in (no dequantized copy).
     return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
@@ -100,6 +100,13 @@ def dequantizes_to_float32(device: torch.device) -> bool:
     EPYC without bf16 instructions, whose bf16 products oneDNN converts in software (72 against 7 tokens/s), and
     1.33x as fast on a Xeon with AMX (87.8 against 66.1 tokens/s)."""
     return device.type == "cpu"
+
+
+def dequantized_to_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is an NF4 base whose products with ``x`` (float32, outside autocast) run dequantized to
+    float32 here (``dequantizes_to_float32``)."""
+    return (is_nf4(weight) and x.dtype == torch.float32 and dequantizes_to_float32(x.device)
+            and not torch.is_autocast_enabled(x.device.type))
 
 
 class _Float32Dequantized(torch.autograd.Function):
@@ -230,15 +237,15 @@ class LoRALinear(nn.Linear):
         (0.99x)."""
         if self.lora_magnitude is not None or (self.lora_dropout and self.training) or type(x) is not torch.Tensor:
             return None
+        autocast = torch.is_autocast_enabled(x.device.type)
         if self.packed is not None:
-            return None if torch.is_autocast_enabled(x.device.type) else self.packed
+            return None if autocast else self.packed
         weight = self.weight
-        if is_nf4(weight) and x.dtype == torch.float32 and dequantizes_to_float32(x.device) \
-                and not torch.is_autocast_enabled(x.device.type):
+        if dequantized_to_float32(x, weight):
             return float32_nf4(weight).t(), weight  # QLoRA on the CPU: backward dequantizes the NF4 weight again
         if type(weight) is not nn.Parameter:
             return None
-        if torch.is_autocast_enabled(x.device.type):  # the products in autocast's dtype, as F.linear's would be
+        if autocast:  # the products in autocast's dtype, as F.linear's would be
             weight = weight.to(torch.get_autocast_dtype(x.device.type))
         elif weight.dtype != x.dtype:
             return None
