@@ -41,6 +41,7 @@ import ctypes
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,12 +99,12 @@ def _our_model(kind: str, rows: int, layouts: tuple[str, ...] = LAYOUTS):
         freeze_all_but_adapters(model)
         if kind in ("lora", "lora-op-by-op"):
             pack_frozen(model, rows, auto_pick(model, rows, layouts).layouts)
+        elif kind in ("lora-onednn", "lora-transposed"):
+            pack_frozen(model, rows, kind.removeprefix("lora-"))
         if kind == "lora-op-by-op":
             for layer in model.modules():
                 if isinstance(layer, LoRALinear):
                     layer._lora_operands = lambda x: None  # what the node is worth: the layer op by op
-        elif kind in ("lora-onednn", "lora-transposed"):
-            pack_frozen(model, rows, kind.removeprefix("lora-"))
     # The summed loss (computed a chunk of tokens at a time), as a mean like transformers'.
     return model, lambda tokens: model(tokens[:, :-1], targets=tokens[:, 1:]) / tokens[:, 1:].numel()
 
@@ -168,7 +169,7 @@ def auto_pick(model, rows: int, layouts: tuple[str, ...]):
     return choose_packing(frozen_shapes(model), rows, layouts)
 
 
-def speed(steps: int, batch: int, seq: int, compile: bool = False, bf16: bool = False) -> dict:
+def speed(steps: int, batch: int, seq: int, compile: bool = False, bf16: bool = False) -> tuple[dict, dict, dict]:
     """Tokens per second of wall time, and per second of this process's CPU time, of our LoRA (in each layout)
     and of peft's (and of ours compiled), the models' steps taken in turn in this one process: on a machine shared
     with other work the load then weighs on all alike (separate processes meet different loads), and the CPU time
@@ -207,8 +208,6 @@ def speed(steps: int, batch: int, seq: int, compile: bool = False, bf16: bool = 
 def rounds(times: dict[str, list[float]], kind: str, other: str = "peft") -> str:
     """``kind``'s speed against ``other``'s round by round: the median ratio and its range. On a shared host a burst
     of other work can slow a few steps of one model; the median leaves them out where the sums above count them."""
-    import statistics
-
     ratios = [theirs / ours for ours, theirs in zip(times[kind], times[other])]
     return f"median of {len(ratios)} rounds {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
 
@@ -218,8 +217,6 @@ def products(rows: int) -> None:
     shapes at ``rows`` rows, its forward product and input gradient, plain against each layout, in interleaved
     rounds; per shape the median over rounds of plain time / the layout's time, and the step's products (each
     shape weighed by how many linears have it)."""
-    import statistics
-
     from scalenlp.train.frozen_packing import _record, time_products
 
     shapes = {"q, o": ((576, 576), 60), "k, v": ((576, 192), 60), "gate, up": ((576, 1536), 60),
