@@ -155,10 +155,13 @@ def test_prefill_traffic_charges_what_a_layer_adds_beyond_its_arithmetic(monkeyp
 
 @pytest.mark.slow
 def test_engine_costs_are_measured_here():
-    """Through the real engine: three layers cost more than one. (The per-step and per-sequence figures are small
-    differences that a shared machine's load can drive to 0; benchmarks/serve_plan_vs_measured.py checks them.)"""
+    """Through the real engine: three layers cost more than one, so a layer's cost at one sequence (its overhead
+    plus what that sequence adds) is positive. (How it splits between the two, and the per-step figures, are small
+    differences that a shared machine's load can drive to 0: CI once read the overhead as 0 with batch 4;
+    benchmarks/serve_plan_vs_measured.py checks them.)"""
     figures = measure.engine_overheads(torch.float32, batch=4, layers=3, new=8)
-    assert figures["decode_layer_overhead_s"] > 0 and all(v >= 0 for v in figures.values())
+    assert figures["decode_layer_overhead_s"] + figures["decode_layer_sequence_overhead_s"] > 0
+    assert all(v >= 0 for v in figures.values())
     assert measure.decode_attention_rate(torch.float32) > 0 and measure.sample_time_per_logit(torch.float32) > 0
 
 
