@@ -32,3 +32,13 @@ def test_chunked_loss_equals_cross_entropy_over_full_logits(flavor, monkeypatch)
         want = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten(), reduction="sum")
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-3, atol=0)
+
+
+def test_the_chunked_loss_traces_into_one_graph():
+    """training.compile compiles the loss whole: a branch on the data (as "are any targets ignored?" once was)
+    would break the graph, and dynamo then runs the whole function eagerly."""
+    hidden, weight = torch.randn(12, 8, requires_grad=True), torch.randn(97, 8)
+    targets = torch.randint(0, 97, (12,))
+    targets[:3] = -100
+    explained = torch._dynamo.explain(loss_module.linear_cross_entropy)(hidden, weight, targets)
+    assert not explained.break_reasons, explained.break_reasons[0].reason

@@ -46,11 +46,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total += torch.where(counted, lse - picked, 0.0).sum()
             if not (want_hidden or want_weight):
                 continue
-            # d(summed loss)/d(logits) = softmax - one_hot(target), zero on ignored rows.
-            grad = logits.div_(sums)
-            grad.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad.dtype))
-            if not counted.all():
-                grad[~counted] = 0
+            # d(summed loss)/d(logits) = softmax - one_hot(target), zero on ignored rows: their softmax scaled by
+            # 0 and no one-hot subtracted, in the same passes (no branch on the data, which torch.compile breaks on).
+            grad = logits.mul_(torch.where(counted.unsqueeze(1), sums.reciprocal(), 0.0))
+            grad.scatter_add_(1, safe, counted.unsqueeze(1).to(grad.dtype).neg_())
             grad = grad.to(weight.dtype)
             if want_hidden:
                 grad_hidden[start:start + chunk] = grad @ weight if packed is None else frozen_product(grad, packed[1])
