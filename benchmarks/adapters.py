@@ -13,8 +13,9 @@ token batches, with fused AdamW over what trains:
 - lora-transposed: the same with a row-major copy of W^T beside W (lora.pack_frozen=transposed);
 - lora: the layout per shape that lora.pack_frozen=auto (the default) picks on this machine (train/frozen_packing.py,
   its figure measured once and cached): LoRA as the trainer runs it, each adapted linear one autograd node
-  (models/adapters.py's _LoRAProduct);
+  (models/adapters.py's _LoRAProducts), q/k/v and gate/up one each (training.stack_projections);
 - lora-op-by-op: the same with each adapted linear's operations recorded one by one by autograd, as before the node;
+- lora-unstacked: lora with training.stack_projections=false, a node per adapted linear;
 - qlora: lora with the frozen block linears in NF4 (compress/nf4.py), which is not packed;
 - peft: transformers' LlamaForCausalLM of the same weights with peft's LoraConfig(r=16, lora_alpha=32,
   target_modules="all-linear").
@@ -53,7 +54,7 @@ import torch
 from scalenlp.models.frozen import LAYOUTS
 
 KINDS = ("full", "lora", "lora-op-by-op", "lora-plain", "lora-onednn", "lora-transposed", "qlora", "peft")
-LORA_KINDS = ("lora", "lora-op-by-op", "lora-plain", "lora-onednn", "lora-transposed")
+LORA_KINDS = ("lora", "lora-op-by-op", "lora-unstacked", "lora-plain", "lora-onednn", "lora-transposed")
 RANK, ALPHA = 16, 32
 
 
@@ -84,6 +85,7 @@ def _our_model(kind: str, rows: int, layouts: tuple[str, ...] = LAYOUTS):
         match_targets,
         pack_frozen,
     )
+    from scalenlp.models.decoder import stack_projections
     from scalenlp.models.io import build_decoder
     from scalenlp.models.packaged import packaged_model
 
@@ -97,10 +99,11 @@ def _our_model(kind: str, rows: int, layouts: tuple[str, ...] = LAYOUTS):
             quantize_nf4(model, adaptable(model))
         add_adapters(model, LoraSpec(RANK, ALPHA), match_targets(model, "all-linear"))
         freeze_all_but_adapters(model)
-        if kind in ("lora", "lora-op-by-op"):
+        if kind in ("lora", "lora-op-by-op", "lora-unstacked"):
             pack_frozen(model, rows, auto_pick(model, rows, layouts).layouts)
         elif kind in ("lora-onednn", "lora-transposed"):
             pack_frozen(model, rows, kind.removeprefix("lora-"))
+        stack_projections(model, kind != "lora-unstacked")  # as training does (training.stack_projections)
         if kind == "lora-op-by-op":
             for layer in model.modules():
                 if isinstance(layer, LoRALinear):
@@ -297,6 +300,10 @@ def main() -> int:
             print(f"the one-node layer: lora / lora-op-by-op = {fast['lora'] / fast['lora-op-by-op']:.3f}x (per CPU "
                   f"second: {per_cpu['lora'] / per_cpu['lora-op-by-op']:.3f}x; "
                   f"{rounds(times, 'lora', 'lora-op-by-op')})")
+        if "lora-unstacked" in fast:
+            print(f"q/k/v and gate/up in one node each: lora / lora-unstacked = "
+                  f"{fast['lora'] / fast['lora-unstacked']:.3f}x (per CPU second: "
+                  f"{per_cpu['lora'] / per_cpu['lora-unstacked']:.3f}x; {rounds(times, 'lora', 'lora-unstacked')})")
         for kind in [k for k in LORA_KINDS[1:] if k in fast]:
             print(f"{kind} {fast[kind]:,.1f} tokens/s: {fast[kind] / fast['peft']:.2f}x peft, "
                   f"{fast[kind] / fast['lora-plain']:.2f}x lora-plain (per CPU second: "

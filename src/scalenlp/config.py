@@ -125,7 +125,8 @@ class TrainingConfig:
     activation_checkpointing: str = opt("none", "none | full | selective")
     compile: bool = opt(False, "torch.compile each transformer block and the chunked loss")
     stack_projections: bool = opt(True, "run q/k/v and SwiGLU's gate/up as one matmul each (the weights stay "
-                                        "separate; not under tensor parallelism, whose column shards run apart)")
+                                        "separate; not under tensor parallelism, whose column shards run apart); "
+                                        "LoRA-adapted ones as one autograd node sharing their low-rank products")
     peak_tflops: float = opt(0.0, "peak TFLOP/s of one process that MFU divides by; 0: the device table's on a known "
                                   "GPU, else measured once per machine and cached (~/.cache/scalenlp)")
     timeout_s: int = opt(300, "process-group timeout: a rank that waits longer fails instead of hanging")

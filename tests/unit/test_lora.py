@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from scalenlp.errors import ConfigError, UserError
 from scalenlp.loader import load
+from scalenlp.models import decoder as decoder_module
 from scalenlp.models.adapter_io import ADAPTER_FOLDER, hf_module_names, read_adapter, write_adapter
 from scalenlp.models.adapters import (
     LoRALinear,
@@ -483,7 +484,7 @@ def test_a_lora_layer_is_one_autograd_node_with_the_products_gradients(layout):
         layer.pack_base(2 * 5, layout)
     x = torch.randn(2, 5, 64, requires_grad=True)
     out = layer(x)
-    assert type(out.grad_fn).__name__ == "_LoRAProductBackward"
+    assert type(out.grad_fn).__name__ == "_LoRAProductsBackward"
     grad = torch.randn_like(out)
     out.backward(grad)
     x_ref = x.detach().clone().requires_grad_()
@@ -500,13 +501,55 @@ def test_a_lora_layer_is_one_autograd_node_with_the_products_gradients(layout):
     assert layer.lora_A.grad is not None and layer.lora_B.grad is not None
 
 
+@pytest.mark.parametrize("targets", ["all-linear", "attention.w[qv]|feed_forward.w1"])
+def test_layers_reading_one_input_share_one_node_with_each_layers_gradients(targets):
+    """With training.stack_projections (the default), q/k/v and gate/up, all adapted, run as one node over their
+    stacked A's, their frozen bases in any mix of layouts: the loss and every adapter's gradient those of the layers
+    run one by one. Where only some of them are adapted (peft's q/v habit), each runs alone: the stacked product
+    of the frozen weights would drop the adapters' terms."""
+    from scalenlp.models.adapters import lora_products
+    from scalenlp.models.decoder import stack_projections
+
+    model = tiny()
+    add_adapters(model, LoraSpec(rank=4, alpha=8), match_targets(model, targets))
+    freeze_all_but_adapters(model)
+    attention = model.layers["0"].attention
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, LoRALinear):
+                layer.lora_B.normal_()
+    if targets == "all-linear":
+        attention.wq.pack_base(8, "onednn")
+        attention.wk.pack_base(8, "transposed")
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 9))
+    results = []
+    for stacked in (True, False):
+        stack_projections(model, stacked)
+        model.zero_grad()
+        loss = losses_backward([model], tokens)[0]
+        results.append((loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    (loss, grads), (alone_loss, alone) = results
+    torch.testing.assert_close(loss, alone_loss, rtol=1e-6, atol=0)
+    for name, grad in alone.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5 * grad.abs().max().item(), msg=name)
+    x = torch.randn(2, 9, ARGS.dim, requires_grad=True)
+    parts = (attention.wq, attention.wk, attention.wv)
+    if targets == "all-linear":
+        q, k, v = lora_products(x, parts)
+        assert q.grad_fn is k.grad_fn is v.grad_fn and q.grad_fn.name() == "_LoRAProductsBackward"
+        attention.wk.scaling *= 2  # layers of different scalings run apart
+        assert lora_products(x, parts) is None
+    else:
+        assert decoder_module.stacked_linear(x, parts) is None
+
+
 def test_dropout_and_dora_take_the_general_path_autocast_the_node_in_its_dtype():
     torch.manual_seed(0)
     x = torch.randn(3, 32)
     for spec in (LoraSpec(rank=4, alpha=8, dropout=0.1), LoraSpec(rank=4, alpha=8, dora=True)):
         assert type(LoRALinear(torch.nn.Linear(32, 32), spec).train()(x).grad_fn).__name__ == "AddBackward0"
     dropout = LoRALinear(torch.nn.Linear(32, 32), LoraSpec(rank=4, alpha=8, dropout=0.1)).eval()
-    assert dropout(x.requires_grad_()).grad_fn.name() == "_LoRAProductBackward"  # no dropout in evaluation
+    assert dropout(x.requires_grad_()).grad_fn.name() == "_LoRAProductsBackward"  # no dropout in evaluation
     # Under bf16 autocast, the node's products in bf16 as nn.Linear's: the op-by-op layer's output and gradients
     # (the adapters' in float32, their masters' dtype) to bf16's precision.
     layer = LoRALinear(torch.nn.Linear(32, 48), LoraSpec(rank=4, alpha=8))
@@ -522,7 +565,7 @@ def test_dropout_and_dora_take_the_general_path_autocast_the_node_in_its_dtype()
             out = model(inputs)
         out.float().backward(grad)
         into += [out, inputs.grad, model.lora_A.grad, model.lora_B.grad]
-    assert got[0].grad_fn.name() == "_LoRAProductBackward" and got[0].dtype == torch.bfloat16
+    assert got[0].grad_fn.name() == "_LoRAProductsBackward" and got[0].dtype == torch.bfloat16
     assert got[2].dtype == got[3].dtype == torch.float32 and got[1].dtype == torch.float32
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-2 * b.abs().max().item())
@@ -572,8 +615,10 @@ def test_a_packed_frozen_base_gives_the_plain_loss_and_gradients(dora, layout):
 @pytest.mark.slow  # compiling the blocks and the loss takes ~30-60 s here
 @pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile's CPU backend needs a C++ compiler (g++)")
 def test_compiled_blocks_read_the_transposed_frozen_base():
-    """training.compile takes lora.pack_frozen=transposed (not oneDNN's opaque packed weights): the compiled
-    blocks and loss on the transposed copies give the plain eager model's loss and adapter gradients."""
+    """training.compile takes lora.pack_frozen=transposed (not oneDNN's opaque packed weights) and the node of
+    q/k/v and of gate/up (stack_projections): the compiled blocks and loss on the transposed copies give the plain
+    eager model's loss and adapter gradients, its layers run one by one."""
+    from scalenlp.models.decoder import stack_projections
     from scalenlp.parallel.parallelize import apply_compile
 
     args = ModelArgs(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=136, max_seq_len=32)
@@ -584,6 +629,7 @@ def test_compiled_blocks_read_the_transposed_frozen_base():
     perturb(plain)
     compiled = copy.deepcopy(plain)
     assert pack_frozen(compiled, 2 * 16, "transposed")[0] == Counter(transposed=2 * 7 + 1)
+    stack_projections(compiled, True)
     apply_compile(compiled)
     losses = losses_backward([plain, compiled], torch.randint(0, args.vocab_size, (2, 17)))
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)

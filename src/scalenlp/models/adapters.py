@@ -10,7 +10,8 @@ their names) with ``lora_A``, ``lora_B`` and, for DoRA, ``lora_magnitude`` besid
 NF4 tensor (QLoRA, compress/nf4.py); it is then dequantized per use. A plain float32 base on the CPU may instead
 be held in the layouts its two products read fastest (``pack_frozen``, models/frozen.py: oneDNN-packed copies of
 W and W^T in place of ``weight``, or a row-major copy of W^T beside it). Plain LoRA (no DoRA, no dropout in
-training) runs as one autograd node (``_LoRAProduct``). ``add_adapters`` swaps the linears whose
+training) runs as one autograd node (``_LoRAProducts``), with the layers that read the same input
+(``lora_products``: q/k/v, gate/up). ``add_adapters`` swaps the linears whose
 names match a pattern; ``merge_adapters`` folds them back into plain linears. Adapters move in and out as
 ``{module name: LoraWeights}``: ``adapter_weights`` reads them off a model, ``load_adapter_weights`` puts them on.
 Reading and writing folders (ours and PEFT's) is in models/adapter_io.py.
@@ -149,41 +150,72 @@ def unpackable(weight: torch.Tensor) -> str | None:
     return None
 
 
-class _LoRAProduct(torch.autograd.Function):
-    """``x W^T (+ b) + scaling (x A^T) B^T`` of a frozen W held as ``frozen_operands`` (or W^T dequantized and the
-    NF4 weight, dequantized again in backward), as one autograd node.
+class _LoRAProducts(torch.autograd.Function):
+    """``x W_i^T (+ b_i) + scaling (x A_i^T) B_i^T`` for adapted linears i that all read ``x`` (one layer, or q/k/v
+    and gate/up: ``lora_products``), each frozen W held as ``frozen_operands`` (or W^T dequantized and the NF4
+    weight, dequantized again in backward), as one autograd node.
 
-    Autograd would make six of the layer (two products, the scaling, the sum, and each product's backward), each
-    pass over the (rows, out) output allocating another. Here the scaling is applied to the (rows, rank) product
-    and the low-rank term is added in the base product's output, by the BLAS (``addmm_``); in backward, the
-    low-rank term's input gradient is added the same way into the base's. SmolLM2's LoRA step (rank 16 on every
-    block linear, 128 rows, one thread, an AVX-512 Xeon) ran 1.07-1.12x as fast so."""
+    Autograd would make six nodes of each layer (two products, the scaling, the sum, and each product's backward),
+    each pass over the (rows, out) output allocating another. Here the scaling is applied to the (rows, rank)
+    product and the low-rank term is added in the base product's output, by the BLAS (``addmm_``); in backward,
+    the low-rank term's input gradient is added the same way into the base's. SmolLM2's LoRA step (rank 16 on
+    every block linear, 128 rows, one thread, an AVX-512 Xeon) ran 1.07-1.12x as fast so. Layers that read one
+    ``x`` share its low-rank products (their A's stacked: one (rows, 3 x rank) product for q/k/v where three
+    narrow ones ran at a third of the BLAS's speed), and their input gradients are summed by the BLAS as they
+    are computed, where autograd would add them up after: 1.03-1.04x more.
+
+    ``tensors`` are the n layers' forward operands, backward operands, biases, A's and B's, in that order."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, forward: torch.Tensor, backward: torch.Tensor, bias: torch.Tensor | None,
-                lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
-        dtype = forward.dtype  # the products': the base's, or autocast's that it was cast to
+    def forward(ctx, x: torch.Tensor, scaling: float, n: int, *tensors: torch.Tensor | None):
+        forwards, backwards, biases, As, Bs = (tensors[i * n:(i + 1) * n] for i in range(5))
+        dtype = forwards[0].dtype  # the products': the base's, or autocast's that it was cast to
         rows = x.reshape(-1, x.shape[-1]).to(dtype)
-        lora_A, lora_B, bias = lora_A.to(dtype), lora_B.to(dtype), None if bias is None else bias.to(dtype)
-        down = (rows @ lora_A.t()).mul_(scaling)  # (rows, rank), scaled
-        out = frozen_product(rows, forward, bias).addmm_(down, lora_B.t())
-        ctx.save_for_backward(rows, down, lora_A, lora_B)
-        ctx.backward, ctx.scaling, ctx.shape = backward, scaling, x.shape  # the base: a constant of the model
-        return out.view(*x.shape[:-1], out.shape[-1])
+        stacked_A = (As[0] if n == 1 else torch.cat(As)).to(dtype)
+        Bs = [B.to(dtype) for B in Bs]
+        ranks = [A.shape[0] for A in As]
+        down = (rows @ stacked_A.t()).mul_(scaling)  # (rows, ranks), scaled
+        outs = []
+        for forward, bias, B, part in zip(forwards, biases, Bs, down.split(ranks, dim=1)):
+            out = frozen_product(rows, forward, None if bias is None else bias.to(dtype)).addmm_(part, B.t())
+            outs.append(out.view(*x.shape[:-1], out.shape[-1]))
+        ctx.save_for_backward(rows, down, stacked_A, *Bs)
+        ctx.backwards, ctx.scaling, ctx.shape, ctx.ranks = backwards, scaling, x.shape, ranks  # the bases: constants
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, *grads: torch.Tensor):
         # Gradients come out in the products' dtype; autograd casts each to its input's (float32 adapter masters).
-        rows, down, lora_A, lora_B = ctx.saved_tensors
-        grad = grad.reshape(-1, grad.shape[-1]).to(rows.dtype).contiguous()
-        grad_down = (grad @ lora_B).mul_(ctx.scaling)  # the gradient of the unscaled (rows, rank) product
+        rows, down, stacked_A, *Bs = ctx.saved_tensors
+        n = len(Bs)
+        grads = [grad.reshape(-1, grad.shape[-1]).to(rows.dtype).contiguous() for grad in grads]
+        # The gradient of the unscaled (rows, ranks) product
+        grad_down = (grads[0] @ Bs[0] if n == 1 else torch.cat([g @ B for g, B in zip(grads, Bs)], dim=1))
+        grad_down.mul_(ctx.scaling)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            backward = float32_nf4(ctx.backward) if is_nf4(ctx.backward) else ctx.backward
-            grad_x = frozen_product(grad, backward).addmm_(grad_down, lora_A).view(ctx.shape)
-        grad_A = grad_down.t() @ rows if ctx.needs_input_grad[4] else None
-        grad_B = grad.t() @ down if ctx.needs_input_grad[5] else None
-        return grad_x, None, None, None, grad_A, grad_B, None
+            for grad, backward in zip(grads, ctx.backwards):
+                backward = float32_nf4(backward) if is_nf4(backward) else backward
+                grad_x = frozen_product(grad, backward, into=grad_x)
+            grad_x = grad_x.addmm_(grad_down, stacked_A).view(ctx.shape)
+        As = [None] * n
+        if any(ctx.needs_input_grad[3 + 3 * n:3 + 4 * n]):
+            As = (grad_down.t() @ rows).split(ctx.ranks)
+        parts = down.split(ctx.ranks, dim=1)
+        Bs = [g.t() @ part if need else None for g, part, need in zip(grads, parts, ctx.needs_input_grad[3 + 4 * n:])]
+        return grad_x, None, None, *[None] * (3 * n), *As, *Bs
+
+
+def lora_products(x: torch.Tensor, layers: tuple[LoRALinear, ...]) -> tuple[torch.Tensor, ...] | None:
+    """The outputs of adapted ``layers`` that all read ``x``, as one ``_LoRAProducts`` node; None where one of
+    them takes the general path (``LoRALinear._lora_operands``) or their scalings differ: the caller runs them
+    one by one."""
+    operands = [layer._lora_operands(x) for layer in layers]
+    if any(o is None for o in operands) or len({layer.scaling for layer in layers}) > 1:
+        return None
+    return _LoRAProducts.apply(x, layers[0].scaling, len(layers), *(o[0] for o in operands),
+                               *(o[1] for o in operands), *(layer.bias for layer in layers),
+                               *(layer.lora_A for layer in layers), *(layer.lora_B for layer in layers))
 
 
 class LoRALinear(nn.Linear):
@@ -228,7 +260,7 @@ class LoRALinear(nn.Linear):
         return base_product(x, self.weight, bias)
 
     def _lora_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The frozen base's operands (``frozen_operands``) where the layer runs as one ``_LoRAProduct``: plain
+        """The frozen base's operands (``frozen_operands``) where the layer runs in a ``_LoRAProducts`` node: plain
         LoRA (no DoRA, no dropout in training) on a plain tensor base of ``x``'s dtype, or any under autocast (cast
         to its dtype), or an NF4 base dequantized to float32 (``dequantizes_to_float32``); None for the general
         path (a sharded base, whose products other code computes; an NF4 base in bf16; a float32 layout under
@@ -259,8 +291,8 @@ class LoRALinear(nn.Linear):
             del self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (operands := self._lora_operands(x)) is not None:
-            return _LoRAProduct.apply(x, *operands, self.bias, self.lora_A, self.lora_B, self.scaling)
+        if (outs := lora_products(x, (self,))) is not None:
+            return outs[0]
         out = self.base(x)
         dropped = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         lora = F.linear(F.linear(dropped, self.lora_A), self.lora_B) * self.scaling

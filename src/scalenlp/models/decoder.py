@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalenlp.models import cpu_attention, paged_attention
+from scalenlp.models.adapters import LoRALinear, lora_products
 from scalenlp.models.limits import check_fields
 from scalenlp.models.loss import compiled_linear_cross_entropy, linear_cross_entropy
 
@@ -238,7 +239,12 @@ def stacked_linear(x: torch.Tensor, parts: tuple[nn.Linear, ...]) -> tuple[torch
     every layout shards them as before; the stacking costs a copy of the weights per call, small
     beside the activations of a training batch. None under tensor parallelism (DTensor weights):
     each column-parallel part's own hooks all-reduce the input's gradient, which a product over the
-    local shards would skip, so the caller runs the parts one by one."""
+    local shards would skip, so the caller runs the parts one by one. LoRA's adapted linears share one node
+    instead (``lora_products``: their frozen bases' products stay apart, they ran no faster stacked), or run one
+    by one where it does not take them, or where only some of the parts are adapted."""
+    adapted = [isinstance(p, LoRALinear) for p in parts]
+    if any(adapted):
+        return lora_products(x, parts) if all(adapted) else None
     if any(hasattr(p.weight, "device_mesh") for p in parts):
         return None
     bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None

@@ -39,9 +39,13 @@ def frozen_operands(weight: torch.Tensor, layout: str, rows: int | None) -> tupl
     raise ValueError(f"unknown frozen layout {layout!r}; one of {', '.join(LAYOUTS)}")
 
 
-def frozen_product(x: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def frozen_product(x: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None = None,
+                   into: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` times one operand of ``frozen_operands`` (``x W^T`` for the first, ``x W`` for the second), plus
-    ``bias``; x of any leading shape."""
+    ``bias``; x of any leading shape. With ``into`` (x's rows by the product's columns, 2-D), the product is added
+    to it in place and it is returned: by the BLAS itself (``addmm_``) on a plain operand."""
+    if into is not None:
+        return into.add_(packed_linear(x, operand, None)) if operand.is_mkldnn else into.addmm_(x, operand)
     if operand.is_mkldnn:
         return packed_linear(x, operand, bias)
     out = x @ operand

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from scalenlp.config import Config, ConfigError
 from scalenlp.layout import Layout, ModelSizes, check
-from scalenlp.models.adapters import adaptable, has_adapters
+from scalenlp.models.adapters import adaptable
 from scalenlp.models.decoder import ModelArgs, stack_projections
 from scalenlp.models.encoder import EncoderArgs
 from scalenlp.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, zero1_optimizer
@@ -104,8 +104,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, c
     """Apply TP, activation checkpointing, compile and data parallelism; returns the module to train
     (a DDP wrapper for ddp/zero1 without tp/pp, the model itself, sharded in place, otherwise)."""
     p, t = cfg.parallel, cfg.training
-    # Stacked q/k/v (gate/up) products read the base weights alone: adapted layers run one by one.
-    stack_projections(model, t.stack_projections and not has_adapters(model))
+    stack_projections(model, t.stack_projections)
     if mesh is not None and dims.tp > 1:
         apply_tp(model, mesh["tp"], p.sequence_parallel, shard_logits=p.loss_parallel)
         if cfg.lora.quantize_base == "nf4":  # QLoRA: this rank's shard of each frozen block linear, in NF4
