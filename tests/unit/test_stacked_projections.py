@@ -43,6 +43,24 @@ def test_swiglu_gradients_are_autograds():
     torch.testing.assert_close(decoder_module.swiglu(gate, up), F.silu(gate) * up)
 
 
+def test_rmsnorm_gradients_are_autograds():
+    """Training's RMSNorm (keeping x and 1/rms, its backward written over its temporaries) against torch's; a
+    frozen weight (LoRA's) gets no gradient computed."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8, requires_grad=True)  # in float32, as it computes (no gradcheck in float64)
+    weight = torch.randn(8, requires_grad=True)
+    grad = torch.randn(2, 5, 8)
+    got, want = ([*torch.autograd.grad(norm(x, weight, 1e-5), (x, weight), grad)]
+                 for norm in (decoder_module._RMSNorm.apply, lambda x, w, eps: F.rms_norm(x, (8,), w, eps)))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    x.grad = None
+    out = decoder_module._RMSNorm.apply(x, weight.detach(), 1e-5)
+    assert out.grad_fn.name() == "_RMSNormBackward"
+    out.sum().backward()
+    assert x.grad is not None
+
+
 def test_rope_gradients_are_autograds():
     """Training's RoPE (one output allocated, its gradient the rotation back) against the op-by-op form it
     replaces, which inference keeps."""

@@ -119,15 +119,18 @@ class _RMSNorm(torch.autograd.Function):
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd * weight).type_as(x)
+        return (xf * rstd).mul_(weight).type_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         normed, grad = x.float() * rstd, grad.float()
-        grad_weight = (grad * normed).sum(dim=tuple(range(grad.dim() - 1))).to(weight.dtype)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # not for LoRA's frozen norms
+            grad_weight = (grad * normed).sum(dim=tuple(range(grad.dim() - 1))).to(weight.dtype)
         grad_normed = grad * weight
-        grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        # rstd * (grad_normed - normed * mean(grad_normed * normed)), written over normed's temporary
+        grad_x = normed.mul_((grad_normed * normed).mean(-1, keepdim=True)).neg_().add_(grad_normed).mul_(rstd)
         return grad_x.to(x.dtype), grad_weight, None
 
 
