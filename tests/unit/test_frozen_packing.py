@@ -87,3 +87,34 @@ def test_the_real_timing_runs_each_shape_plain_and_in_each_layout():
     timed = time_products([(32, 48), (48, 32)], 16, [3, 1])
     assert set(timed) == {"plain", "onednn", "transposed"}
     assert all(len(rounds) == ROUNDS and all(len(r) == 2 and min(r) > 0 for r in rounds) for rounds in timed.values())
+
+
+def test_the_trainer_takes_rank_0s_choice_for_every_ranks_shapes(cache, monkeypatch):
+    """Several processes: rank 0 decides for the shapes any rank holds (a pipeline stage holds its own) and the
+    others take its decision, which they do not time (the collectives stand in for two ranks here; the real ones
+    run in tests/integration/test_lora_layouts.py)."""
+    import types
+
+    from scalenlp.train import trainer
+
+    stage0, stage1 = Counter({(576, 576): 30, (576, 1536): 30}), Counter({(576, 576): 30, (576, 49152): 1})
+    sent = {}
+
+    def all_gather_object(into, shapes):
+        into[:] = [stage0, stage1]
+
+    def broadcast_object_list(box, src):
+        assert src == 0
+        sent.setdefault("choice", box[0])  # what rank 0 holds; the other rank gets it
+        box[0] = sent["choice"]
+
+    monkeypatch.setattr(trainer.dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(trainer.dist, "broadcast_object_list", broadcast_object_list)
+    measure = timing(plain=[1e-3, 2e-3, 100e-3], onednn=[1.1e-3, 1.98e-3, 90e-3], transposed=[0.9e-3, 2e-3, 120e-3])
+    monkeypatch.setattr(frozen_packing, "time_products", measure)
+    decide = trainer.Trainer._one_packing_choice
+    first = decide(types.SimpleNamespace(world=2, is_main=True), stage0, 128, ("onednn", "transposed"))
+    assert [calls[0] for calls in measure.calls] == [sorted(SHAPES)]  # both stages' shapes, timed once
+    assert first.layouts == {(576, 576): "transposed", (576, 49152): "onednn"}
+    other = decide(types.SimpleNamespace(world=2, is_main=False), stage1, 128, ("onednn", "transposed"))
+    assert other is first and len(measure.calls) == 1

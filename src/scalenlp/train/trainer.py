@@ -41,7 +41,7 @@ from scalenlp.parallel.pipeline import build_pipeline
 from scalenlp.parallel.tensor_parallel import split_dim
 from scalenlp.train import recovery, watchdog
 from scalenlp.train.checkpoint import STATE_FILE, Checkpointer, load_full_model, read_train_state
-from scalenlp.train.frozen_packing import choose_packing
+from scalenlp.train.frozen_packing import PackingChoice, choose_packing
 from scalenlp.train.guard import StepCheck, StopRequest, check_step, weights_finite
 from scalenlp.train.loss import AUTOCAST, autocast, cross_entropy, loss_scaler, sum_over
 from scalenlp.train.metrics import MetricsWriter, peak_memory_bytes
@@ -218,8 +218,8 @@ class Trainer:
         else:
             layout = wanted
             if wanted == "auto":
-                shapes = sum((frozen_shapes(part) for part in parts), Counter())
-                choice = choose_packing(shapes, rows, layouts) if shapes else None
+                choice = self._one_packing_choice(sum((frozen_shapes(part) for part in parts), Counter()), rows,
+                                                  layouts)
                 layout, why_auto = (choice.layouts, f" (auto: {choice.reason})") if choice else ({}, "")
             for part in parts:
                 n, why = pack_frozen(part, rows, layout)
@@ -229,6 +229,22 @@ class Trainer:
         said = ", ".join(f"{n} frozen linears held {how[name]}" for name, n in held.items())
         self.log(f"lora.pack_frozen: {said or 'the frozen base kept as it is'}"
                  + (f"; not packed: {'; '.join(reasons)}" if reasons else "") + why_auto)
+
+    def _one_packing_choice(self, shapes: Counter[tuple[int, int]], rows: int,
+                            layouts: tuple[str, ...]) -> PackingChoice | None:
+        """lora.pack_frozen=auto's layouts for the frozen ``shapes`` of every rank (a pipeline stage holds its own):
+        rank 0 decides and tells the others. Ranks timing apart could decide apart, their products then rounding
+        apart, and a resumed run could read another rank's decision from the cache than the one it ran with."""
+        if self.world > 1:
+            every: list[Counter | None] = [None] * self.world
+            dist.all_gather_object(every, shapes)
+            shapes = Counter()
+            for held in every:
+                shapes |= held  # per shape, the most any rank holds
+        choice = [choose_packing(shapes, rows, layouts) if shapes and self.is_main else None]
+        if self.world > 1 and shapes:
+            dist.broadcast_object_list(choice, src=0)
+        return choice[0]
 
     def _open_run(self, agents: list, restarted: bool) -> None:
         """Write the config and the launch to the run folder; start the watchdog, the metrics and the monitor."""
