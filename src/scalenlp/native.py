@@ -5,6 +5,7 @@ own operators instead."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -36,10 +37,18 @@ def load_native(name: str, source: Path) -> bool:
     # ATen's parallel_for is inlined into the kernel: under an OpenMP build of torch it is an `omp parallel`
     # region, which without -fopenmp compiles to one thread.
     openmp = ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
+    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / f"{name}_{tag}"
     try:
-        cpp_extension.load(name=f"{name}_{tag}", sources=[str(source)], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-fno-math-errno", *openmp],
-                           extra_ldflags=openmp, verbose=False)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "scalenlp.lock", "a") as held:
+            # One build at a time among processes (xdist workers, ranks), under a lock the OS takes back if its
+            # holder dies. torch's own lock file stays behind when a build is killed (Ctrl-C during the first
+            # run), and every later build then waits for it forever; with ours held, such a file is a dead build's.
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (folder / "lock").unlink(missing_ok=True)
+            cpp_extension.load(name=f"{name}_{tag}", sources=[str(source)], is_python_module=False,
+                               extra_cflags=["-O3", "-march=native", "-fno-math-errno", *openmp],
+                               extra_ldflags=openmp, build_directory=str(folder), verbose=False)
     except Exception as exc:  # the caller falls back to PyTorch's own operators
         log.warning("scalenlp's kernel %s did not build (%s); using PyTorch's operators instead", source.name,
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

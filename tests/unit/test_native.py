@@ -3,6 +3,10 @@ lacks an instruction set it needs, and its tracing functions are registered once
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +49,25 @@ def test_not_built_where_switched_off_or_the_cpu_lacks_an_instruction_set(builds
     monkeypatch.setenv("SCALENLP_TEST_KERNEL", switch)
     kernel = NativeKernel("k", Path("k.cpp"), "SCALENLP_TEST_KERNEL", needs=needs)
     assert kernel() is False and builds == []
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or shutil.which("ninja") is None,
+                    reason="building a kernel needs a C++ compiler (g++) and ninja")
+def test_a_build_killed_midway_does_not_stop_the_next_one(tmp_path):
+    """A build interrupted (Ctrl-C during a first run) leaves torch's lock file in its folder, and torch's next
+    build of it would wait for that file forever. The next build goes ahead (a hang fails here after 300 s)."""
+    source = tmp_path / "k.cpp"
+    source.write_text("extern \"C\" int scalenlp_test_kernel() { return 1; }\n")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "builds"), "PYTHONPATH": os.pathsep.join(sys.path)}
+    script = ("import sys; from pathlib import Path; from scalenlp import native; "
+              "print(native.load_native('scalenlp_test', Path(sys.argv[1])))")
+    first = subprocess.run([sys.executable, "-c", script, str(source)], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert first.stdout.strip() == "True", first.stderr
+    (folder,) = (tmp_path / "builds").iterdir()
+    (folder / "lock").touch()  # what a killed build leaves
+    source.write_text(source.read_text() + "extern \"C\" int scalenlp_test_kernel_2() { return 2; }\n")  # rebuild
+    again = subprocess.run([sys.executable, "-c", script, str(source)], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert again.stdout.strip() == "True", again.stderr
+    assert not (folder / "lock").exists()
