@@ -161,8 +161,8 @@ class _LoRAProducts(torch.autograd.Function):
     the low-rank term's input gradient is added the same way into the base's. SmolLM2's LoRA step (rank 16 on
     every block linear, 128 rows, one thread, an AVX-512 Xeon) ran 1.07-1.12x as fast so. Layers that read one
     ``x`` share its low-rank products (their A's stacked: one (rows, 3 x rank) product for q/k/v where three
-    narrow ones ran at a third of the BLAS's speed), and their input gradients are summed by the BLAS as they
-    are computed, where autograd would add them up after: 1.03-1.04x more.
+    narrow ones ran at about a third of the BLAS's speed), and their input gradients are summed by the BLAS as
+    they are computed, where autograd would add them up after: 1.00-1.05x more, within that host's noise.
 
     ``tensors`` are the n layers' forward operands, backward operands, biases, A's and B's, in that order."""
 
@@ -198,12 +198,12 @@ class _LoRAProducts(torch.autograd.Function):
                 backward = float32_nf4(backward) if is_nf4(backward) else backward
                 grad_x = frozen_product(grad, backward, into=grad_x)
             grad_x = grad_x.addmm_(grad_down, stacked_A).view(ctx.shape)
-        As = [None] * n
+        grad_As = [None] * n
         if any(ctx.needs_input_grad[3 + 3 * n:3 + 4 * n]):
-            As = (grad_down.t() @ rows).split(ctx.ranks)
-        parts = down.split(ctx.ranks, dim=1)
-        Bs = [g.t() @ part if need else None for g, part, need in zip(grads, parts, ctx.needs_input_grad[3 + 4 * n:])]
-        return grad_x, None, None, *[None] * (3 * n), *As, *Bs
+            grad_As = (grad_down.t() @ rows).split(ctx.ranks)
+        parts, need_B = down.split(ctx.ranks, dim=1), ctx.needs_input_grad[3 + 4 * n:]
+        grad_Bs = [g.t() @ part if need else None for g, part, need in zip(grads, parts, need_B)]
+        return grad_x, None, None, *[None] * (3 * n), *grad_As, *grad_Bs
 
 
 def lora_products(x: torch.Tensor, layers: tuple[LoRALinear, ...]) -> tuple[torch.Tensor, ...] | None:

@@ -42,8 +42,8 @@ def frozen_operands(weight: torch.Tensor, layout: str, rows: int | None) -> tupl
 def frozen_product(x: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None = None,
                    into: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` times one operand of ``frozen_operands`` (``x W^T`` for the first, ``x W`` for the second), plus
-    ``bias``; x of any leading shape. With ``into`` (x's rows by the product's columns, 2-D), the product is added
-    to it in place and it is returned: by the BLAS itself (``addmm_``) on a plain operand."""
+    ``bias``; x of any leading shape. With ``into`` (x's rows by the product's columns, 2-D) instead of a bias, the
+    product is added to it in place and it is returned: by the BLAS itself (``addmm_``) on a plain operand."""
     if into is not None:
         return into.add_(packed_linear(x, operand, None)) if operand.is_mkldnn else into.addmm_(x, operand)
     if operand.is_mkldnn:
