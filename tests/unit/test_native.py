@@ -51,6 +51,7 @@ def test_not_built_where_switched_off_or_the_cpu_lacks_an_instruction_set(builds
     assert kernel() is False and builds == []
 
 
+@pytest.mark.slow  # two builds: 7 s here, more under load than the fast tier's 10 s allows
 @pytest.mark.skipif(shutil.which("g++") is None or shutil.which("ninja") is None,
                     reason="building a kernel needs a C++ compiler (g++) and ninja")
 def test_a_build_killed_midway_does_not_stop_the_next_one(tmp_path):
