@@ -296,14 +296,11 @@ def main() -> int:
         print(f"tokens/s, steps in turn in one process: lora {fast['lora']:,.1f}, peft+transformers "
               f"{fast['peft']:,.1f}: lora / peft = {fast['lora'] / fast['peft']:.2f}x (per CPU second: "
               f"{per_cpu['lora'] / per_cpu['peft']:.2f}x; {rounds(times, 'lora')})")
-        if "lora-op-by-op" in fast:
-            print(f"the one-node layer: lora / lora-op-by-op = {fast['lora'] / fast['lora-op-by-op']:.3f}x (per CPU "
-                  f"second: {per_cpu['lora'] / per_cpu['lora-op-by-op']:.3f}x; "
-                  f"{rounds(times, 'lora', 'lora-op-by-op')})")
-        if "lora-unstacked" in fast:
-            print(f"q/k/v and gate/up in one node each: lora / lora-unstacked = "
-                  f"{fast['lora'] / fast['lora-unstacked']:.3f}x (per CPU second: "
-                  f"{per_cpu['lora'] / per_cpu['lora-unstacked']:.3f}x; {rounds(times, 'lora', 'lora-unstacked')})")
+        for without, what in (("lora-op-by-op", "the one-node layer"),
+                              ("lora-unstacked", "q/k/v and gate/up in one node each")):
+            if without in fast:
+                print(f"{what}: lora / {without} = {fast['lora'] / fast[without]:.3f}x (per CPU second: "
+                      f"{per_cpu['lora'] / per_cpu[without]:.3f}x; {rounds(times, 'lora', without)})")
         for kind in [k for k in LORA_KINDS[1:] if k in fast]:
             print(f"{kind} {fast[kind]:,.1f} tokens/s: {fast[kind] / fast['peft']:.2f}x peft, "
                   f"{fast[kind] / fast['lora-plain']:.2f}x lora-plain (per CPU second: "

@@ -37,7 +37,8 @@ def load_native(name: str, source: Path) -> bool:
     # ATen's parallel_for is inlined into the kernel: under an OpenMP build of torch it is an `omp parallel`
     # region, which without -fopenmp compiles to one thread.
     openmp = ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
-    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / f"{name}_{tag}"
+    extension = f"{name}_{tag}"
+    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / extension
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / "scalenlp.lock", "a") as held:
@@ -46,7 +47,7 @@ def load_native(name: str, source: Path) -> bool:
             # run), and every later build then waits for it forever; with ours held, such a file is a dead build's.
             fcntl.flock(held, fcntl.LOCK_EX)
             (folder / "lock").unlink(missing_ok=True)
-            cpp_extension.load(name=f"{name}_{tag}", sources=[str(source)], is_python_module=False,
+            cpp_extension.load(name=extension, sources=[str(source)], is_python_module=False,
                                extra_cflags=["-O3", "-march=native", "-fno-math-errno", *openmp],
                                extra_ldflags=openmp, build_directory=str(folder), verbose=False)
     except Exception as exc:  # the caller falls back to PyTorch's own operators

@@ -62,13 +62,16 @@ def test_a_build_killed_midway_does_not_stop_the_next_one(tmp_path):
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "builds"), "PYTHONPATH": os.pathsep.join(sys.path)}
     script = ("import sys; from pathlib import Path; from scalenlp import native; "
               "print(native.load_native('scalenlp_test', Path(sys.argv[1])))")
-    first = subprocess.run([sys.executable, "-c", script, str(source)], env=env, capture_output=True, text=True,
-                           timeout=300)
+
+    def build() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", script, str(source)], env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    first = build()
     assert first.stdout.strip() == "True", first.stderr
     (folder,) = (tmp_path / "builds").iterdir()
     (folder / "lock").touch()  # what a killed build leaves
     source.write_text(source.read_text() + "extern \"C\" int scalenlp_test_kernel_2() { return 2; }\n")  # rebuild
-    again = subprocess.run([sys.executable, "-c", script, str(source)], env=env, capture_output=True, text=True,
-                           timeout=300)
+    again = build()
     assert again.stdout.strip() == "True", again.stderr
     assert not (folder / "lock").exists()
