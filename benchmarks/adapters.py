@@ -11,6 +11,7 @@ token batches, with fused AdamW over what trains:
   weights as they are (lora.pack_frozen=off);
 - lora-onednn: the same with the frozen base held as oneDNN-packed W and W^T (lora.pack_frozen=onednn);
 - lora-transposed: the same with a row-major copy of W^T beside W (lora.pack_frozen=transposed);
+- lora-mkl: the same with a copy of W packed by MKL for the step's rows beside W (lora.pack_frozen=mkl);
 - lora: the layout per shape that lora.pack_frozen=auto (the default) picks on this machine (train/frozen_packing.py,
   its figure measured once and cached): LoRA as the trainer runs it, each adapted linear one autograd node
   (models/adapters.py's _LoRAProducts), q/k/v and gate/up one each (training.stack_projections);
@@ -53,8 +54,8 @@ import torch
 
 from scalenlp.models.frozen import LAYOUTS
 
-KINDS = ("full", "lora", "lora-op-by-op", "lora-plain", "lora-onednn", "lora-transposed", "qlora", "peft")
-LORA_KINDS = ("lora", "lora-op-by-op", "lora-unstacked", "lora-plain", "lora-onednn", "lora-transposed")
+KINDS = ("full", "lora", "lora-op-by-op", "lora-plain", "lora-onednn", "lora-transposed", "lora-mkl", "qlora", "peft")
+LORA_KINDS = ("lora", "lora-op-by-op", "lora-unstacked", "lora-plain", "lora-onednn", "lora-transposed", "lora-mkl")
 RANK, ALPHA = 16, 32
 
 
@@ -101,7 +102,7 @@ def _our_model(kind: str, rows: int, layouts: tuple[str, ...] = LAYOUTS):
         freeze_all_but_adapters(model)
         if kind in ("lora", "lora-op-by-op", "lora-unstacked"):
             pack_frozen(model, rows, auto_pick(model, rows, layouts).layouts)
-        elif kind in ("lora-onednn", "lora-transposed"):
+        elif kind in ("lora-onednn", "lora-transposed", "lora-mkl"):
             pack_frozen(model, rows, kind.removeprefix("lora-"))
         stack_projections(model, kind != "lora-unstacked")  # as training does (training.stack_projections)
         if kind == "lora-op-by-op":
@@ -132,7 +133,7 @@ def _params(model) -> int:
     from scalenlp.models.adapters import LoRALinear
 
     replaced = sum(m.in_features * m.out_features for m in model.modules()
-                   if isinstance(m, LoRALinear) and m.packed is not None and m.packed[0].is_mkldnn)
+                   if isinstance(m, LoRALinear) and m.packed is not None and m.packed[1].is_mkldnn)
     return sum(p.numel() for p in model.parameters()) + replaced
 
 
@@ -224,7 +225,8 @@ def products(rows: int) -> None:
 
     shapes = {"q, o": ((576, 576), 60), "k, v": ((576, 192), 60), "gate, up": ((576, 1536), 60),
               "down": ((1536, 576), 30), "output": ((576, 49152), 1)}
-    timed = time_products([shape for shape, _ in shapes.values()], rows)
+    counts = [count for _, count in shapes.values()]
+    timed = time_products([shape for shape, _ in shapes.values()], rows, counts)
     layouts = [name for name in timed if name != "plain"]
     for i, (name, ((k, n), _)) in enumerate(shapes.items()):
         figures = []
@@ -232,7 +234,7 @@ def products(rows: int) -> None:
             ratios = [plain[i] / other[i] for plain, other in zip(timed["plain"], timed[layout])]
             figures.append(f"{layout} {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
         print(f"{name} ({k} -> {n}), {rows} rows, forward and input gradient, against plain: {', '.join(figures)}")
-    ms = _record(timed, [count for _, count in shapes.values()])["ms"]  # as auto weighs the shapes
+    ms = {name: sum(shapes) for name, shapes in _record(timed, counts)["ms"].items()}  # as auto weighs them
     print(f"a step's frozen products (SmolLM2, {rows} rows): {ms['plain']:.1f} ms plain, "
           + ", ".join(f"{ms[layout]:.1f} ms {layout} ({ms['plain'] / ms[layout]:.2f}x as fast)" for layout in layouts))
 
@@ -328,7 +330,7 @@ def main() -> int:
     lora = results["lora"]
     held = ", ".join(f"{kind} / lora-plain = {results[kind]['rss_peak'] / plain['rss_peak']:.2f} "
                      f"(+{(results[kind]['rss_peak'] - plain['rss_peak']) / mib:,.0f} MiB)"
-                     for kind in ("lora-onednn", "lora-transposed"))
+                     for kind in ("lora-onednn", "lora-transposed", "lora-mkl"))
     print(f"peak RSS: lora / full = {lora['rss_peak'] / full['rss_peak']:.2f}, qlora / lora = "
           f"{qlora['rss_peak'] / lora['rss_peak']:.2f}, {held}; at rest: qlora / lora = "
           f"{qlora['rss_at_rest'] / lora['rss_at_rest']:.2f}")

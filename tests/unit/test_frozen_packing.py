@@ -24,19 +24,22 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "scalenlp"
 
 
-def timing(plain: list[float], onednn: list[float], transposed: list[float] | None = None):
-    """A measure that returns these seconds per shape (in sorted shape order) in every round (transposed as plain
-    unless given), and counts calls."""
+def timing(plain: list[float], onednn: list[float], transposed: list[float] | None = None,
+           mkl: list[float] | None = None):
+    """A measure that returns these seconds per shape (in sorted shape order) in every round (transposed and mkl as
+    plain unless given), and counts calls."""
     def measure(shapes, rows, counts):
         measure.calls.append((shapes, rows, counts))
-        return {"plain": [plain] * ROUNDS, "onednn": [onednn] * ROUNDS, "transposed": [transposed or plain] * ROUNDS}
+        return {"plain": [plain] * ROUNDS, "onednn": [onednn] * ROUNDS, "transposed": [transposed or plain] * ROUNDS,
+                "mkl": [mkl or plain] * ROUNDS}
     measure.calls = []
     return measure
 
 
 def test_each_shape_takes_its_fastest_layout_where_it_pays(cache):
-    # oneDNN is faster on the head, the transposed copy on q/o; gate/up gain too little in either to pay.
-    measure = timing(plain=[1e-3, 2e-3, 100e-3], onednn=[1.1e-3, 1.98e-3, 90e-3], transposed=[0.9e-3, 2e-3, 120e-3])
+    # oneDNN is faster on the head, the transposed copy on q/o; gate/up gain too little in any to pay.
+    measure = timing(plain=[1e-3, 2e-3, 100e-3], onednn=[1.1e-3, 1.98e-3, 90e-3], transposed=[0.9e-3, 2e-3, 120e-3],
+                     mkl=[0.95e-3, 1.99e-3, 95e-3])
     choice = choose_packing(SHAPES, 128, measure=measure)
     assert choice.layouts == {(576, 576): "transposed", (576, 49152): "onednn"}
     plain_ms, held_ms = 60 * 1 + 60 * 2 + 100, 60 * 0.9 + 60 * 2 + 90
@@ -55,7 +58,7 @@ def test_each_shape_takes_its_fastest_layout_where_it_pays(cache):
     slower = timing(plain=[1e-3, 2e-3, 100e-3], onednn=[1.1e-3, 2.2e-3, 110e-3])
     none = choose_packing(SHAPES, 64, measure=slower)
     assert none.layouts == {} and len(slower.calls) == 1
-    assert none.reason.startswith(f"no layout of onednn, transposed at least {MARGIN}x as fast as plain")
+    assert none.reason.startswith(f"no layout of onednn, transposed, mkl at least {MARGIN}x as fast as plain")
     assert len(list(cache.glob("pack-frozen-*.json"))) == 2
 
 
@@ -71,9 +74,15 @@ def test_a_cached_figure_that_is_not_one_is_measured_again(cache):
     path.write_text('{"speedup": 0.9, "ms": {"plain": 1.0, "packed": 1.1}}')  # before the layouts had names
     assert choose_packing(SHAPES, 128, measure=timing([2e-3] * 3, [1e-3] * 3)).layouts == dict.fromkeys(SHAPES,
                                                                                                         "onednn")
+    # One timed before the mkl layout was added: measured again, so that a layout this PyTorch has is weighed.
+    record = json.loads(path.read_text())
+    del record["ms"]["mkl"]
+    path.write_text(json.dumps(record))
+    faster = timing([2e-3] * 3, [1.5e-3] * 3, mkl=[1e-3] * 3)
+    assert choose_packing(SHAPES, 128, measure=faster).layouts == dict.fromkeys(SHAPES, "mkl") and faster.calls
 
 
-@pytest.mark.parametrize("forced", ["onednn", "transposed", "off"])
+@pytest.mark.parametrize("forced", ["onednn", "transposed", "mkl", "off"])
 def test_the_environment_decides_without_timing(cache, monkeypatch, forced):
     monkeypatch.setenv("SCALENLP_PACK_FROZEN", forced)
     never = timing([], [])
@@ -85,7 +94,7 @@ def test_the_environment_decides_without_timing(cache, monkeypatch, forced):
 def test_the_real_timing_runs_each_shape_plain_and_in_each_layout():
     torch.set_num_threads(1)
     timed = time_products([(32, 48), (48, 32)], 16, [3, 1])
-    assert set(timed) == {"plain", "onednn", "transposed"}
+    assert set(timed) == {"plain", "onednn", "transposed", "mkl"}
     assert all(len(rounds) == ROUNDS and all(len(r) == 2 and min(r) > 0 for r in rounds) for rounds in timed.values())
 
 

@@ -34,7 +34,7 @@ from scalenlp.models.adapters import (
     pack_frozen,
 )
 from scalenlp.models.decoder import ModelArgs, Transformer
-from scalenlp.models.frozen import frozen_operands
+from scalenlp.models.frozen import MklPacked, frozen_operands
 from train_helpers import (
     FINETUNE,
     SFT,
@@ -240,13 +240,14 @@ def test_a_lora_run_exports_the_merged_model_and_the_adapter(lora_run, hf_llama)
 
 
 def test_a_lora_run_holds_its_frozen_base_in_a_layout_or_says_why_not(tmp_path, hf_llama, corpus, capsys):
-    """lora.pack_frozen=onednn or transposed holds the base so in a float32 CPU run, with the plain run's loss;
+    """lora.pack_frozen=onednn, transposed or mkl holds the base so in a float32 CPU run, with the plain run's loss;
     under autocast it is left as it is, with the reason (not timed, under auto); off, nothing is said."""
     sets = [f"model.init={hf_llama}", f"data.path={corpus}", *FINETUNE, *LORA, "training.steps=1", "checkpoint.every=0",
             "checkpoint.export=false"]
     plain = train_here(tmp_path / "plain", *sets, "lora.pack_frozen=off")
     assert "lora.pack_frozen" not in capsys.readouterr().err
-    for layout, held in [("onednn", r"as oneDNN-packed W and W\^T"), ("transposed", r"beside a row-major copy of W\^T")]:
+    for layout, held in [("onednn", r"as oneDNN-packed W and W\^T"), ("transposed", r"beside a row-major copy of W\^T"),
+                         ("mkl", "beside an MKL-packed copy of W")]:
         packed = train_here(tmp_path / layout, *sets, f"lora.pack_frozen={layout}")
         assert re.search(rf"^lora.pack_frozen: [1-9]\d* frozen linears held {held}$", capsys.readouterr().err, re.M)
         assert packed[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
@@ -270,7 +271,7 @@ def test_lora_pack_frozen_auto_packs_where_the_packed_products_measured_faster(t
     def fake(shapes, rows, counts):
         timed.append((shapes, rows))
         return {"plain": [[1e-3] * len(shapes)], "onednn": [[3e-3] * len(shapes)],
-                "transposed": [[packed_time * 1e-3] * len(shapes)]}
+                "transposed": [[packed_time * 1e-3] * len(shapes)], "mkl": [[3e-3] * len(shapes)]}
 
     monkeypatch.setattr(frozen_packing, "time_products", fake)
     sets = [f"model.init={hf_llama}", f"data.path={corpus}", *FINETUNE, *LORA, "training.steps=1", "checkpoint.every=0",
@@ -283,7 +284,7 @@ def test_lora_pack_frozen_auto_packs_where_the_packed_products_measured_faster(t
                             r"\(auto: measured 2.00x as fast \(the frozen products of a step", line), line
         else:
             assert line.startswith("lora.pack_frozen: the frozen base kept as it is (auto: no layout of onednn, "
-                                   "transposed at least 1.05x as fast as plain"), line
+                                   "transposed, mkl at least 1.05x as fast as plain"), line
         assert ("measured now, " in line) == (run == "first")
     [(shapes, rows)] = timed  # once: the second run read the cache
     # A step's rows (batch 4 of 32 tokens); the tiny Llama's k/v, q/o, gate/up, its frozen (tied) output
@@ -462,7 +463,7 @@ def test_a_fresh_dora_magnitude_follows_a_base_changed_after_it():
     torch.testing.assert_close(model(tokens), base(tokens))
 
 
-@pytest.mark.parametrize("layout", [None, "onednn", "transposed", "nf4"])
+@pytest.mark.parametrize("layout", [None, "onednn", "transposed", "mkl", "nf4"])
 def test_a_lora_layer_is_one_autograd_node_with_the_products_gradients(layout):
     """Plain LoRA (no DoRA, no dropout in training) runs as one autograd node, the base as it is, in a layout or
     in NF4 (dequantized to float32 on the CPU): the output and the gradients of the input, A and B those of
@@ -480,7 +481,7 @@ def test_a_lora_layer_is_one_autograd_node_with_the_products_gradients(layout):
         layer.lora_B.normal_()
     weight = float32_nf4(base.weight) if layout == "nf4" else base.weight.detach().clone()
     bias = base.bias.detach().clone()
-    if layout in ("onednn", "transposed"):
+    if layout in ("onednn", "transposed", "mkl"):
         layer.pack_base(2 * 5, layout)
     x = torch.randn(2, 5, 64, requires_grad=True)
     out = layer(x)
@@ -521,6 +522,7 @@ def test_layers_reading_one_input_share_one_node_with_each_layers_gradients(targ
     if targets == "all-linear":
         attention.wq.pack_base(8, "onednn")
         attention.wk.pack_base(8, "transposed")
+        attention.wv.pack_base(2 * 9, "mkl")
     tokens = torch.randint(0, ARGS.vocab_size, (2, 9))
     results = []
     for stacked in (True, False):
@@ -575,12 +577,12 @@ def test_dropout_and_dora_take_the_general_path_autocast_the_node_in_its_dtype()
     assert out.grad_fn.name() == "AddBackward0"
 
 
-@pytest.mark.parametrize("layout", ["onednn", "transposed"])
+@pytest.mark.parametrize("layout", ["onednn", "transposed", "mkl"])
 @pytest.mark.parametrize("dora", [False, True])
 def test_a_packed_frozen_base_gives_the_plain_loss_and_gradients(dora, layout):
     """lora.pack_frozen: the base held as oneDNN-packed W and W^T instead of its weight, or beside a row-major W^T
-    (and the frozen output projection's operands beside it), same loss and adapter gradients in float32 (widths
-    that are no multiple of oneDNN's blocks: 48 in, 136 hidden)."""
+    or an MKL-packed W (and the frozen output projection's operands beside it), same loss and adapter gradients in
+    float32 (widths that are no multiple of oneDNN's blocks: 48 in, 136 hidden)."""
     args = ModelArgs(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=136, max_seq_len=32)
     torch.manual_seed(0)
     plain = Transformer(args).train()
@@ -591,13 +593,14 @@ def test_a_packed_frozen_base_gives_the_plain_loss_and_gradients(dora, layout):
     weights = {name: m.weight.detach().clone() for name, m in packed.named_modules() if isinstance(m, LoRALinear)}
     assert pack_frozen(packed, 2 * 16, layout) == (Counter({layout: len(weights) + 1}), [])  # and the head
     onednn = layout == "onednn"
-    assert all(p.is_mkldnn == onednn for p in packed.output_packed)
+    assert type(packed.output_packed[0]) is (MklPacked if layout == "mkl" else torch.Tensor)
+    assert packed.output_packed[1].is_mkldnn == onednn
     names = dict(packed.named_parameters())
-    # oneDNN's packed copies replace the weight; the transposed copy is read beside it.
+    # oneDNN's packed copies replace the weight; the transposed copy and MKL's packed W are read beside it.
     assert all((f"{name}.weight" in names) != onednn for name in weights)
     for name, weight in weights.items():
         layer = packed.get_submodule(name)
-        assert all(p.is_mkldnn == onednn for p in layer.packed) and torch.equal(layer.dense_weight(), weight)
+        assert layer.packed[1].is_mkldnn == onednn and torch.equal(layer.dense_weight(), weight)
         if not onednn:
             assert layer.packed[1].data_ptr() == layer.weight.data_ptr()  # W itself, not a copy
     tokens = torch.randint(0, args.vocab_size, (2, 17))
@@ -607,9 +610,29 @@ def test_a_packed_frozen_base_gives_the_plain_loss_and_gradients(dora, layout):
     for name in trained:
         torch.testing.assert_close(names[name].grad, plain.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
     assert pack_frozen(packed, 32, layout) == (Counter(), [])  # a packed model has nothing left to pack
-    packed.output_packed = frozen_operands(torch.zeros(args.vocab_size, args.dim), layout, None)  # the loss reads:
+    packed.output_packed = frozen_operands(torch.zeros(args.vocab_size, args.dim), layout, 2 * 16)  # the loss reads:
     with torch.no_grad():  # all-zero logits cost log(vocab) a target
         assert packed(tokens[:, :-1], targets=tokens[:, 1:]).item() == pytest.approx(32 * math.log(97))
+
+
+def test_mkls_packed_weight_computes_its_rows_and_any_other_from_the_weight():
+    """The mkl layout: x W^T (+ b) on W packed for 12 rows equals F.linear's bit for bit (the same MKL kernel,
+    without repacking W), for inputs of those rows and of others (read from W itself), with or without a bias and
+    added into a given output; the input gradient's operand is W itself; a row count is required."""
+    from scalenlp.models.frozen import frozen_dense, frozen_product
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    operands = frozen_operands(weight, "mkl", 12)
+    assert operands[1].data_ptr() == frozen_dense(operands).data_ptr() == weight.data_ptr()  # W itself
+    assert operands[0].dtype == torch.float32
+    for x in (torch.randn(3, 4, 24), torch.randn(5, 24)):  # 12 rows, packed; 5 rows, from W
+        assert torch.equal(frozen_product(x, operands[0], bias), F.linear(x, weight, bias))
+        into = torch.randn(x.numel() // 24, 40)
+        torch.testing.assert_close(frozen_product(x.reshape(-1, 24), operands[0], into=into.clone()),
+                                   into + x.reshape(-1, 24) @ weight.t())
+    with pytest.raises(ValueError, match="packs W for a number of rows"):
+        frozen_operands(weight, "mkl", None)
 
 
 @pytest.mark.slow  # compiling the blocks and the loss takes ~30-60 s here

@@ -2,7 +2,7 @@
 
 The layouts (models/frozen.py) give a frozen weight's forward product and input gradient operands the CPU's BLAS
 may read faster than ``F.linear``'s, at the cost of a second copy of the weight: oneDNN-packed copies of W and W^T,
-or a row-major copy of W^T beside W. Which is faster depends on the CPU and the shape: on SmolLM2's block shapes at
+a row-major copy of W^T beside W, or an MKL-packed copy of W beside it. Which is faster depends on the CPU and the shape: on SmolLM2's block shapes at
 128 rows, one thread, the oneDNN-packed products ran 1.07-1.19x faster than plain on one machine and 0.88-0.94x as
 fast on an AMD EPYC without AVX-512 (where the whole step ran 0.93-0.95x as fast packed); on an AVX-512 Xeon the
 transposed copy ran the block shapes' products 1.07-1.10x faster and the output projection's 0.80x as fast. So
@@ -10,7 +10,7 @@ transposed copy ran the block shapes' products 1.07-1.10x faster and the output 
 forward and input-gradient product, over enough copies of its weight that they come from memory as in a step. Each
 shape takes its fastest layout where that is at least ``MARGIN`` as fast as plain. The figures are cached per
 processor, torch version, thread count, shapes and rows, as the served dtype's are, so later runs on the machine
-decide without timing. ``SCALENLP_PACK_FROZEN=off|onednn|transposed`` decides ``auto`` without timing, one layout
+decide without timing. ``SCALENLP_PACK_FROZEN=off|onednn|transposed|mkl`` decides ``auto`` without timing, one layout
 for every shape (the test suite sets it, as it sets SCALENLP_COMPILE).
 """
 
@@ -86,11 +86,14 @@ def _record(timings: Timings, counts: list[int]) -> dict:
 
 
 def _valid(record: dict) -> dict:
-    """``record`` when it is one ``_record`` wrote; ValueError otherwise."""
+    """``record`` when it is one ``_record`` wrote, timing every layout this PyTorch has (one written before a
+    layout was added is measured again); ValueError otherwise."""
     ms = record["ms"]
     if "plain" not in ms or not all(name in ("plain", *LAYOUTS) and len(t) == len(ms["plain"])
                                     and all(float(v) > 0 for v in t) for name, t in ms.items()):
         raise ValueError(f"not a packing measurement: {record}")
+    if missing := [name for name in available_layouts() if name not in ms]:
+        raise ValueError(f"a packing measurement without {', '.join(missing)}")
     return record
 
 

@@ -206,15 +206,16 @@ class Trainer:
         rows = self.micro_batch * t.seq_len
         parts = [getattr(part, "module", part) for part in self.model_parts]  # DDP's wrapper
         wanted = self.cfg.lora.pack_frozen
-        # Inductor fails on oneDNN's opaque packed weights (an InductorError, torch 2.13); the transposed copy is a
-        # plain tensor it takes as an input.
-        layouts = tuple(name for name in LAYOUTS if name != "onednn" or not t.compile)
+        # Inductor fails on oneDNN's and MKL's opaque packed weights (an InductorError, torch 2.13); the transposed
+        # copy is a plain tensor it takes as an input.
+        layouts = tuple(name for name in LAYOUTS if name == "transposed" or not t.compile)
         held, reasons, why_auto = Counter(), [], ""
         if t.mixed_precision != "fp32":
             reasons.append(f"training.mixed_precision={t.mixed_precision} computes the products in "
                            f"{t.mixed_precision} (autocast)")
         elif wanted not in ("auto", *layouts):
-            reasons.append("training.compile lowers the products itself, and cannot take oneDNN's packed weights")
+            reasons.append("training.compile lowers the products itself, and cannot take oneDNN's or MKL's packed "
+                           "weights")
         else:
             layout = wanted
             if wanted == "auto":
@@ -225,7 +226,8 @@ class Trainer:
                 n, why = pack_frozen(part, rows, layout)
                 held += n
                 reasons += [r for r in why if r not in reasons]
-        how = {"onednn": "as oneDNN-packed W and W^T", "transposed": "beside a row-major copy of W^T"}
+        how = {"onednn": "as oneDNN-packed W and W^T", "transposed": "beside a row-major copy of W^T",
+               "mkl": "beside an MKL-packed copy of W"}
         said = ", ".join(f"{n} frozen linears held {how[name]}" for name, n in held.items())
         self.log(f"lora.pack_frozen: {said or 'the frozen base kept as it is'}"
                  + (f"; not packed: {'; '.join(reasons)}" if reasons else "") + why_auto)
