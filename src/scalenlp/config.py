@@ -202,7 +202,8 @@ class LoraConfig:
                                    "product's rows beside it (mkl): one more copy of the base's block "
                                    "linears, for products that run faster on some CPUs and slower on others; auto "
                                    "times them once per machine and takes the faster layout where it is at least "
-                                   "1.05x as fast as the plain base (train/frozen_packing.py); skipped, with the "
+                                   "1.05x as fast as the plain base, while the copies fit in half the memory "
+                                   "available (train/frozen_packing.py); skipped, with the "
                                    "reason logged, for an NF4 base, a sharded one (tensor parallelism, ZeRO-2/3) and "
                                    "autocast (mixed_precision); training.compile takes transposed only")
 

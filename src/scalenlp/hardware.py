@@ -195,6 +195,16 @@ def resident_bytes(peak: bool) -> int:
         return usage if sys.platform == "darwin" else usage * 1024  # macOS reports bytes, Linux KiB
 
 
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give out without swapping (Linux's MemAvailable); None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def cache_dir() -> Path:
     """Where figures measured on this machine are kept between runs: ``$XDG_CACHE_HOME/scalenlp``."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "scalenlp"

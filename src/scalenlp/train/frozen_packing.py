@@ -8,7 +8,9 @@ fast on an AMD EPYC without AVX-512 (where the whole step ran 0.93-0.95x as fast
 transposed copy ran the block shapes' products 1.07-1.10x faster and the output projection's 0.80x as fast. So
 ``auto`` times the products a step would run, plain and in each layout, in interleaved rounds: each frozen shape's
 forward and input-gradient product, over enough copies of its weight that they come from memory as in a step. Each
-shape takes its fastest layout where that is at least ``MARGIN`` as fast as plain. The figures are cached per
+shape takes its fastest layout where that is at least ``MARGIN`` as fast as plain, as long as the copies fit in
+a budget of memory (``memory_budget``: a share of what the machine has available, split among its processes): past
+it, the shapes that save the least time per byte stay plain. The figures are cached per
 processor, torch version, thread count, shapes and rows, as the served dtype's are, so later runs on the machine
 decide without timing. ``SCALENLP_PACK_FROZEN=off|onednn|transposed|mkl`` decides ``auto`` without timing, one layout
 for every shape (the test suite sets it, as it sets SCALENLP_COMPILE).
@@ -25,13 +27,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from scalenlp.hardware import cached_record, engine_cache_path, time_rounds
+from scalenlp.hardware import available_memory, cached_record, engine_cache_path, time_rounds
 from scalenlp.models.frozen import LAYOUTS, available_layouts, frozen_operands, frozen_product
 
 MARGIN = 1.05  # a layout costs a second copy of the base: worth a real gain, not a tie
 ROUNDS = 5
 MAX_ROWS = 512  # a product's time per row is about flat from a few hundred rows: a larger step is timed at this
 SPAN_BYTES = 64 * 2**20  # more than a core's share of the last-level cache
+# Of the memory available once the base is loaded: the copies leave the rest to the step's activations, the
+# optimizer and everything else on the machine. A layout is one more float32 copy of each weight it holds.
+MEMORY_SHARE = 0.5
 # Per candidate ("plain" or a layout), per round: seconds of each shape's pass (in the order of the shapes given).
 Timings = dict[str, list[list[float]]]
 
@@ -43,11 +48,12 @@ class PackingChoice:
 
 
 def choose_packing(shapes: Counter[tuple[int, int]], rows: int, layouts: tuple[str, ...] = LAYOUTS,
-                   measure: Callable[[list[tuple[int, int]], int, list[int]], Timings] | None = None) -> PackingChoice:
+                   measure: Callable[[list[tuple[int, int]], int, list[int]], Timings] | None = None,
+                   budget: int | None = None) -> PackingChoice:
     """Which of ``layouts``, if any, pays for holding each shape's frozen linears in it, for ``shapes`` ((in, out)
     -> how many) and products of ``rows`` rows on this machine (see the module docstring): the fastest, where it
-    is at least ``MARGIN`` as fast as plain; ``measure`` times them (default ``time_products``), only when the
-    cache has no figure for them."""
+    is at least ``MARGIN`` as fast as plain and the copies fit in ``budget`` bytes (None: no bound); ``measure``
+    times them (default ``time_products``), only when the cache has no figure for them."""
     forced = os.environ.get("SCALENLP_PACK_FROZEN", "")
     if forced in ("off", *LAYOUTS):
         return PackingChoice({} if forced == "off" else dict.fromkeys(shapes, forced), f"SCALENLP_PACK_FROZEN={forced}")
@@ -60,22 +66,45 @@ def choose_packing(shapes: Counter[tuple[int, int]], rows: int, layouts: tuple[s
                                      _valid)
     ms = record["ms"]
     timed = [name for name in layouts if name in ms]
-    chosen, notes = {}, []
-    for i, (k, n) in enumerate(order):
-        best = min(timed, key=lambda name: ms[name][i], default=None)
-        gain = ms["plain"][i] / ms[best][i] if best else 0.0
-        if gain >= MARGIN:
-            chosen[k, n] = best
-            notes.append(f"{k}x{n} {best} {gain:.2f}x")
+    best = {shape: min(timed, key=lambda name: ms[name][i], default="plain") for i, shape in enumerate(order)}
+    gain = {shape: ms["plain"][i] / ms[best[shape]][i] for i, shape in enumerate(order)}
+    chosen = {shape: best[shape] for shape in order if gain[shape] >= MARGIN}
+    over = set()
+    if budget is not None:  # the copies that save the most time per byte first, while they fit
+        copy = {shape: 4 * shape[0] * shape[1] * shapes[shape] for shape in chosen}
+        saved = {shape: ms["plain"][i] - ms[best[shape]][i] for i, shape in enumerate(order)}
+        held_bytes = 0
+        for shape in sorted(chosen, key=lambda s: saved[s] / copy[s], reverse=True):
+            if held_bytes + copy[shape] > budget:
+                over.add(shape)
+            else:
+                held_bytes += copy[shape]
+        chosen = {shape: name for shape, name in chosen.items() if shape not in over}
+    notes = []
+    for k, n in order:
+        figure = f"{best[k, n]} {gain[k, n]:.2f}x"
+        if (k, n) in chosen:
+            notes.append(f"{k}x{n} {figure}")
+        elif (k, n) in over:
+            notes.append(f"{k}x{n} plain ({figure}; its copy would pass the memory budget, {budget / 2**20:,.0f} MiB)")
         else:
-            notes.append(f"{k}x{n} plain" + (f" ({best} {gain:.2f}x)" if best else ""))
+            notes.append(f"{k}x{n} plain" + (f" ({figure})" if timed else ""))
     plain, held = sum(ms["plain"]), sum(ms[chosen.get(shape, "plain")][i] for i, shape in enumerate(order))
     figures = (f"the frozen products of a step, {rows} rows: {held:.1f} ms against {plain:.1f} ms plain; "
                f"{', '.join(notes)}; {'measured now, ' if measured else ''}cached in {path}")
     if chosen:
         return PackingChoice(chosen, f"measured {plain / held:.2f}x as fast ({figures})")
+    if over:
+        return PackingChoice({}, f"no layout's copy fits the memory budget ({figures})")
     return PackingChoice({}, f"no layout of {', '.join(layouts)} at least {MARGIN}x as fast as plain, which pays for "
                              f"a second copy of the base ({figures})")
+
+
+def memory_budget(processes: int) -> int | None:
+    """Bytes of layout copies each of this machine's ``processes`` may hold: ``MEMORY_SHARE`` of the memory
+    available now, split among them (None where the system does not say)."""
+    available = available_memory()
+    return None if available is None else int(MEMORY_SHARE * available) // max(1, processes)
 
 
 def _record(timings: Timings, counts: list[int]) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import time
 import warnings
@@ -41,7 +42,7 @@ from scalenlp.parallel.pipeline import build_pipeline
 from scalenlp.parallel.tensor_parallel import split_dim
 from scalenlp.train import recovery, watchdog
 from scalenlp.train.checkpoint import STATE_FILE, Checkpointer, load_full_model, read_train_state
-from scalenlp.train.frozen_packing import PackingChoice, choose_packing
+from scalenlp.train.frozen_packing import PackingChoice, choose_packing, memory_budget
 from scalenlp.train.guard import StepCheck, StopRequest, check_step, weights_finite
 from scalenlp.train.loss import AUTOCAST, autocast, cross_entropy, loss_scaler, sum_over
 from scalenlp.train.metrics import MetricsWriter, peak_memory_bytes
@@ -243,7 +244,9 @@ class Trainer:
             shapes = Counter()
             for held in every:
                 shapes |= held  # per shape, the most any rank holds
-        choice = [choose_packing(shapes, rows, layouts) if shapes and self.is_main else None]
+        # The copies are each process's own: rank 0's machine shares its memory among the processes it runs.
+        budget = memory_budget(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        choice = [choose_packing(shapes, rows, layouts, budget=budget) if shapes and self.is_main else None]
         if self.world > 1 and shapes:
             dist.broadcast_object_list(choice, src=0)
         return choice[0]
