@@ -6,6 +6,7 @@ trainer's use of it: tests/unit/test_lora.py."""
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 
 import pytest
@@ -78,7 +79,9 @@ def test_the_copies_fit_a_memory_budget_the_most_time_per_byte_first(cache, monk
     assert choose_packing(SHAPES, 128, measure=measure, budget=None).layouts == dict.fromkeys(SHAPES, "mkl")
     none = choose_packing(SHAPES, 128, measure=measure, budget=0)
     assert none.layouts == {} and none.reason.startswith("no layout's copy fits the memory budget (")
-    # The budget: half the memory the machine has available, shared by its processes; none where it is unknown.
+    # The budget: half the memory the machine has available (Linux's MemAvailable), shared by its processes; none
+    # where it is unknown.
+    assert 0 < frozen_packing.available_memory() < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     monkeypatch.setattr(frozen_packing, "available_memory", lambda: 8 * 2**30)
     assert frozen_packing.memory_budget(2) == 2 * 2**30
     monkeypatch.setattr(frozen_packing, "available_memory", lambda: None)
