@@ -1,19 +1,19 @@
 """Which layout, if any, a LoRA run holds its frozen base in (``lora.pack_frozen = auto``, the default), measured.
 
-The layouts (models/frozen.py) give a frozen weight's forward product and input gradient operands the CPU's BLAS
-may read faster than ``F.linear``'s, at the cost of a second copy of the weight: oneDNN-packed copies of W and W^T,
-a row-major copy of W^T beside W, or an MKL-packed copy of W beside it. Which is faster depends on the CPU and the shape: on SmolLM2's block shapes at
-128 rows, one thread, the oneDNN-packed products ran 1.07-1.19x faster than plain on one machine and 0.88-0.94x as
-fast on an AMD EPYC without AVX-512 (where the whole step ran 0.93-0.95x as fast packed); on an AVX-512 Xeon the
-transposed copy ran the block shapes' products 1.07-1.10x faster and the output projection's 0.80x as fast. So
-``auto`` times the products a step would run, plain and in each layout, in interleaved rounds: each frozen shape's
-forward and input-gradient product, over enough copies of its weight that they come from memory as in a step. Each
-shape takes its fastest layout where that is at least ``MARGIN`` as fast as plain, as long as the copies fit in
-a budget of memory (``memory_budget``: a share of what the machine has available, split among its processes): past
-it, the shapes that save the least time per byte stay plain. The figures are cached per
-processor, torch version, thread count, shapes and rows, as the served dtype's are, so later runs on the machine
-decide without timing. ``SCALENLP_PACK_FROZEN=off|onednn|transposed|mkl`` decides ``auto`` without timing, one layout
-for every shape (the test suite sets it, as it sets SCALENLP_COMPILE).
+The layouts (models/frozen.py) give a frozen weight's forward product and input gradient operands the CPU's BLAS may
+read faster than ``F.linear``'s, at the cost of a second copy of the weight: oneDNN-packed copies of W and W^T, a
+row-major copy of W^T beside W, or an MKL-packed copy of W beside it. Which is faster depends on the CPU and the
+shape: on SmolLM2's block shapes at 128 rows, one thread, the oneDNN-packed products ran 1.07-1.19x faster than
+plain on one machine and 0.88-0.94x as fast on an AMD EPYC without AVX-512 (where the whole step ran 0.93-0.95x as
+fast packed); on an AVX-512 Xeon the transposed copy ran the block shapes' products 1.07-1.10x faster and the output
+projection's 0.80x as fast. So ``auto`` times the products a step would run, plain and in each layout, in
+interleaved rounds: each frozen shape's forward and input-gradient product, over enough copies of its weight that
+they come from memory as in a step. Each shape takes its fastest layout where that is at least ``MARGIN`` as fast as
+plain, as long as the copies fit in a budget of memory (``memory_budget``: a share of what the machine has
+available, split among its processes): past it, the shapes that save the least time per byte stay plain. The figures
+are cached per processor, torch version, thread count, shapes and rows, as the served dtype's are, so later runs on
+the machine decide without timing. ``SCALENLP_PACK_FROZEN=off|onednn|transposed|mkl`` decides ``auto`` without
+timing, one layout for every shape (the test suite sets it, as it sets SCALENLP_COMPILE).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ ROUNDS = 5
 MAX_ROWS = 512  # a product's time per row is about flat from a few hundred rows: a larger step is timed at this
 SPAN_BYTES = 64 * 2**20  # more than a core's share of the last-level cache
 # Of the memory available once the base is loaded: the copies leave the rest to the step's activations, the
-# optimizer and everything else on the machine. A layout is one more float32 copy of each weight it holds.
+# optimizer and everything else on the machine. A layout is about one more float32 copy of each weight it holds.
 MEMORY_SHARE = 0.5
 # Per candidate ("plain" or a layout), per round: seconds of each shape's pass (in the order of the shapes given).
 Timings = dict[str, list[list[float]]]
