@@ -180,14 +180,20 @@ def get_device(name: str, overrides: dict[str, float] | None = None) -> DeviceSp
 GPU_NAMES = {"H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb"}
 
 
+def proc_bytes(path: str, key: str) -> int:
+    """A "key: N kB" figure of a Linux /proc file (/proc/self/status, /proc/meminfo), in bytes: OSError where the
+    file does not exist (not Linux), KeyError where it has no such key."""
+    with open(path) as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return int(fields[key].split()[0]) * 1024
+
+
 def resident_bytes(peak: bool) -> int:
     """This process's resident set: its peak or its size now. On Linux from /proc (VmHWM, VmRSS), not
     getrusage, whose peak Linux carries across exec from the spawning process: a run started from a
     large Python process would report that process's size. Elsewhere getrusage's peak is all there is."""
     try:
-        with open("/proc/self/status") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return int(fields["VmHWM" if peak else "VmRSS"].split()[0]) * 1024
+        return proc_bytes("/proc/self/status", "VmHWM" if peak else "VmRSS")
     except (OSError, KeyError):
         import resource  # POSIX only; Windows has neither /proc nor this module
 
@@ -198,9 +204,7 @@ def resident_bytes(peak: bool) -> int:
 def available_memory() -> int | None:
     """Bytes of memory this machine can still give out without swapping (Linux's MemAvailable); None elsewhere."""
     try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return int(fields["MemAvailable"].split()[0]) * 1024
+        return proc_bytes("/proc/meminfo", "MemAvailable")
     except (OSError, KeyError, ValueError):
         return None
 

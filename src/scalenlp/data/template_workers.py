@@ -45,6 +45,7 @@ from scalenlp.data.chat import (
 )
 from scalenlp.data.text import json_problem
 from scalenlp.errors import UserError
+from scalenlp.hardware import proc_bytes
 
 try:
     import resource
@@ -66,8 +67,7 @@ _RENDERING, _TOKENIZING = 1, 2  # what a worker is doing, for the message when i
 def _cap_memory(headroom: int) -> None:
     """Cap the address space at what the process maps now plus ``headroom``: past it, allocations fail."""
     try:
-        with open("/proc/self/status") as f:
-            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        mapped = proc_bytes("/proc/self/status", "VmSize")
     except OSError:  # no /proc (macOS): what the process maps is unknown, so no cap; the time limit still holds
         return
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
