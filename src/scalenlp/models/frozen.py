@@ -52,7 +52,7 @@ class MklPacked:
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, bias, self.rows)
 
 
-Operands = tuple["torch.Tensor | MklPacked", torch.Tensor]
+Operands = tuple[torch.Tensor | MklPacked, torch.Tensor]
 
 
 def frozen_operands(weight: torch.Tensor, layout: str, rows: int | None) -> Operands:
@@ -76,13 +76,14 @@ def frozen_product(x: torch.Tensor, operand: torch.Tensor | MklPacked, bias: tor
     ``bias``; x of any leading shape. With ``into`` (x's rows by the product's columns, 2-D) instead of a bias, the
     product is added to it in place and it is returned: by the BLAS itself (``addmm_``) on a plain operand."""
     if isinstance(operand, MklPacked):
-        return operand.product(x, bias) if into is None else into.add_(operand.product(x, None))
-    if into is not None:
-        return into.add_(packed_linear(x, operand, None)) if operand.is_mkldnn else into.addmm_(x, operand)
-    if operand.is_mkldnn:
-        return packed_linear(x, operand, bias)
-    out = x @ operand
-    return out if bias is None else out + bias
+        out = operand.product(x, bias)
+    elif operand.is_mkldnn:
+        out = packed_linear(x, operand, bias)
+    elif into is not None:
+        return into.addmm_(x, operand)
+    else:
+        out = x @ operand if bias is None else x @ operand + bias
+    return out if into is None else into.add_(out)
 
 
 def frozen_dense(operands: Operands) -> torch.Tensor:

@@ -244,9 +244,11 @@ class Trainer:
             shapes = Counter()
             for held in every:
                 shapes |= held  # per shape, the most any rank holds
-        # The copies are each process's own: rank 0's machine shares its memory among the processes it runs.
-        budget = memory_budget(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        choice = [choose_packing(shapes, rows, layouts, budget=budget) if shapes and self.is_main else None]
+        choice = [None]
+        if shapes and self.is_main:
+            # The copies are each process's own: rank 0's machine shares its memory among the processes it runs.
+            budget = memory_budget(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            choice = [choose_packing(shapes, rows, layouts, budget=budget)]
         if self.world > 1 and shapes:
             dist.broadcast_object_list(choice, src=0)
         return choice[0]
