@@ -18,7 +18,9 @@ from scalenlp.parallel.mesh import free_port
 from scalenlp.testing import slurm
 from train_helpers import HANG_GUARD_S, TINY, cli_env, last_step, read_metrics, run_train
 
-STEPS = 20  # long enough that the signal sent after step 3 lands well before the end
+# Long enough that the signal sent after step 3 lands well before the end: the debug model steps at ~45/s, and
+# scancel's signal took 2-4 steps to land on an idle machine but 17 under CI's load (20 steps were too few).
+STEPS = 200
 SETS = [*TINY, f"training.steps={STEPS}", "checkpoint.export=false"]
 
 
