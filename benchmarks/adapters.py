@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from scalenlp.models.frozen import LAYOUTS
+from scalenlp.models.frozen import COMPILABLE, LAYOUTS
 
 KINDS = ("full", "lora", "lora-op-by-op", "lora-plain", "lora-onednn", "lora-transposed", "lora-mkl", "qlora", "peft")
 LORA_KINDS = ("lora", "lora-op-by-op", "lora-unstacked", "lora-plain", "lora-onednn", "lora-transposed", "lora-mkl")
@@ -187,7 +187,7 @@ def speed(steps: int, batch: int, seq: int, compile: bool = False, bf16: bool = 
     if compile:  # the trainer's layouts under training.compile, which cannot take oneDNN's packed weights
         from scalenlp.parallel.parallelize import apply_compile
 
-        runs["compiled"] = _our_model("lora-plain" if bf16 else "lora", batch * seq, ("transposed",))
+        runs["compiled"] = _our_model("lora-plain" if bf16 else "lora", batch * seq, COMPILABLE)
         apply_compile(runs["compiled"][0])
     optimizers = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=True)
                   for k, (m, _) in runs.items()}
@@ -291,7 +291,7 @@ def main() -> int:
     plain = _our_model("lora-plain", rows)[0]
     print(f"lora: lora.pack_frozen=auto's layouts here: {auto_pick(plain, rows, LAYOUTS).reason}")
     if args.compile:
-        print(f"under training.compile: {auto_pick(plain, rows, ('transposed',)).reason}")
+        print(f"under training.compile: {auto_pick(plain, rows, COMPILABLE).reason}")
     del plain
     if args.only != "memory":
         fast, per_cpu, times = speed(args.steps, args.batch, args.seq, args.compile, args.bf16)

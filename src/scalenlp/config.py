@@ -205,7 +205,7 @@ class LoraConfig:
                                    "1.05x as fast as the plain base, while the copies fit in half the memory "
                                    "available (train/frozen_packing.py); skipped, with the "
                                    "reason logged, for an NF4 base, a sharded one (tensor parallelism, ZeRO-2/3) and "
-                                   "autocast (mixed_precision); training.compile takes transposed only")
+                                   "autocast (mixed_precision); training.compile takes transposed and mkl")
 
 
 @dataclass

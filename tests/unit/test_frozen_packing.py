@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
+from scalenlp.models.frozen import COMPILABLE
 from scalenlp.train import frozen_packing
 from scalenlp.train.frozen_packing import MARGIN, ROUNDS, choose_packing, time_products
 
@@ -53,8 +54,9 @@ def test_each_shape_takes_its_fastest_layout_where_it_pays(cache):
     # Measured once: the next start reads the cache, and says so.
     again = choose_packing(SHAPES, 128, measure=timing([1.0] * 3, [0.1] * 3))
     assert again.layouts == choice.layouts and "measured now" not in again.reason
-    # training.compile allows the transposed copy only: from the same cached figures.
-    assert choose_packing(SHAPES, 128, ("transposed",), measure=measure).layouts == {(576, 576): "transposed"}
+    # training.compile allows the transposed copy and MKL's packed W: from the same cached figures.
+    assert choose_packing(SHAPES, 128, COMPILABLE, measure=measure).layouts == {(576, 576): "transposed",
+                                                                               (576, 49152): "mkl"}
     # Another row count or another model's shapes is another figure.
     slower = timing(plain=[1e-3, 2e-3, 100e-3], onednn=[1.1e-3, 2.2e-3, 110e-3])
     none = choose_packing(SHAPES, 64, measure=slower)

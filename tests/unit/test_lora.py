@@ -34,7 +34,7 @@ from scalenlp.models.adapters import (
     pack_frozen,
 )
 from scalenlp.models.decoder import ModelArgs, Transformer
-from scalenlp.models.frozen import MklPacked, frozen_operands
+from scalenlp.models.frozen import COMPILABLE, MklPacked, frozen_operands
 from train_helpers import (
     FINETUNE,
     SFT,
@@ -254,6 +254,24 @@ def test_a_lora_run_holds_its_frozen_base_in_a_layout_or_says_why_not(tmp_path, 
     train_here(tmp_path / "bf16", *sets, "training.mixed_precision=bf16")
     assert ("lora.pack_frozen: the frozen base kept as it is; not packed: training.mixed_precision=bf16 computes the "
             "products in bf16 (autocast)\n") in capsys.readouterr().err
+
+
+@pytest.mark.slow  # compiling the tiny model's blocks and loss: ~20-40 s here
+@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile's CPU backend needs a C++ compiler (g++)")
+def test_a_compiled_lora_run_holds_its_base_in_the_layouts_compile_takes(tmp_path, hf_llama, corpus, capsys):
+    """Under training.compile, lora.pack_frozen=mkl holds the base as it does eagerly, with the eager run's loss;
+    oneDNN's packed weights are left out, with the reason."""
+    sets = [f"model.init={hf_llama}", f"data.path={corpus}", *FINETUNE, *LORA, "training.steps=1", "checkpoint.every=0",
+            "checkpoint.export=false"]
+    eager = train_here(tmp_path / "eager", *sets, "lora.pack_frozen=mkl")
+    capsys.readouterr()
+    compiled = train_here(tmp_path / "compiled", *sets, "lora.pack_frozen=mkl", "training.compile=true")
+    assert re.search(r"^lora.pack_frozen: [1-9]\d* frozen linears held beside an MKL-packed copy of W$",
+                     capsys.readouterr().err, re.M)
+    assert compiled[0]["loss"] == pytest.approx(eager[0]["loss"], rel=1e-5)
+    train_here(tmp_path / "onednn", *sets, "lora.pack_frozen=onednn", "training.compile=true")
+    assert ("lora.pack_frozen: the frozen base kept as it is; not packed: training.compile lowers the products "
+            "itself, and cannot take oneDNN's packed weights\n") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("packed_time", [0.5, 2.0])
@@ -637,9 +655,10 @@ def test_mkls_packed_weight_computes_its_rows_and_any_other_from_the_weight():
 
 @pytest.mark.slow  # compiling the blocks and the loss takes ~30-60 s here
 @pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile's CPU backend needs a C++ compiler (g++)")
-def test_compiled_blocks_read_the_transposed_frozen_base():
-    """training.compile takes lora.pack_frozen=transposed (not oneDNN's opaque packed weights) and the node of
-    q/k/v and of gate/up (stack_projections): the compiled blocks and loss on the transposed copies give the plain
+@pytest.mark.parametrize("layout", COMPILABLE)
+def test_compiled_blocks_read_the_frozen_base_in_the_layouts_compile_takes(layout):
+    """training.compile takes lora.pack_frozen=transposed and mkl (not oneDNN's opaque packed weights) and the node
+    of q/k/v and of gate/up (stack_projections): the compiled blocks and loss on the held copies give the plain
     eager model's loss and adapter gradients, its layers run one by one."""
     from scalenlp.models.decoder import stack_projections
     from scalenlp.parallel.parallelize import apply_compile
@@ -651,7 +670,7 @@ def test_compiled_blocks_read_the_transposed_frozen_base():
     freeze_all_but_adapters(plain)
     perturb(plain)
     compiled = copy.deepcopy(plain)
-    assert pack_frozen(compiled, 2 * 16, "transposed")[0] == Counter(transposed=2 * 7 + 1)
+    assert pack_frozen(compiled, 2 * 16, layout)[0] == Counter({layout: 2 * 7 + 1})
     stack_projections(compiled, True)
     apply_compile(compiled)
     losses = losses_backward([plain, compiled], torch.randint(0, args.vocab_size, (2, 17)))

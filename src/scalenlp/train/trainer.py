@@ -32,7 +32,7 @@ from scalenlp.loader import read
 from scalenlp.models.adapter_io import ADAPTER_FOLDER, write_adapter
 from scalenlp.models.adapters import adaptable, adapter_weights, frozen_shapes, merge_adapters, pack_frozen
 from scalenlp.models.flavors import shape_spec
-from scalenlp.models.frozen import LAYOUTS
+from scalenlp.models.frozen import COMPILABLE, LAYOUTS
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.pretrained import Pretrained
 from scalenlp.parallel.data_parallel import skip_gradient_sync
@@ -207,16 +207,13 @@ class Trainer:
         rows = self.micro_batch * t.seq_len
         parts = [getattr(part, "module", part) for part in self.model_parts]  # DDP's wrapper
         wanted = self.cfg.lora.pack_frozen
-        # Inductor fails on oneDNN's and MKL's opaque packed weights (an InductorError, torch 2.13); the transposed
-        # copy is a plain tensor it takes as an input.
-        layouts = tuple(name for name in LAYOUTS if name == "transposed" or not t.compile)
+        layouts = COMPILABLE if t.compile else LAYOUTS
         held, reasons, why_auto = Counter(), [], ""
         if t.mixed_precision != "fp32":
             reasons.append(f"training.mixed_precision={t.mixed_precision} computes the products in "
                            f"{t.mixed_precision} (autocast)")
         elif wanted not in ("auto", *layouts):
-            reasons.append("training.compile lowers the products itself, and cannot take oneDNN's or MKL's packed "
-                           "weights")
+            reasons.append("training.compile lowers the products itself, and cannot take oneDNN's packed weights")
         else:
             layout = wanted
             if wanted == "auto":
