@@ -113,6 +113,15 @@ def test_the_environment_decides_without_timing(cache, monkeypatch, forced):
     assert choice.reason == f"SCALENLP_PACK_FROZEN={forced}"
 
 
+def test_the_environment_cannot_force_a_layout_the_run_cannot_take(cache, monkeypatch):
+    # training.compile's layouts: oneDNN's packed weights would fail in Inductor; the base stays plain, with why.
+    monkeypatch.setenv("SCALENLP_PACK_FROZEN", "onednn")
+    never = timing([], [])
+    choice = choose_packing(SHAPES, 128, COMPILABLE, measure=never)
+    assert choice.layouts == {} and not never.calls
+    assert choice.reason == "SCALENLP_PACK_FROZEN=onednn is not among this run's layouts: transposed, mkl"
+
+
 def test_the_real_timing_runs_each_shape_plain_and_in_each_layout():
     torch.set_num_threads(1)
     timed = time_products([(32, 48), (48, 32)], 16, [3, 1])

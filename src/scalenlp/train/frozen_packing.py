@@ -55,8 +55,10 @@ def choose_packing(shapes: Counter[tuple[int, int]], rows: int, layouts: tuple[s
     is at least ``MARGIN`` as fast as plain and the copies fit in ``budget`` bytes (None: no bound); ``measure``
     times them (default ``time_products``), only when the cache has no figure for them."""
     forced = os.environ.get("SCALENLP_PACK_FROZEN", "")
-    if forced in ("off", *LAYOUTS):
+    if forced in ("off", *layouts):
         return PackingChoice({} if forced == "off" else dict.fromkeys(shapes, forced), f"SCALENLP_PACK_FROZEN={forced}")
+    if forced in LAYOUTS:  # one this run cannot take (training.compile and oneDNN's)
+        return PackingChoice({}, f"SCALENLP_PACK_FROZEN={forced} is not among this run's layouts: {', '.join(layouts)}")
     order = sorted(shapes)
     rows = min(rows, MAX_ROWS)
     key = f"{rows}rows-" + "-".join(f"{i}x{o}x{shapes[i, o]}" for i, o in order)
