@@ -73,9 +73,10 @@ def _settle() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _our_model(kind: str, rows: int, layouts: tuple[str, ...] = LAYOUTS):
+def _our_model(kind: str, rows: int, layouts: tuple[str, ...] = LAYOUTS, dtype: torch.dtype = torch.float32):
     """Our model of ``kind`` for batches of ``rows`` tokens; the frozen LoRA base of "lora-<layout>" held in that
-    layout (lora.pack_frozen=<layout>), of "lora" in auto's layouts among ``layouts``."""
+    layout (lora.pack_frozen=<layout>), of "lora" in auto's layouts among ``layouts``, for products in ``dtype``
+    (bf16: the layouts hold W cast to it, as training.mixed_precision=bf16 does)."""
     from scalenlp.loader import read
     from scalenlp.models.adapters import (
         LoRALinear,
@@ -101,9 +102,9 @@ def _our_model(kind: str, rows: int, layouts: tuple[str, ...] = LAYOUTS):
         add_adapters(model, LoraSpec(RANK, ALPHA), match_targets(model, "all-linear"))
         freeze_all_but_adapters(model)
         if kind in ("lora", "lora-op-by-op", "lora-unstacked"):
-            pack_frozen(model, rows, auto_pick(model, rows, layouts).layouts)
+            pack_frozen(model, rows, auto_pick(model, rows, layouts, dtype).layouts, dtype)
         elif kind in ("lora-onednn", "lora-transposed", "lora-mkl"):
-            pack_frozen(model, rows, kind.removeprefix("lora-"))
+            pack_frozen(model, rows, kind.removeprefix("lora-"), dtype)
         stack_projections(model, kind != "lora-unstacked")  # as training does (training.stack_projections)
         if kind == "lora-op-by-op":
             for layer in model.modules():
@@ -164,13 +165,16 @@ def measure(kind: str, steps: int, batch: int, seq: int) -> dict:
             "tokens_per_s": batch * seq * len(timed) / sum(timed), "losses": losses}
 
 
-def auto_pick(model, rows: int, layouts: tuple[str, ...]):
+def auto_pick(model, rows: int, layouts: tuple[str, ...], dtype: torch.dtype = torch.float32):
     """The layout per shape lora.pack_frozen=auto (the default) holds the plain LoRA ``model``'s frozen base in
-    on this machine, among ``layouts``, and why (a frozen_packing.PackingChoice)."""
+    on this machine, among those of ``layouts`` that hold products in ``dtype``, and why (a
+    frozen_packing.PackingChoice)."""
     from scalenlp.models.adapters import frozen_shapes
+    from scalenlp.models.frozen import refusal
     from scalenlp.train.frozen_packing import choose_packing
 
-    return choose_packing(frozen_shapes(model), rows, layouts)
+    layouts = tuple(name for name in layouts if refusal(name, dtype, compile=False) is None)
+    return choose_packing(frozen_shapes(model), rows, layouts, dtype=dtype)
 
 
 def speed(steps: int, batch: int, seq: int, compile: bool = False, bf16: bool = False) -> tuple[dict, dict, dict]:
@@ -178,16 +182,18 @@ def speed(steps: int, batch: int, seq: int, compile: bool = False, bf16: bool = 
     and of peft's (and of ours compiled), the models' steps taken in turn in this one process: on a machine shared
     with other work the load then weighs on all alike (separate processes meet different loads), and the CPU time
     leaves out the time spent waiting for the cores. ``bf16``: every model's forward under bf16 autocast, as
-    training.mixed_precision=bf16 and transformers' bf16 training run it: our LoRA with its base as it is, as
-    the trainer leaves it under autocast (the layouts are float32's)."""
+    training.mixed_precision=bf16 and transformers' bf16 training run it: our LoRA with its base held as the
+    trainer holds it then (auto's layouts of W cast to bf16), and lora-plain, the base cast by autocast every
+    step as peft's is."""
     torch.manual_seed(0)
-    runs = ({"lora": _our_model("lora-plain", batch * seq)} if bf16 else
-            {kind: _our_model(kind, batch * seq) for kind in LORA_KINDS})
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    runs = {kind: _our_model(kind, batch * seq, LAYOUTS, dtype) for kind in (("lora", "lora-plain") if bf16
+                                                                               else LORA_KINDS)}
     runs["peft"] = _peft_model()
     if compile:  # the trainer's layouts under training.compile, which cannot take oneDNN's packed weights
         from scalenlp.parallel.parallelize import apply_compile
 
-        runs["compiled"] = _our_model("lora-plain" if bf16 else "lora", batch * seq, COMPILABLE)
+        runs["compiled"] = _our_model("lora", batch * seq, COMPILABLE, dtype)
         apply_compile(runs["compiled"][0])
     optimizers = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=True)
                   for k, (m, _) in runs.items()}
@@ -287,11 +293,11 @@ def main() -> int:
     if args.only == "products":
         products(args.batch * args.seq)
         return 0
-    rows = args.batch * args.seq
+    rows, dtype = args.batch * args.seq, torch.bfloat16 if args.bf16 else torch.float32
     plain = _our_model("lora-plain", rows)[0]
-    print(f"lora: lora.pack_frozen=auto's layouts here: {auto_pick(plain, rows, LAYOUTS).reason}")
+    print(f"lora: lora.pack_frozen=auto's layouts here: {auto_pick(plain, rows, LAYOUTS, dtype).reason}")
     if args.compile:
-        print(f"under training.compile: {auto_pick(plain, rows, COMPILABLE).reason}")
+        print(f"under training.compile: {auto_pick(plain, rows, COMPILABLE, dtype).reason}")
     del plain
     if args.only != "memory":
         fast, per_cpu, times = speed(args.steps, args.batch, args.seq, args.compile, args.bf16)

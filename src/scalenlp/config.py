@@ -195,17 +195,19 @@ class LoraConfig:
                                  "scales, computed in bf16 on a GPU (QLoRA; needs the qlora extra, torchao), in "
                                  "float32 on the CPU, where that ran faster; runs under every layout: ZeRO-2/3 "
                                  "shard the NF4 base, tensor parallelism quantizes each rank's shard of it")
-    pack_frozen: str = opt("auto", "auto | onednn | transposed | mkl | off: on the CPU in float32, hold each frozen "
+    pack_frozen: str = opt("auto", "auto | onednn | transposed | mkl | cast | off: on the CPU, hold each frozen "
                                    "base linear as two oneDNN-packed copies (W for the product, W^T for its input's "
-                                   "gradient) in place of its weight (onednn), with a row-major copy of W^T beside "
-                                   "it for the product (transposed), or with a copy of W packed by MKL for the "
-                                   "product's rows beside it (mkl): one more copy of the base's block "
-                                   "linears, for products that run faster on some CPUs and slower on others; auto "
-                                   "times them once per machine and takes the faster layout where it is at least "
-                                   "1.05x as fast as the plain base, while the copies fit in half the memory "
-                                   "available (train/frozen_packing.py); skipped, with the "
-                                   "reason logged, for an NF4 base, a sharded one (tensor parallelism, ZeRO-2/3) and "
-                                   "autocast (mixed_precision); training.compile takes transposed and mkl")
+                                   "gradient; in float32 in place of its weight) (onednn), with a row-major copy of "
+                                   "W^T beside it for the product (transposed), with a copy of W packed by MKL for "
+                                   "the product's rows beside it (mkl, float32 only), or, under "
+                                   "training.mixed_precision, with a copy of W cast to its dtype once rather than "
+                                   "by autocast every step (cast; the other layouts then hold W cast too): one more "
+                                   "copy of the base's block linears, for products that run faster on some CPUs "
+                                   "and slower on others; auto times them once per machine and dtype and takes the "
+                                   "faster layout where it is at least 1.05x as fast as the plain base, while the "
+                                   "copies fit in half the memory available (train/frozen_packing.py); skipped, "
+                                   "with the reason logged, for an NF4 base and a sharded one (tensor parallelism, "
+                                   "ZeRO-2/3); training.compile takes transposed, mkl and cast")
 
 
 @dataclass
@@ -467,7 +469,7 @@ def check_lora(cfg: Config) -> None:
     """[lora]'s own rules; those that need the model (ranks, targets) are checked where it is built."""
     lora = cfg.lora
     check_choice(lora.quantize_base, ("", "nf4"), "lora.quantize_base")
-    check_choice(lora.pack_frozen, ("auto", "onednn", "transposed", "mkl", "off"), "lora.pack_frozen")
+    check_choice(lora.pack_frozen, ("auto", "onednn", "transposed", "mkl", "cast", "off"), "lora.pack_frozen")
     if not (lora.rank or lora.init):
         changed = [f"lora.{f.name}" for f in dataclasses.fields(lora) if getattr(lora, f.name) != f.default]
         if changed:

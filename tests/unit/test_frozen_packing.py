@@ -12,11 +12,19 @@ from collections import Counter
 import pytest
 import torch
 
-from scalenlp.models.frozen import COMPILABLE
+from scalenlp.models.frozen import LAYOUTS, available_layouts, refusal
 from scalenlp.train import frozen_packing
-from scalenlp.train.frozen_packing import MARGIN, ROUNDS, choose_packing, time_products
+from scalenlp.train.frozen_packing import MARGIN, ROUNDS, choose_packing, copy_bytes, time_products
 
 SHAPES = Counter({(576, 576): 60, (576, 1536): 60, (576, 49152): 1})
+
+
+def run_layouts(dtype: torch.dtype, compile: bool) -> tuple[str, ...]:
+    """The layouts the trainer offers auto for products in ``dtype`` (under training.compile where ``compile``)."""
+    return tuple(name for name in LAYOUTS if refusal(name, dtype, compile) is None)
+
+
+COMPILED = run_layouts(torch.float32, compile=True)
 
 
 @pytest.fixture
@@ -30,7 +38,7 @@ def timing(plain: list[float], onednn: list[float], transposed: list[float] | No
            mkl: list[float] | None = None):
     """A measure that returns these seconds per shape (in sorted shape order) in every round (transposed and mkl as
     plain unless given), and counts calls."""
-    def measure(shapes, rows, counts):
+    def measure(shapes, rows, counts, dtype=torch.float32):
         measure.calls.append((shapes, rows, counts))
         return {"plain": [plain] * ROUNDS, "onednn": [onednn] * ROUNDS, "transposed": [transposed or plain] * ROUNDS,
                 "mkl": [mkl or plain] * ROUNDS}
@@ -55,7 +63,7 @@ def test_each_shape_takes_its_fastest_layout_where_it_pays(cache):
     again = choose_packing(SHAPES, 128, measure=timing([1.0] * 3, [0.1] * 3))
     assert again.layouts == choice.layouts and "measured now" not in again.reason
     # training.compile allows the transposed copy and MKL's packed W: from the same cached figures.
-    assert choose_packing(SHAPES, 128, COMPILABLE, measure=measure).layouts == {(576, 576): "transposed",
+    assert choose_packing(SHAPES, 128, COMPILED, measure=measure).layouts == {(576, 576): "transposed",
                                                                                (576, 49152): "mkl"}
     # Another row count or another model's shapes is another figure.
     slower = timing(plain=[1e-3, 2e-3, 100e-3], onednn=[1.1e-3, 2.2e-3, 110e-3])
@@ -117,15 +125,50 @@ def test_the_environment_cannot_force_a_layout_the_run_cannot_take(cache, monkey
     # training.compile's layouts: oneDNN's packed weights would fail in Inductor; the base stays plain, with why.
     monkeypatch.setenv("SCALENLP_PACK_FROZEN", "onednn")
     never = timing([], [])
-    choice = choose_packing(SHAPES, 128, COMPILABLE, measure=never)
+    choice = choose_packing(SHAPES, 128, COMPILED, measure=never)
     assert choice.layouts == {} and not never.calls
+    assert COMPILED == ("transposed", "mkl")
     assert choice.reason == "SCALENLP_PACK_FROZEN=onednn is not among this run's layouts: transposed, mkl"
 
 
-def test_the_real_timing_runs_each_shape_plain_and_in_each_layout():
+def test_under_autocast_the_copies_cast_once_are_timed_apart_and_cost_their_dtypes_bytes(cache):
+    # bf16: plain is the weight cast by autocast every step; the cast copy saves that on every shape, oneDNN's
+    # packing of it more on q/o and the head; MKL's layout is float32's.
+    bf16 = run_layouts(torch.bfloat16, compile=False)
+    assert bf16 == tuple(name for name in ("onednn", "transposed", "cast") if name in available_layouts(torch.bfloat16))
+    assert run_layouts(torch.bfloat16, compile=True) == ("transposed", "cast")
+
+    def measure(shapes, rows, counts):
+        measure.calls += 1
+        return {"plain": [[2e-3, 4e-3, 200e-3]] * ROUNDS, "cast": [[1e-3, 2e-3, 50e-3]] * ROUNDS,
+                "onednn": [[0.8e-3, 2.5e-3, 40e-3]] * ROUNDS, "transposed": [[1.1e-3, 2.2e-3, 60e-3]] * ROUNDS}
+    measure.calls = 0
+    layouts = ("onednn", "transposed", "cast")
+    choice = choose_packing(SHAPES, 128, layouts, measure=measure, dtype=torch.bfloat16)
+    assert choice.layouts == {(576, 576): "onednn", (576, 1536): "cast", (576, 49152): "onednn"}
+    [path] = cache.glob("pack-frozen-*.json")
+    assert "-128rows-bfloat16-576x576x60-" in path.name
+    # float32's figure is another: measured apart (and with no cast layout), not read from bf16's.
+    assert choose_packing(SHAPES, 128, measure=timing([1e-3] * 3, [2e-3] * 3)).layouts == {}
+    assert len(list(cache.glob("pack-frozen-*.json"))) == 2 and measure.calls == 1
+    # A bf16 copy costs 2 bytes a weight (oneDNN's and the transposed layout hold two), a float32 one 4 (oneDNN's
+    # two in place of the weight). q/o save 72 ms for 76 MiB, gate/up 120 ms for 101 MiB, the head 160 ms for
+    # 108 MiB: a budget of 120 MiB holds the head's copies alone.
+    assert copy_bytes((576, 1536), 60, "cast", torch.bfloat16) == 2 * 576 * 1536 * 60
+    assert copy_bytes((576, 576), 60, "onednn", torch.bfloat16) == 4 * 576 * 576 * 60
+    assert copy_bytes((576, 576), 60, "onednn", torch.float32) == copy_bytes((576, 576), 60, "mkl", torch.float32)
+    assert copy_bytes((576, 576), 60, "mkl", torch.float32) == 4 * 576 * 576 * 60
+    budgeted = choose_packing(SHAPES, 128, layouts, measure=measure, budget=120 * 2**20, dtype=torch.bfloat16)
+    assert budgeted.layouts == {(576, 49152): "onednn"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_real_timing_runs_each_shape_plain_and_in_each_layout(dtype):
     torch.set_num_threads(1)
-    timed = time_products([(32, 48), (48, 32)], 16, [3, 1])
-    assert set(timed) == {"plain", "onednn", "transposed", "mkl"}
+    timed = time_products([(32, 48), (48, 32)], 16, [3, 1], dtype)
+    assert set(timed) == {"plain", *available_layouts(dtype)}
+    assert ("mkl" in timed) == (dtype == torch.float32 and torch.backends.mkl.is_available())
+    assert ("cast" in timed) == (dtype == torch.bfloat16)
     assert all(len(rounds) == ROUNDS and all(len(r) == 2 and min(r) > 0 for r in rounds) for rounds in timed.values())
 
 
@@ -153,8 +196,8 @@ def test_the_trainer_takes_rank_0s_choice_for_every_ranks_shapes(cache, monkeypa
     measure = timing(plain=[1e-3, 2e-3, 100e-3], onednn=[1.1e-3, 1.98e-3, 90e-3], transposed=[0.9e-3, 2e-3, 120e-3])
     monkeypatch.setattr(frozen_packing, "time_products", measure)
     decide = trainer.Trainer._one_packing_choice
-    first = decide(types.SimpleNamespace(world=2, is_main=True), stage0, 128, ("onednn", "transposed"))
+    first = decide(types.SimpleNamespace(world=2, is_main=True), stage0, 128, ("onednn", "transposed"), torch.float32)
     assert [calls[0] for calls in measure.calls] == [sorted(SHAPES)]  # both stages' shapes, timed once
     assert first.layouts == {(576, 576): "transposed", (576, 49152): "onednn"}
-    other = decide(types.SimpleNamespace(world=2, is_main=False), stage1, 128, ("onednn", "transposed"))
+    other = decide(types.SimpleNamespace(world=2, is_main=False), stage1, 128, ("onednn", "transposed"), torch.float32)
     assert other is first and len(measure.calls) == 1

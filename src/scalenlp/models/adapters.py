@@ -30,7 +30,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalenlp.errors import ConfigError, UserError
-from scalenlp.models.frozen import FrozenLinear, available_layouts, frozen_dense, frozen_operands, frozen_product
+from scalenlp.models.frozen import (
+    FrozenLinear,
+    frozen_dense,
+    frozen_operands,
+    frozen_product,
+    products_dtype,
+    refusal,
+)
 
 ALL_LINEAR = "all-linear"
 # The linears an adapter may wrap are those of the transformer blocks (``layers.<i>.``): as PEFT's "all-linear",
@@ -248,30 +255,34 @@ class LoRALinear(nn.Linear):
 
     def dense_weight(self) -> torch.Tensor:
         """The base weight, dequantized, in float32 (a tensor-parallel NF4 shard overrides this: parallel/)."""
-        if self.packed is not None:
+        if "weight" not in self._parameters:  # oneDNN's float32 copies replaced it
             return frozen_dense(self.packed)
         return dense(self.weight).float()
+
+    def _held(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The held operands (``pack_base``) where ``x``'s products run in their dtype: a copy cast for autocast
+        leaves a product outside it to the weight itself."""
+        return self.packed if self.packed is not None and self.packed[1].dtype == products_dtype(x) else None
 
     def base(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         """The frozen base's product (a tensor-parallel NF4 shard overrides this: parallel/nf4_shards.py)."""
         bias = self.bias if with_bias else None
-        if self.packed is not None:
+        if self.packed is not None and (self._held(x) is not None or "weight" not in self._parameters):
             return FrozenLinear.apply(x, *self.packed, bias)
         return base_product(x, self.weight, bias)
 
     def _lora_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The frozen base's operands (``frozen_operands``) where the layer runs in a ``_LoRAProducts`` node: plain
-        LoRA (no DoRA, no dropout in training) on a plain tensor base of ``x``'s dtype, or any under autocast (cast
-        to its dtype), or an NF4 base dequantized to float32 (``dequantizes_to_float32``); None for the general
-        path (a sharded base, whose products other code computes; an NF4 base in bf16; a float32 layout under
-        autocast, left as the op-by-op layer computed it: the base in float32, the adapter in autocast's dtype).
-        torch.compile traces the node: SmolLM2's compiled step ran as fast through it as through the op-by-op layer
-        (0.99x)."""
+        LoRA (no DoRA, no dropout in training) held in a layout of the products' dtype, or on a plain tensor base of
+        ``x``'s dtype, or any under autocast (cast to its dtype), or an NF4 base dequantized to float32
+        (``dequantizes_to_float32``); None for the general path (a sharded base, whose products other code computes;
+        an NF4 base in bf16; oneDNN's float32 copies, the weight dropped, under autocast). torch.compile traces the
+        node: SmolLM2's compiled step ran as fast through it as through the op-by-op layer (0.99x)."""
         if self.lora_magnitude is not None or (self.lora_dropout and self.training) or type(x) is not torch.Tensor:
             return None
+        if (held := self._held(x)) is not None or "weight" not in self._parameters:
+            return held
         autocast = torch.is_autocast_enabled(x.device.type)
-        if self.packed is not None:
-            return None if autocast else self.packed
         weight = self.weight
         if dequantized_to_float32(x, weight):
             return float32_nf4(weight).t(), weight  # QLoRA on the CPU: backward dequantizes the NF4 weight again
@@ -283,11 +294,12 @@ class LoRALinear(nn.Linear):
             return None
         return weight.t(), weight
 
-    def pack_base(self, rows: int | None, layout: str) -> None:
+    def pack_base(self, rows: int | None, layout: str, dtype: torch.dtype | None = None) -> None:
         """Hold the frozen weight's products in ``layout`` (models/frozen.py), for products of about ``rows``
-        rows; oneDNN's packed copies replace ``weight``, which is dropped: they are all a training step needs."""
-        self.packed = frozen_operands(self.weight, layout, rows)
-        if layout == "onednn":
+        rows in ``dtype`` (autocast's; default the weight's); oneDNN's packed copies of the weight in its own dtype
+        replace it, and it is dropped: they are all a training step needs, and give it back exactly."""
+        self.packed = frozen_operands(self.weight, layout, rows, dtype)
+        if layout == "onednn" and self.packed[1].dtype == self.weight.dtype:
             del self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -388,24 +400,25 @@ def frozen_shapes(model: nn.Module) -> Counter[tuple[int, int]]:
     return Counter((m.in_features, m.out_features) for m in [*layers, *heads])
 
 
-def pack_frozen(model: nn.Module, rows: int | None,
-                layout: str | dict[tuple[int, int], str]) -> tuple[Counter[str], list[str]]:
+def pack_frozen(model: nn.Module, rows: int | None, layout: str | dict[tuple[int, int], str],
+                dtype: torch.dtype = torch.float32) -> tuple[Counter[str], list[str]]:
     """Hold every adapted layer's frozen base in ``layout`` (models/frozen.py; or per (in, out) shape, a shape not
-    named staying plain) where it can be (``LoRALinear.pack_base``), and, if any can, a decoder's frozen output
-    projection for its chunked loss, beside its weight (a tied embedding reads that weight); returns how many
-    linears each layout holds and why the others were not (each reason once)."""
+    named staying plain) for products in ``dtype`` (autocast's, or float32) where it can be
+    (``LoRALinear.pack_base``), and, if any can, a decoder's frozen output projection for its chunked loss, beside
+    its weight (a tied embedding reads that weight); returns how many linears each layout holds and why the others
+    were not (each reason once)."""
     layers, heads, reasons = packable(model)
     held: Counter[str] = Counter()
     for linear in [*layers, *heads]:
         name = layout if isinstance(layout, str) else layout.get((linear.in_features, linear.out_features))
-        if name is not None and name not in available_layouts():
-            if (reason := "this PyTorch has no oneDNN") not in reasons:  # the one layout a build may lack
+        if name is not None and (reason := refusal(name, dtype, compile=False)) is not None:
+            if reason not in reasons:
                 reasons.append(reason)
         elif name is not None:
             if linear in heads:
-                model.output_packed = frozen_operands(linear.weight, name, rows)
+                model.output_packed = frozen_operands(linear.weight, name, rows, dtype)
             else:
-                linear.pack_base(rows, name)
+                linear.pack_base(rows, name, dtype)
             held[name] += 1
     return held, reasons
 

@@ -15,6 +15,15 @@ faster than the other. ``frozen_operands`` returns the right-hand operand of eac
   input gradients, read ``W`` itself). On the same Xeon the output projection's two products ran 1.14x as fast
   so (the transposed copy's: 0.81x), gate/up's 1.13x (1.05x), a step's frozen products 1.09x (1.01x).
 
+Under mixed precision (autocast) the products run in a lower dtype, on the weight cast anew each step (the forward
+casts it; the backward reuses that cast): 106M of SmolLM2's parameters read in float32 and written in bf16 every
+step. Every layout then holds ``W`` cast once to that dtype (``frozen_operands``' ``dtype``: the same values autocast
+would cast it to), ``W`` itself staying beside it for what needs it exactly (merging, products outside autocast):
+
+- "cast": ``W`` cast, nothing more. On the AMX Xeon above (bf16, 128 rows, one thread) a step's frozen products
+  took 137 ms so against 302 ms cast per step, the output projection's 28 against 121 ms;
+- "onednn" and "transposed" as above, of the cast ``W`` ("mkl" is float32's only): oneDNN's 104 ms.
+
 Each costs a second copy of the weight; train/frozen_packing.py measures which, if any, pays on the machine.
 """
 
@@ -26,16 +35,41 @@ import torch
 
 from scalenlp.models.onednn import pack, packed_linear
 
-LAYOUTS = ("onednn", "transposed", "mkl")
+LAYOUTS = ("onednn", "transposed", "mkl", "cast")
 # torch.compile's: Inductor fails on oneDNN's opaque packed weights (an InductorError, torch 2.13); the transposed
-# copy is a plain tensor it takes as an input, MKL's packed W an input of an operator of ours (``mkl_linear``).
-COMPILABLE = ("transposed", "mkl")
+# and cast copies are plain tensors it takes as inputs, MKL's packed W an input of an operator of ours (``mkl_linear``).
+COMPILABLE = ("transposed", "mkl", "cast")
 
 
-def available_layouts() -> tuple[str, ...]:
-    """The layouts this PyTorch can hold: oneDNN's needs a build with oneDNN, MKL's one with MKL (x86)."""
-    have = {"onednn": torch.backends.mkldnn.is_available(), "mkl": torch.backends.mkl.is_available()}
+def available_layouts(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
+    """The layouts this PyTorch can hold for products in ``dtype``: oneDNN's needs a build with oneDNN (and its
+    kernels for bf16 or fp16), MKL's one with MKL (x86) and float32; "cast" is a lower dtype's only."""
+    onednn = torch.backends.mkldnn.is_available() and {
+        torch.float32: True, torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+        torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported()}.get(dtype, False)
+    full = dtype == torch.float32
+    have = {"onednn": onednn, "mkl": full and torch.backends.mkl.is_available(), "cast": not full}
     return tuple(name for name in LAYOUTS if have.get(name, True))
+
+
+def refusal(layout: str, dtype: torch.dtype, compile: bool) -> str | None:
+    """Why a run whose frozen products are in ``dtype`` (under torch.compile where ``compile``) cannot hold its base
+    in ``layout``; None where it can."""
+    if layout == "cast" and dtype == torch.float32:
+        return "cast holds the base in training.mixed_precision's dtype, and this run computes in float32"
+    if layout == "mkl" and dtype != torch.float32:
+        return f"MKL packs float32 weights, and this run computes the products in {dtype} (autocast)"
+    if compile and layout not in COMPILABLE:
+        return "training.compile lowers the products itself, and cannot take oneDNN's packed weights"
+    if layout not in available_layouts(dtype):
+        return f"this PyTorch has no oneDNN kernels for {dtype}"
+    return None
+
+
+def products_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``x``'s products with a weight run in: autocast's where it is on, else ``x``'s own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 @torch.library.custom_op("scalenlp::mkl_linear", mutates_args=())
@@ -74,15 +108,19 @@ class MklPacked:
 Operands = tuple[torch.Tensor | MklPacked, torch.Tensor]
 
 
-def frozen_operands(weight: torch.Tensor, layout: str, rows: int | None) -> Operands:
+def frozen_operands(weight: torch.Tensor, layout: str, rows: int | None, dtype: torch.dtype | None = None) -> Operands:
     """The operands of a frozen ``weight`` W's forward product and input gradient in ``layout`` (see above), for
-    products of about ``rows`` rows."""
-    weight = weight.detach()
+    products of about ``rows`` rows in ``dtype`` (default W's: W is cast to it first)."""
+    weight = weight.detach().to(dtype or weight.dtype)
+    if layout == "cast":
+        return weight.t(), weight
     if layout == "onednn":
         return pack(weight, rows), pack(weight.t().contiguous(), rows)
     if layout == "transposed":
         return weight.t().contiguous(), weight
     if layout == "mkl":
+        if weight.dtype != torch.float32:
+            raise ValueError(f"the mkl layout packs float32 weights, not {weight.dtype}")
         if rows is None:
             raise ValueError("the mkl layout packs W for a number of rows; give the products' rows")
         return MklPacked(torch.ops.mkl._mkl_reorder_linear_weight(weight, rows), weight, rows), weight
@@ -93,7 +131,9 @@ def frozen_product(x: torch.Tensor, operand: torch.Tensor | MklPacked, bias: tor
                    into: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` times one operand of ``frozen_operands`` (``x W^T`` for the first, ``x W`` for the second), plus
     ``bias``; x of any leading shape. With ``into`` (x's rows by the product's columns, 2-D) instead of a bias, the
-    product is added to it in place and it is returned: by the BLAS itself (``addmm_``) on a plain operand."""
+    product is added to it in place and it is returned: by the BLAS itself (``addmm_``) on a plain operand. x and
+    the bias are cast to the operand's dtype, as autocast casts them for a product."""
+    x, bias = x.to(operand.dtype), None if bias is None else bias.to(operand.dtype)
     if isinstance(operand, MklPacked):
         out = operand.product(x, bias)
     elif operand.is_mkldnn:
@@ -106,7 +146,7 @@ def frozen_product(x: torch.Tensor, operand: torch.Tensor | MklPacked, bias: tor
 
 
 def frozen_dense(operands: Operands) -> torch.Tensor:
-    """The weight W back from its operands, exactly."""
+    """The weight W back from its operands, exactly where they hold it in its own dtype."""
     first, second = operands
     return first.to_dense() if isinstance(first, torch.Tensor) and first.is_mkldnn else second
 

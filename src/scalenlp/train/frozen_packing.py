@@ -14,10 +14,15 @@ available, split among its processes): past it, the shapes that save the least t
 are cached per processor, torch version, thread count, shapes and rows, as the served dtype's are, so later runs on
 the machine decide without timing. ``SCALENLP_PACK_FROZEN=off|onednn|transposed|mkl`` decides ``auto`` without
 timing, one layout for every shape (the test suite sets it, as it sets SCALENLP_COMPILE).
+
+Under mixed precision the products run in autocast's dtype, and "plain" is what autocast does: the weight cast anew
+each step. The layouts then hold a copy cast once ("cast", and oneDNN's and the transposed copy of it), which
+saves that cast and costs less memory than a float32 copy; they are timed and chosen the same way, apart.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 from collections import Counter
@@ -28,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from scalenlp.hardware import available_memory, cached_record, engine_cache_path, time_rounds
-from scalenlp.models.frozen import LAYOUTS, available_layouts, frozen_operands, frozen_product
+from scalenlp.models.frozen import LAYOUTS, available_layouts, frozen_operands, frozen_product, refusal
 
 MARGIN = 1.05  # a layout costs a second copy of the base: worth a real gain, not a tie
 ROUNDS = 5
@@ -47,13 +52,16 @@ class PackingChoice:
     reason: str  # for the log line
 
 
-def choose_packing(shapes: Counter[tuple[int, int]], rows: int, layouts: tuple[str, ...] = LAYOUTS,
+def choose_packing(shapes: Counter[tuple[int, int]], rows: int, layouts: tuple[str, ...] | None = None,
                    measure: Callable[[list[tuple[int, int]], int, list[int]], Timings] | None = None,
-                   budget: int | None = None) -> PackingChoice:
+                   budget: int | None = None, dtype: torch.dtype = torch.float32) -> PackingChoice:
     """Which of ``layouts``, if any, pays for holding each shape's frozen linears in it, for ``shapes`` ((in, out)
-    -> how many) and products of ``rows`` rows on this machine (see the module docstring): the fastest, where it
-    is at least ``MARGIN`` as fast as plain and the copies fit in ``budget`` bytes (None: no bound); ``measure``
-    times them (default ``time_products``), only when the cache has no figure for them."""
+    -> how many) and products of ``rows`` rows in ``dtype`` on this machine (see the module docstring): the
+    fastest, where it is at least ``MARGIN`` as fast as plain and the copies fit in ``budget`` bytes (None: no
+    bound; ``layouts`` default: all that hold products in ``dtype``); ``measure`` times them (default
+    ``time_products``), only when the cache has no figure for them."""
+    if layouts is None:
+        layouts = tuple(name for name in LAYOUTS if refusal(name, dtype, compile=False) is None)
     forced = os.environ.get("SCALENLP_PACK_FROZEN", "")
     if forced in ("off", *layouts):
         return PackingChoice({} if forced == "off" else dict.fromkeys(shapes, forced), f"SCALENLP_PACK_FROZEN={forced}")
@@ -61,11 +69,13 @@ def choose_packing(shapes: Counter[tuple[int, int]], rows: int, layouts: tuple[s
         return PackingChoice({}, f"SCALENLP_PACK_FROZEN={forced} is not among this run's layouts: {', '.join(layouts)}")
     order = sorted(shapes)
     rows = min(rows, MAX_ROWS)
-    key = f"{rows}rows-" + "-".join(f"{i}x{o}x{shapes[i, o]}" for i, o in order)
+    in_dtype = "" if dtype == torch.float32 else f"{str(dtype).removeprefix('torch.')}-"
+    key = f"{rows}rows-{in_dtype}" + "-".join(f"{i}x{o}x{shapes[i, o]}" for i, o in order)
     path = engine_cache_path("pack-frozen", torch.device("cpu"), key)
     counts = [shapes[s] for s in order]
-    record, measured = cached_record(path, lambda: _record((measure or time_products)(order, rows, counts), counts),
-                                     _valid)
+    measure = measure or functools.partial(time_products, dtype=dtype)
+    record, measured = cached_record(path, lambda: _record(measure(order, rows, counts), counts),
+                                     functools.partial(_valid, dtype=dtype))
     ms = record["ms"]
     timed = [name for name in layouts if name in ms]
     best = {shape: min(timed, key=lambda name: ms[name][i], default="plain") for i, shape in enumerate(order)}
@@ -73,7 +83,7 @@ def choose_packing(shapes: Counter[tuple[int, int]], rows: int, layouts: tuple[s
     chosen = {shape: best[shape] for shape in order if gain[shape] >= MARGIN}
     over = set()
     if budget is not None:  # the copies that save the most time per byte first, while they fit
-        copy = {shape: 4 * shape[0] * shape[1] * shapes[shape] for shape in chosen}
+        copy = {shape: copy_bytes(shape, shapes[shape], chosen[shape], dtype) for shape in chosen}
         saved = {shape: ms["plain"][i] - ms[best[shape]][i] for i, shape in enumerate(order)}
         held_bytes = 0
         for shape in sorted(chosen, key=lambda s: saved[s] / copy[s], reverse=True):
@@ -102,6 +112,13 @@ def choose_packing(shapes: Counter[tuple[int, int]], rows: int, layouts: tuple[s
                              f"a second copy of the base ({figures})")
 
 
+def copy_bytes(shape: tuple[int, int], count: int, layout: str, dtype: torch.dtype) -> int:
+    """The memory ``count`` linears of ``shape`` hold in ``layout`` beside (or, oneDNN's float32, in place of) their
+    float32 weights: one more weight's worth in float32; in a lower dtype, one copy cast ("cast") or two."""
+    copies = 1 if dtype == torch.float32 or layout == "cast" else 2
+    return copies * dtype.itemsize * shape[0] * shape[1] * count
+
+
 def memory_budget(processes: int) -> int | None:
     """Bytes of layout copies each of this machine's ``processes`` may hold: ``MEMORY_SHARE`` of the memory
     available now, split among them (None where the system does not say)."""
@@ -116,34 +133,36 @@ def _record(timings: Timings, counts: list[int]) -> dict:
                    for name, rounds in timings.items()}}
 
 
-def _valid(record: dict) -> dict:
-    """``record`` when it is one ``_record`` wrote, timing every layout this PyTorch has (one written before a
-    layout was added is measured again); ValueError otherwise."""
+def _valid(record: dict, dtype: torch.dtype) -> dict:
+    """``record`` when it is one ``_record`` wrote, timing every layout this PyTorch has for ``dtype`` (one written
+    before a layout was added is measured again); ValueError otherwise."""
     ms = record["ms"]
     if "plain" not in ms or not all(name in ("plain", *LAYOUTS) and len(t) == len(ms["plain"])
                                     and all(float(v) > 0 for v in t) for name, t in ms.items()):
         raise ValueError(f"not a packing measurement: {record}")
-    if missing := [name for name in available_layouts() if name not in ms]:
+    if missing := [name for name in available_layouts(dtype) if name not in ms]:
         raise ValueError(f"a packing measurement without {', '.join(missing)}")
     return record
 
 
-def time_products(shapes: list[tuple[int, int]], rows: int, counts: list[int]) -> Timings:
+def time_products(shapes: list[tuple[int, int]], rows: int, counts: list[int],
+                  dtype: torch.dtype = torch.float32) -> Timings:
     """Interleaved rounds of each shape's forward product and input gradient (dy W, as autograd computes it for a
-    frozen weight), plain and in each layout this PyTorch has, with this process's threads; a shape's pass runs
+    frozen weight) in ``dtype``, plain (below float32, on the weight cast first, as autocast casts it each step) and
+    in each layout this PyTorch has for ``dtype``, with this process's threads; a shape's pass runs
     them over copies of its weight, as many as the step has linears of the shape (``counts``) up to ``SPAN_BYTES``
     of them (a step reads every weight once each way, from memory, not from a cache that one weight timed over and
     over would sit in), and is counted per copy. One shape's copies at a time, so the timing holds little more than
     that."""
-    layouts = available_layouts()
+    layouts = available_layouts(dtype)
     timings: Timings = {name: [[] for _ in range(ROUNDS)] for name in ("plain", *layouts)}
     with torch.no_grad():
         for (k, n), count in zip(shapes, counts):
-            x, dy = torch.randn(rows, k), torch.randn(rows, n)
+            x, dy = torch.randn(rows, k, dtype=dtype), torch.randn(rows, n, dtype=dtype)
             weights = [torch.randn(n, k) for _ in range(max(1, min(count, SPAN_BYTES // (4 * n * k))))]
-            passes = {"plain": [lambda: [(F.linear(x, w), dy.mm(w)) for w in weights]]}
+            passes = {"plain": [lambda: [(F.linear(x, c), dy.mm(c)) for c in (w.to(dtype) for w in weights)]]}
             for name in layouts:
-                held = [frozen_operands(w, name, rows) for w in weights]
+                held = [frozen_operands(w, name, rows, dtype) for w in weights]
                 passes[name] = [lambda held=held: [(frozen_product(x, f), frozen_product(dy, b)) for f, b in held]]
             for name, rounds in time_rounds(passes, ROUNDS).items():
                 for r, (seconds,) in enumerate(rounds):

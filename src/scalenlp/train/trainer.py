@@ -32,7 +32,7 @@ from scalenlp.loader import read
 from scalenlp.models.adapter_io import ADAPTER_FOLDER, write_adapter
 from scalenlp.models.adapters import adaptable, adapter_weights, frozen_shapes, merge_adapters, pack_frozen
 from scalenlp.models.flavors import shape_spec
-from scalenlp.models.frozen import COMPILABLE, LAYOUTS
+from scalenlp.models.frozen import LAYOUTS, refusal
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.pretrained import Pretrained
 from scalenlp.parallel.data_parallel import skip_gradient_sync
@@ -207,31 +207,30 @@ class Trainer:
         rows = self.micro_batch * t.seq_len
         parts = [getattr(part, "module", part) for part in self.model_parts]  # DDP's wrapper
         wanted = self.cfg.lora.pack_frozen
-        layouts = COMPILABLE if t.compile else LAYOUTS
+        dtype = AUTOCAST.get(t.mixed_precision, torch.float32)  # the products'
+        layouts = tuple(name for name in LAYOUTS if refusal(name, dtype, t.compile) is None)
         held, reasons, why_auto = Counter(), [], ""
-        if t.mixed_precision != "fp32":
-            reasons.append(f"training.mixed_precision={t.mixed_precision} computes the products in "
-                           f"{t.mixed_precision} (autocast)")
-        elif wanted not in ("auto", *layouts):
-            reasons.append("training.compile lowers the products itself, and cannot take oneDNN's packed weights")
+        if wanted not in ("auto", *layouts):
+            reasons.append(refusal(wanted, dtype, t.compile))
         else:
             layout = wanted
             if wanted == "auto":
                 choice = self._one_packing_choice(sum((frozen_shapes(part) for part in parts), Counter()), rows,
-                                                  layouts)
+                                                  layouts, dtype)
                 layout, why_auto = (choice.layouts, f" (auto: {choice.reason})") if choice else ({}, "")
             for part in parts:
-                n, why = pack_frozen(part, rows, layout)
+                n, why = pack_frozen(part, rows, layout, dtype)
                 held += n
                 reasons += [r for r in why if r not in reasons]
         how = {"onednn": "as oneDNN-packed W and W^T", "transposed": "beside a row-major copy of W^T",
-               "mkl": "beside an MKL-packed copy of W"}
-        said = ", ".join(f"{n} frozen linears held {how[name]}" for name, n in held.items())
+               "mkl": "beside an MKL-packed copy of W", "cast": "beside a copy of W"}
+        cast = "" if dtype == torch.float32 else f" cast to {t.mixed_precision}"
+        said = ", ".join(f"{n} frozen linears held {how[name]}{cast}" for name, n in held.items())
         self.log(f"lora.pack_frozen: {said or 'the frozen base kept as it is'}"
                  + (f"; not packed: {'; '.join(reasons)}" if reasons else "") + why_auto)
 
-    def _one_packing_choice(self, shapes: Counter[tuple[int, int]], rows: int,
-                            layouts: tuple[str, ...]) -> PackingChoice | None:
+    def _one_packing_choice(self, shapes: Counter[tuple[int, int]], rows: int, layouts: tuple[str, ...],
+                            dtype: torch.dtype) -> PackingChoice | None:
         """lora.pack_frozen=auto's layouts for the frozen ``shapes`` of every rank (a pipeline stage holds its own):
         rank 0 decides and tells the others. Ranks timing apart could decide apart, their products then rounding
         apart, and a resumed run could read another rank's decision from the cache than the one it ran with."""
@@ -245,7 +244,7 @@ class Trainer:
         if shapes and self.is_main:
             # The copies are each process's own: rank 0's machine shares its memory among the processes it runs.
             budget = memory_budget(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            choice = [choose_packing(shapes, rows, layouts, budget=budget)]
+            choice = [choose_packing(shapes, rows, layouts, budget=budget, dtype=dtype)]
         if self.world > 1 and shapes:
             dist.broadcast_object_list(choice, src=0)
         return choice[0]
