@@ -1,7 +1,7 @@
 """LoRA and QLoRA fine-tuning of SmolLM2-135M against a full fine-tune, and against peft + transformers.
 
     OMP_NUM_THREADS=1 python benchmarks/adapters.py [--steps 3] [--batch 1] [--seq 128]
-                                                    [--only memory|speed|layouts|products] [--compile]
+                                                    [--only memory|speed|layouts|products] [--compile] [--bf16]
 
 Each measurement runs in a process of its own (so one's memory never counts in another's), on the same random
 token batches, with fused AdamW over what trains:
@@ -20,6 +20,9 @@ token batches, with fused AdamW over what trains:
 - qlora: lora with the frozen block linears in NF4 (compress/nf4.py), which is not packed;
 - peft: transformers' LlamaForCausalLM of the same weights with peft's LoraConfig(r=16, lora_alpha=32,
   target_modules="all-linear").
+
+``--bf16``: every model's forward under bf16 autocast (training.mixed_precision=bf16; transformers' bf16=True), the
+layouts then holding W cast to bf16 (lora-mkl stays plain: MKL packs float32 only).
 
 Figures: parameters that train; resident memory once the model is built (at rest) and its peak over the training
 steps (Linux's VmHWM, reset after loading, so the transient of reading the GGUF file is not counted); tokens/s over
@@ -134,13 +137,14 @@ def _params(model) -> int:
     from scalenlp.models.adapters import LoRALinear
 
     replaced = sum(m.in_features * m.out_features for m in model.modules()
-                   if isinstance(m, LoRALinear) and m.packed is not None and m.packed[1].is_mkldnn)
+                   if isinstance(m, LoRALinear) and "weight" not in m._parameters)
     return sum(p.numel() for p in model.parameters()) + replaced
 
 
-def measure(kind: str, steps: int, batch: int, seq: int) -> dict:
+def measure(kind: str, steps: int, batch: int, seq: int, bf16: bool = False) -> dict:
     torch.manual_seed(0)
-    model, loss_of = _peft_model() if kind == "peft" else _our_model(kind, batch * seq)
+    dtype = torch.bfloat16 if bf16 else torch.float32  # as speed() runs it
+    model, loss_of = _peft_model() if kind == "peft" else _our_model(kind, batch * seq, LAYOUTS, dtype)
     params = list(model.parameters())
     trained = [p for p in params if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=True)
@@ -153,7 +157,8 @@ def measure(kind: str, steps: int, batch: int, seq: int) -> dict:
     times, losses = [], []
     for tokens in batches:
         start = time.perf_counter()
-        loss = loss_of(tokens)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_of(tokens)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -281,11 +286,11 @@ def main() -> int:
                         help="one part (layouts runs only when asked: QLoRA under DDP and ZeRO-3, 2 processes each; "
                              "products too: lora.pack_frozen's products alone, each layout against plain)")
     parser.add_argument("--compile", action="store_true", help="speed: also our LoRA with training.compile")
-    parser.add_argument("--bf16", action="store_true", help="speed: every model under bf16 autocast")
+    parser.add_argument("--bf16", action="store_true", help="every model under bf16 autocast")
     parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)  # a child process's measurement
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one, args.steps, args.batch, args.seq)))
+        print(json.dumps(measure(args.one, args.steps, args.batch, args.seq, args.bf16)))
         return 0
     if args.only == "layouts":
         layouts(args.steps)
@@ -323,11 +328,12 @@ def main() -> int:
     results = {}
     for kind in KINDS:
         out = subprocess.run([sys.executable, __file__, "--one", kind, "--steps", str(args.steps), "--batch",
-                              str(args.batch), "--seq", str(args.seq)], capture_output=True, text=True, check=True)
+                              str(args.batch), "--seq", str(args.seq), *(["--bf16"] if args.bf16 else [])],
+                             capture_output=True, text=True, check=True)
         results[kind] = json.loads(out.stdout.strip().splitlines()[-1])
     mib = 2 ** 20
     print(f"SmolLM2-135M, batch {args.batch} x {args.seq} tokens, {args.steps} steps, "
-          f"{torch.get_num_threads()} thread(s)")
+          f"{torch.get_num_threads()} thread(s){', under bf16 autocast' if args.bf16 else ''}")
     print(f"{'run':>11} | {'trained params':>16} | {'RSS at rest':>11} | {'peak RSS (steps)':>16} | {'tokens/s':>8}")
     for kind, r in results.items():
         print(f"{kind:>11} | {r['trained']:>9,} ({r['trained'] / r['params']:.2%}) | {r['rss_at_rest'] / mib:>7,.0f} MiB "

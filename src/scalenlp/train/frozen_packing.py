@@ -11,8 +11,8 @@ interleaved rounds: each frozen shape's forward and input-gradient product, over
 they come from memory as in a step. Each shape takes its fastest layout where that is at least ``MARGIN`` as fast as
 plain, as long as the copies fit in a budget of memory (``memory_budget``: a share of what the machine has
 available, split among its processes): past it, the shapes that save the least time per byte stay plain. The figures
-are cached per processor, torch version, thread count, shapes and rows, as the served dtype's are, so later runs on
-the machine decide without timing. ``SCALENLP_PACK_FROZEN=off|onednn|transposed|mkl`` decides ``auto`` without
+are cached per processor, torch version, thread count, dtype, shapes and rows, as the served dtype's are, so later runs on
+the machine decide without timing. ``SCALENLP_PACK_FROZEN=off|onednn|transposed|mkl|cast`` decides ``auto`` without
 timing, one layout for every shape (the test suite sets it, as it sets SCALENLP_COMPILE).
 
 Under mixed precision the products run in autocast's dtype, and "plain" is what autocast does: the weight cast anew
