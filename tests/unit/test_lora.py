@@ -612,18 +612,26 @@ def test_dropout_and_dora_take_the_general_path_autocast_the_node_in_its_dtype()
     assert out.grad_fn.name() == "AddBackward0"
 
 
+def adapted_model(dora: bool = False) -> Transformer:
+    """A 2-layer model whose every block linear has a rank-4 adapter (random A and B), only those training, of
+    widths that are no multiple of oneDNN's blocks (48 in, 136 hidden)."""
+    args = ModelArgs(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=136, max_seq_len=32)
+    torch.manual_seed(0)
+    model = Transformer(args).train()
+    add_adapters(model, LoraSpec(rank=4, alpha=8, dora=dora), match_targets(model, "all-linear"))
+    freeze_all_but_adapters(model)
+    perturb(model)
+    return model
+
+
 @pytest.mark.parametrize("layout", ["onednn", "transposed", "mkl"])
 @pytest.mark.parametrize("dora", [False, True])
 def test_a_packed_frozen_base_gives_the_plain_loss_and_gradients(dora, layout):
     """lora.pack_frozen: the base held as oneDNN-packed W and W^T instead of its weight, or beside a row-major W^T
     or an MKL-packed W (and the frozen output projection's operands beside it), same loss and adapter gradients in
     float32 (widths that are no multiple of oneDNN's blocks: 48 in, 136 hidden)."""
-    args = ModelArgs(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=136, max_seq_len=32)
-    torch.manual_seed(0)
-    plain = Transformer(args).train()
-    add_adapters(plain, LoraSpec(rank=4, alpha=8, dora=dora), match_targets(plain, "all-linear"))
-    freeze_all_but_adapters(plain)
-    perturb(plain)
+    plain = adapted_model(dora)
+    args = plain.args
     packed = copy.deepcopy(plain)
     weights = {name: m.weight.detach().clone() for name, m in packed.named_modules() if isinstance(m, LoRALinear)}
     assert pack_frozen(packed, 2 * 16, layout) == (Counter({layout: len(weights) + 1}), [])  # and the head
@@ -656,12 +664,8 @@ def test_a_base_held_cast_for_autocast_gives_autocasts_loss_and_float32_outside_
     bf16 once give the loss and adapter gradients of the model that autocast casts every step (cast: the very same
     products, bit for bit; oneDNN's and the transposed copy's within bf16's rounding); outside autocast the model
     reads its float32 weights, as the unpacked one does, and each weight comes back exactly for merging."""
-    args = ModelArgs(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=136, max_seq_len=32)
-    torch.manual_seed(0)
-    plain = Transformer(args).train()
-    add_adapters(plain, LoraSpec(rank=4, alpha=8), match_targets(plain, "all-linear"))
-    freeze_all_but_adapters(plain)
-    perturb(plain)
+    plain = adapted_model()
+    args = plain.args
     held = copy.deepcopy(plain)
     assert pack_frozen(held, 2 * 16, layout, torch.bfloat16) == (Counter({layout: 2 * 7 + 1}), [])
     assert held.output_packed[1].dtype == torch.bfloat16
@@ -720,12 +724,8 @@ def test_compiled_blocks_read_the_frozen_base_in_the_layouts_compile_takes(layou
     from scalenlp.parallel.parallelize import apply_compile
 
     assert layout in COMPILABLE
-    args = ModelArgs(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=136, max_seq_len=32)
-    torch.manual_seed(0)
-    plain = Transformer(args).train()
-    add_adapters(plain, LoraSpec(rank=4, alpha=8), match_targets(plain, "all-linear"))
-    freeze_all_but_adapters(plain)
-    perturb(plain)
+    plain = adapted_model()
+    args = plain.args
     compiled = copy.deepcopy(plain)
     assert pack_frozen(compiled, 2 * 16, layout, dtype)[0] == Counter({layout: 2 * 7 + 1})
     stack_projections(compiled, True)
