@@ -29,6 +29,7 @@ from scalenlp.compress.quantized import (
     add_bias,
     rows_of,
 )
+from scalenlp.engine.lora import FusedMultiLoRA, MultiLoRALinear
 from scalenlp.models.adapters import unpackable
 from scalenlp.models.onednn import pack, packed_linear
 from scalenlp.native import NativeKernel
@@ -223,6 +224,16 @@ def _stacked(parts: tuple[nn.Linear, ...]) -> nn.Module:
     return fused
 
 
+def _fused(parts: tuple[nn.Module, ...]) -> nn.Module | None:
+    """One linear whose output is the parts' outputs side by side, or None where they do not stack: plain parts
+    stacked; parts served with adapters (engine/lora.py) on their bases stacked, each adding its adapters."""
+    if all(_fusable(p) for p in parts):
+        return _stacked(parts)
+    if all(isinstance(p, MultiLoRALinear) and _fusable(p.base) for p in parts):
+        return FusedMultiLoRA(_stacked(tuple(p.base for p in parts)), parts)
+    return None
+
+
 def fuse_projections(model: nn.Module) -> None:
     """Stack the projections that read the same input into one linear: each attention's query, key and
     value (``wqkv``) and a SwiGLU MLP's gate and up (``w13``), dropping the parts. One wide product per
@@ -230,12 +241,12 @@ def fuse_projections(model: nn.Module) -> None:
     in 12 of 12 interleaved rounds; int8 weight-only SmolLM2, the whole decode step: 32.6 -> 30.9 ms, best of
     12 interleaved rounds). Inference only, before packing."""
     for module in model.modules():
-        if getattr(module, "wqkv", False) is None and _fusable(module.wq):
-            parts = (module.wq, module.wk, module.wv)
-            module.wqkv, module.qkv_heads = _stacked(parts), [p.out_features // module.head_dim for p in parts]
+        if getattr(module, "wqkv", False) is None and (fused := _fused((module.wq, module.wk, module.wv))) is not None:
+            module.wqkv = fused
+            module.qkv_heads = [p.out_features // module.head_dim for p in (module.wq, module.wk, module.wv)]
             del module.wq, module.wk, module.wv
-        if getattr(module, "w13", False) is None and _fusable(module.w3):
-            module.w13 = _stacked((module.w1, module.w3))
+        if getattr(module, "w13", False) is None and (fused := _fused((module.w1, module.w3))) is not None:
+            module.w13 = fused
             del module.w1, module.w3
 
 
