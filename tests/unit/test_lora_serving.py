@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 from scalenlp.data.tokenizer import find_eos_token_id, load_tokenizer
 from scalenlp.engine import lora as engine_lora
 from scalenlp.engine.decoder_engine import Engine
-from scalenlp.engine.lora import LoraSlots, UnknownAdapter
+from scalenlp.engine.lora import FusedMultiLoRA, LoraSlots, UnknownAdapter
+from scalenlp.engine.packing import fuse_projections, pack_linears
 from scalenlp.engine.sampling import SamplingParams
 from scalenlp.errors import UserError
 from scalenlp.models.adapter_io import write_adapter
@@ -151,6 +152,54 @@ def test_every_way_of_the_products_equals_the_merged_layer(tiny_export, adapters
             ref = adapters[name][1] if name else load_pretrained(tiny_export)
             torch.testing.assert_close(got[row], ref(tokens[row:row + 1])[0], rtol=1e-4, atol=1e-4)
     assert calls == [path]
+
+
+@pytest.mark.parametrize("path", ["kernel", "dense", "gathered"])
+def test_fused_projections_keep_each_parts_adapters(tiny_export, adapters, path, monkeypatch):
+    """The engine's packing fuses q/k/v and gate/up into one base product each with adapters served too: each
+    part adds its rows' own adapter products into its columns of the output, in every way of the products, as the
+    unfused layers do; an adapter loaded after fusing is written into the parts and served; packing keeps that."""
+    if path != "kernel":
+        monkeypatch.setattr(engine_lora, "kernel_available", lambda: False)
+    model, fused = load_pretrained(tiny_export), load_pretrained(tiny_export)
+    slots = {id(m): LoraSlots(m, 3, 4, torch.float32) for m in (model, fused)}
+    for m in (model, fused):
+        slots[id(m)].load("alpha", adapters["alpha"][0])
+    fuse_projections(fused)
+    layer = fused.layers["0"]
+    assert isinstance(layer.attention.wqkv, FusedMultiLoRA) and isinstance(layer.feed_forward.w13, FusedMultiLoRA)
+    assert not hasattr(layer.attention, "wq") and not hasattr(layer.feed_forward, "w1")
+    for m in (model, fused):
+        slots[id(m)].load("beta", adapters["beta"][0])
+        slots[id(m)].select([slots[id(m)].index_of(n) for n in ("beta", None, "alpha", "beta")])
+    assert slots[id(fused)].selection.kernel == (path == "kernel")
+    tokens = torch.tensor([p[:2 if path == "gathered" else 1] for p in PROMPTS])
+    with torch.no_grad():
+        want = model(tokens)
+        torch.testing.assert_close(fused(tokens), want, rtol=1e-5, atol=1e-5)
+        pack_linears(fused)  # the fused base swapped for its packed form inside the wrapper
+        assert type(layer.attention.wqkv.base) is not torch.nn.Linear
+        torch.testing.assert_close(fused(tokens), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_adds_each_rows_adapter_whatever_the_rows_an_adapter_has(dtype):
+    """The kernel computes the rows of one adapter together, four at a time: adapters with 1, 2, 4 and 5 rows (a
+    group of four and one more), rows on the base model and a partial tile of outputs (100: one tile of 64 and
+    one of 36) each get out += B[s] (A[s] x), the base rows nothing."""
+    assert engine_lora.kernel_available(), "the LoRA decode kernel did not build"
+    torch.manual_seed(0)
+    slots = torch.tensor([2, 0, 4, 3, 3, 1, 2, 3, 2, 4, 2, 3, 2, 1])  # slot 4 of 5: the zero slot, base rows
+    x, a, b = torch.randn(len(slots), 40), torch.randn(5, 8, 40), torch.randn(5, 8, 100)
+    a[4], b[4] = 0, 0
+    out = torch.randn(len(slots), 100)
+    want = out.double() + torch.einsum("rk,rjk,rjn->rn", x.double(), a[slots].double(), b[slots].double())
+    got = out.to(dtype)
+    torch.ops.scalenlp_lora.add_lora(got, x.to(dtype), a.to(dtype), b.to(dtype), slots)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+    base = slots == 4
+    assert torch.equal(got[base], out.to(dtype)[base])
 
 
 def test_the_kernel_in_bfloat16_is_as_near_float32_as_the_dense_product(tiny_export, adapters, monkeypatch):

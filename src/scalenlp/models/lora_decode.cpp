@@ -18,6 +18,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -25,6 +27,33 @@ namespace {
 using scalenlp_kernels::dot;
 
 constexpr int64_t W = 64;  // outputs summed at once: four AVX-512 registers of float32
+constexpr int64_t G = 4;   // rows of one adapter computed together: each of its weights read (and widened) once
+
+// ``n`` weights as float32: float32 ones where they are, bfloat16 ones widened into ``buffer``.
+template <typename T>
+inline const float* widened(const T* weights, int64_t n, float* buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return weights;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(weights[i]);
+    return buffer;
+  }
+}
+
+// acc[q] += sum over the rank j of h[q][j] B[j] for Q rows, over a full tile of W outputs (b: the tile's first
+// column of B's row 0): fixed trip counts, which the vectorizer keeps in registers.
+template <int64_t Q, typename T>
+inline void full_tile(float (&acc)[G][W], const float* h, int64_t r, const T* b, int64_t N, float* buffer) {
+  for (int64_t j = 0; j < r; ++j) {
+    if constexpr (Q == 1) {  // read once: widened as it is read, no copy
+      for (int64_t c = 0; c < W; ++c) acc[0][c] += h[j] * static_cast<float>(b[j * N + c]);
+    } else {
+      const float* brow = widened(b + j * N, W, buffer);
+      for (int64_t q = 0; q < Q; ++q)
+        for (int64_t c = 0; c < W; ++c) acc[q][c] += h[q * r + j] * brow[c];
+    }
+  }
+}
 
 template <typename T>
 void add_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& slots) {
@@ -35,30 +64,52 @@ void add_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const a
   const T* bp = b.data_ptr<T>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(K), h(r);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = sp[i];
-      if (s < 0 || s >= S - 1) continue;  // the last slot is the always-zero one base rows point at
-      for (int64_t k = 0; k < K; ++k) xf[k] = static_cast<float>(xp[i * x_stride + k]);
+  // Rows in groups of up to G that use one adapter: the group reads that adapter's A and B once, where row by row
+  // each row read them again (4 rows an adapter at 16 rows and 4 adapters). The last slot is the always-zero one
+  // base rows point at: they are skipped.
+  std::vector<std::vector<int64_t>> rows_of(S);
+  for (int64_t i = 0; i < R; ++i)
+    if (sp[i] >= 0 && sp[i] < S - 1) rows_of[sp[i]].push_back(i);
+  std::vector<std::pair<int64_t, int64_t>> groups;  // (slot, first of its rows in rows_of)
+  for (int64_t s = 0; s < S - 1; ++s)
+    for (int64_t first = 0; first < static_cast<int64_t>(rows_of[s].size()); first += G) groups.emplace_back(s, first);
+  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(G * K), row(std::max(K, W)), h(G * r);
+    for (int64_t gi = begin; gi < end; ++gi) {
+      const auto [s, first] = groups[gi];
+      const int64_t n = std::min<int64_t>(G, static_cast<int64_t>(rows_of[s].size()) - first);
+      const int64_t* ids = rows_of[s].data() + first;
+      for (int64_t q = 0; q < n; ++q)
+        for (int64_t k = 0; k < K; ++k) xf[q * K + k] = static_cast<float>(xp[ids[q] * x_stride + k]);
       const T* as = ap + s * r * K;
-      for (int64_t j = 0; j < r; ++j) h[j] = dot(xf.data(), as + j * K, K);
+      for (int64_t j = 0; j < r; ++j) {
+        if (n == 1) {  // read once: widened as it is read, no copy
+          h[j] = dot(xf.data(), as + j * K, K);
+          continue;
+        }
+        const float* arow = widened(as + j * K, K, row.data());
+        for (int64_t q = 0; q < n; ++q) h[q * r + j] = dot(xf.data() + q * K, arow, K);
+      }
       const T* bs = bp + s * r * N;
-      T* orow = op + i * out_stride;
-      // Outputs a tile at a time, the tile's sums kept in registers over the rank (B's rows of this slot are
-      // contiguous over the outputs), rather than r passes over the whole output row.
+      // Outputs a tile at a time, the G rows' sums kept in registers over the rank (B's rows of this slot are
+      // contiguous over the outputs), rather than r passes over whole output rows.
       for (int64_t n0 = 0; n0 < N; n0 += W) {
         const int64_t w = std::min(W, N - n0);
-        float acc[W] = {};
-        for (int64_t j = 0; j < r; ++j) {
-          const float hj = h[j];
-          const T* brow = bs + j * N + n0;
-          if (w == W)
-            for (int64_t q = 0; q < W; ++q) acc[q] += hj * static_cast<float>(brow[q]);
-          else
-            for (int64_t q = 0; q < w; ++q) acc[q] += hj * static_cast<float>(brow[q]);
+        float acc[G][W] = {};
+        if (w == W && n == G)
+          full_tile<G>(acc, h.data(), r, bs + n0, N, row.data());
+        else if (w == W && n == 1)  // a lone row on its adapter (a few rows spread over many adapters)
+          full_tile<1>(acc, h.data(), r, bs + n0, N, row.data());
+        else
+          for (int64_t j = 0; j < r; ++j) {
+            const float* brow = widened(bs + j * N + n0, w, row.data());
+            for (int64_t q = 0; q < n; ++q)
+              for (int64_t c = 0; c < w; ++c) acc[q][c] += h[q * r + j] * brow[c];
+          }
+        for (int64_t q = 0; q < n; ++q) {
+          T* orow = op + ids[q] * out_stride + n0;
+          for (int64_t c = 0; c < w; ++c) orow[c] = static_cast<T>(static_cast<float>(orow[c]) + acc[q][c]);
         }
-        for (int64_t q = 0; q < w; ++q) orow[n0 + q] = static_cast<T>(static_cast<float>(orow[n0 + q]) + acc[q]);
       }
     }
   });
