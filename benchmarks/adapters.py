@@ -175,10 +175,10 @@ def auto_pick(model, rows: int, layouts: tuple[str, ...], dtype: torch.dtype = t
     on this machine, among those of ``layouts`` that hold products in ``dtype``, and why (a
     frozen_packing.PackingChoice)."""
     from scalenlp.models.adapters import frozen_shapes
-    from scalenlp.models.frozen import refusal
+    from scalenlp.models.frozen import run_layouts
     from scalenlp.train.frozen_packing import choose_packing
 
-    layouts = tuple(name for name in layouts if refusal(name, dtype, compile=False) is None)
+    layouts = tuple(name for name in layouts if name in run_layouts(dtype))
     return choose_packing(frozen_shapes(model), rows, layouts, dtype=dtype)
 
 

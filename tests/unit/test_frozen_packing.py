@@ -12,16 +12,11 @@ from collections import Counter
 import pytest
 import torch
 
-from scalenlp.models.frozen import LAYOUTS, available_layouts, refusal
+from scalenlp.models.frozen import available_layouts, run_layouts
 from scalenlp.train import frozen_packing
 from scalenlp.train.frozen_packing import MARGIN, ROUNDS, choose_packing, copy_bytes, time_products
 
 SHAPES = Counter({(576, 576): 60, (576, 1536): 60, (576, 49152): 1})
-
-
-def run_layouts(dtype: torch.dtype, compile: bool) -> tuple[str, ...]:
-    """The layouts the trainer offers auto for products in ``dtype`` (under training.compile where ``compile``)."""
-    return tuple(name for name in LAYOUTS if refusal(name, dtype, compile) is None)
 
 
 COMPILED = run_layouts(torch.float32, compile=True)

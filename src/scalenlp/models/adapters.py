@@ -35,7 +35,7 @@ from scalenlp.models.frozen import (
     frozen_dense,
     frozen_operands,
     frozen_product,
-    products_dtype,
+    held_for,
     refusal,
 )
 
@@ -259,15 +259,10 @@ class LoRALinear(nn.Linear):
             return frozen_dense(self.packed)
         return dense(self.weight).float()
 
-    def _held(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The held operands (``pack_base``) where ``x``'s products run in their dtype: a copy cast for autocast
-        leaves a product outside it to the weight itself."""
-        return self.packed if self.packed is not None and self.packed[1].dtype == products_dtype(x) else None
-
     def base(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         """The frozen base's product (a tensor-parallel NF4 shard overrides this: parallel/nf4_shards.py)."""
         bias = self.bias if with_bias else None
-        if self.packed is not None and (self._held(x) is not None or "weight" not in self._parameters):
+        if self.packed is not None and (held_for(self.packed, x) is not None or "weight" not in self._parameters):
             return FrozenLinear.apply(x, *self.packed, bias)
         return base_product(x, self.weight, bias)
 
@@ -280,7 +275,7 @@ class LoRALinear(nn.Linear):
         node: SmolLM2's compiled step ran as fast through it as through the op-by-op layer (0.99x)."""
         if self.lora_magnitude is not None or (self.lora_dropout and self.training) or type(x) is not torch.Tensor:
             return None
-        if (held := self._held(x)) is not None or "weight" not in self._parameters:
+        if (held := held_for(self.packed, x)) is not None or "weight" not in self._parameters:
             return held
         autocast = torch.is_autocast_enabled(x.device.type)
         weight = self.weight

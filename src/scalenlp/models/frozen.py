@@ -66,6 +66,12 @@ def refusal(layout: str, dtype: torch.dtype, compile: bool) -> str | None:
     return None
 
 
+def run_layouts(dtype: torch.dtype, compile: bool = False) -> tuple[str, ...]:
+    """The layouts a run whose frozen products are in ``dtype`` (under torch.compile where ``compile``) can hold its
+    base in: those without a ``refusal``."""
+    return tuple(name for name in LAYOUTS if refusal(name, dtype, compile) is None)
+
+
 def products_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype ``x``'s products with a weight run in: autocast's where it is on, else ``x``'s own."""
     device = x.device.type
@@ -143,6 +149,12 @@ def frozen_product(x: torch.Tensor, operand: torch.Tensor | MklPacked, bias: tor
     else:
         out = x @ operand if bias is None else x @ operand + bias
     return out if into is None else into.add_(out)
+
+
+def held_for(operands: Operands | None, x: torch.Tensor) -> Operands | None:
+    """``operands`` where ``x``'s products run in their dtype, else None: a copy cast for autocast is not read
+    outside it (the weight itself is)."""
+    return operands if operands is not None and operands[1].dtype == products_dtype(x) else None
 
 
 def frozen_dense(operands: Operands) -> torch.Tensor:

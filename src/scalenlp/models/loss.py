@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from scalenlp.models.frozen import frozen_product, products_dtype
+from scalenlp.models.frozen import frozen_product, held_for
 
 # A chunk's fp32 logits: 2**23 elements, 32 MiB, whatever the vocabulary.
 CHUNK_LOGITS = 2**23
@@ -74,9 +74,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     to ``ignore_index`` (F.cross_entropy's default) count for nothing. ``packed``: a frozen ``weight``'s
     operands (models/frozen.py), for the logits' and the hidden states' products where they are in the products'
     dtype (a copy cast for autocast is not read outside it)."""
-    if packed is not None and packed[1].dtype != products_dtype(hidden):
-        packed = None
-    return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), ignore_index, packed)
+    return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), ignore_index,
+                                     held_for(packed, hidden))
 
 
 @functools.cache

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from scalenlp.hardware import available_memory, cached_record, engine_cache_path, time_rounds
-from scalenlp.models.frozen import LAYOUTS, available_layouts, frozen_operands, frozen_product, refusal
+from scalenlp.models.frozen import LAYOUTS, available_layouts, frozen_operands, frozen_product, run_layouts
 
 MARGIN = 1.05  # a layout costs a second copy of the base: worth a real gain, not a tie
 ROUNDS = 5
@@ -61,11 +61,11 @@ def choose_packing(shapes: Counter[tuple[int, int]], rows: int, layouts: tuple[s
     bound; ``layouts`` default: all that hold products in ``dtype``); ``measure`` times them (default
     ``time_products``), only when the cache has no figure for them."""
     if layouts is None:
-        layouts = tuple(name for name in LAYOUTS if refusal(name, dtype, compile=False) is None)
+        layouts = run_layouts(dtype)
     forced = os.environ.get("SCALENLP_PACK_FROZEN", "")
     if forced in ("off", *layouts):
         return PackingChoice({} if forced == "off" else dict.fromkeys(shapes, forced), f"SCALENLP_PACK_FROZEN={forced}")
-    if forced in LAYOUTS:  # one this run cannot take (training.compile and oneDNN's)
+    if forced in LAYOUTS:  # one this run cannot take (models/frozen.py's refusal)
         return PackingChoice({}, f"SCALENLP_PACK_FROZEN={forced} is not among this run's layouts: {', '.join(layouts)}")
     order = sorted(shapes)
     rows = min(rows, MAX_ROWS)

@@ -32,7 +32,7 @@ from scalenlp.loader import read
 from scalenlp.models.adapter_io import ADAPTER_FOLDER, write_adapter
 from scalenlp.models.adapters import adaptable, adapter_weights, frozen_shapes, merge_adapters, pack_frozen
 from scalenlp.models.flavors import shape_spec
-from scalenlp.models.frozen import LAYOUTS, refusal
+from scalenlp.models.frozen import refusal, run_layouts
 from scalenlp.models.io import save_pretrained
 from scalenlp.models.pretrained import Pretrained
 from scalenlp.parallel.data_parallel import skip_gradient_sync
@@ -208,7 +208,7 @@ class Trainer:
         parts = [getattr(part, "module", part) for part in self.model_parts]  # DDP's wrapper
         wanted = self.cfg.lora.pack_frozen
         dtype = AUTOCAST.get(t.mixed_precision, torch.float32)  # the products'
-        layouts = tuple(name for name in LAYOUTS if refusal(name, dtype, t.compile) is None)
+        layouts = run_layouts(dtype, t.compile)
         held, reasons, why_auto = Counter(), [], ""
         if wanted not in ("auto", *layouts):
             reasons.append(refusal(wanted, dtype, t.compile))
